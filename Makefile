@@ -1,0 +1,20 @@
+# Two commands a newcomer needs: `make demo` (the main job on the local default) and `make test`.
+.PHONY: setup demo test test-slow lint clean
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/python launchers/run_glm5_2_daytona.py train --num-nodes 1 --model-name tiny --sandbox local --dry-run
+
+test: setup
+	.venv/bin/python -m pytest
+
+test-slow: setup
+	.venv/bin/python -m pytest -m slow
+
+lint: setup
+	.venv/bin/ruff check agentrl envs launchers kernels tests
+
+clean:
+	rm -rf .venv .pytest_cache

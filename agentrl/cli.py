@@ -1,0 +1,31 @@
+"""The `agentrl` command. Each area registers one Typer sub-app here; sub-app modules import
+only typer at module level and import heavy libraries inside their commands."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="agentrl",
+    help="Ray-native, fully-asynchronous RL for agentic LLMs.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+def _register() -> None:
+    from agentrl.config.cli import app as config_app
+
+    app.add_typer(config_app, name="config", help="Show and check run configs.")
+    # Sub-apps of other areas are added below, one line each.
+
+
+_register()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

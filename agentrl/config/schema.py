@@ -1,0 +1,227 @@
+"""The one config tree.
+
+Every knob is one typed field with one default. YAML recipes in configs/ and `--set a.b=c`
+overrides map onto this tree; actors receive the resolved tree, never flag strings.
+Secrets are never fields: the process that needs a key reads it from its own environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Hardware = Literal["H200", "B200", "GB300", "cpu"]
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ClusterConfig(Section):
+    num_nodes: int = Field(1, ge=1, description="Nodes in the Ray cluster (training + inference).")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node; 0 means a CPU-only run.")
+    hardware: Hardware = Field("cpu", description="Accelerator type; H200, B200, GB300 or cpu.")
+    train_nodes: int | None = Field(
+        None, ge=1, description="Nodes given to training; default: half the cluster (all of a 1-node run)."
+    )
+    ray_address: str | None = Field(None, description="Attach to this Ray cluster; None starts a local one.")
+    host: str = Field("127.0.0.1", description="Bind address of the dashboard, engines and servers.")
+    dashboard_port: int = Field(8265, ge=1, le=65535)
+    num_cpus: int | None = Field(None, ge=1, description="CPUs a local Ray may use; default: all.")
+
+
+class ParallelConfig(Section):
+    """Megatron parallel layout of the trainer. None means: let the planner choose."""
+
+    tp: int | None = Field(None, ge=1, description="Tensor parallel size.")
+    pp: int | None = Field(None, ge=1, description="Pipeline parallel size.")
+    cp: int | None = Field(None, ge=1, description="Context parallel size.")
+    ep: int | None = Field(None, ge=1, description="Expert parallel size.")
+    etp: int = Field(1, ge=1, description="Expert tensor parallel size.")
+    sequence_parallel: bool = True
+    pp_first_stage_layers: int | None = Field(None, ge=1, description="Layers in the first PP stage.")
+    pp_last_stage_layers: int | None = Field(None, ge=1, description="Layers in the last PP stage.")
+    pp_layer_split: list[int] | None = Field(
+        None, description="Explicit layers per PP stage (overrides first/last); must sum to the model depth."
+    )
+    recompute: Literal["none", "full"] = "full"
+    max_tokens_per_gpu: int = Field(8192, ge=1)
+    cp_comm: Literal["allgather", "p2p"] = "allgather"
+
+
+class OptimizerConfig(Section):
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.98, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, gt=0)
+    offload: Literal["none", "cpu", "disk"] = Field(
+        "none", description="Where Adam state lives: GPU/host memory, pinned host, or node-local disk."
+    )
+    offload_dir: Path = Field(Path("/tmp/agentrl-optim"), description="Node-local directory for disk offload.")
+    offload_bucket_mb: int = Field(256, ge=1)
+
+
+class TrainConfig(Section):
+    backend: Literal["auto", "torch", "megatron"] = Field(
+        "auto", description="auto: megatron on GPU hardware, torch on cpu."
+    )
+    parallel: ParallelConfig = ParallelConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    max_steps: int = Field(100, ge=1, description="Optimizer steps before the run stops cleanly.")
+    micro_batch_tokens: int = Field(4096, ge=1, description="Token budget of one micro-batch.")
+    logprob_chunk_tokens: int = Field(16384, ge=1, description="Tokens per chunk when computing log-probs.")
+    checkpoint_every: int = Field(10, ge=1)
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+
+
+class AlgorithmConfig(Section):
+    """GRPO with truncated importance sampling (recipe defaults)."""
+
+    group_size: int = Field(8, ge=1, description="Samples per prompt (GRPO group).")
+    prompts_per_step: int = Field(8, ge=1, description="Groups per optimizer step.")
+    eps_clip: float = Field(0.2, ge=0)
+    eps_clip_high: float = Field(0.28, ge=0)
+    use_tis: bool = True
+    tis_clip_low: float = Field(0.5, ge=0)
+    tis_clip: float = Field(2.0, gt=0)
+    kl_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+
+
+class SGLangConfig(Section):
+    """Options passed to `sglang.launch_server` (SGLang 0.5.23 flag names); one field per flag."""
+
+    launcher: list[str] = Field(
+        ["python"], description="Command prefix that runs SGLang's own Python (venv, container, ...)."
+    )
+    env_name: str = Field("sglang", description="Name of the environment SGLang is installed in (for docs/logs).")
+    gpus_per_engine: int = Field(4, ge=1, description="GPUs of one engine (its tp size).")
+    mem_fraction_static: float = Field(0.85, gt=0, le=1)
+    ep_size: int | None = Field(None, ge=1, description="Expert parallel size; default: the engine's world size.")
+    enable_dp_attention: bool = True
+    dp_size: int | None = Field(None, ge=1, description="Default: the engine's world size when dp-attention is on.")
+    moe_dense_tp_size: int | None = 1
+    enable_dp_lm_head: bool = True
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "bf16"] = "fp8_e4m3"
+    quantization: Literal["none", "fp8"] = "fp8"
+    page_size: int = Field(64, ge=1)
+    max_running_requests: int = Field(512, ge=1)
+    watchdog_timeout: int = Field(3600, ge=1)
+    attention_backend: str = "dsa"
+    dsa_prefill_backend: str = "flashmla_sparse"
+    dsa_decode_backend: str = "flashmla_kv"
+    moe_a2a_backend: Literal["none", "deepep"] = "deepep"
+    deepep_mode: Literal["auto", "normal", "low_latency"] = "auto"
+    base_port: int = Field(30000, ge=1, le=65535)
+    extra_args: list[str] = Field(default_factory=list, description="Appended verbatim to the command.")
+    env: dict[str, str] = Field(
+        default_factory=lambda: {"SGLANG_NSA_FORCE_MLA": "1", "INDEXER_ROPE_NEOX_STYLE": "0", "NVSHMEM_DISABLE_NCCL": "1"}
+    )
+
+
+class EmbeddedEngineConfig(Section):
+    """The CPU engine that speaks SGLang's HTTP API."""
+
+    num_engines: int = Field(1, ge=1)
+    base_port: int = Field(31000, ge=0, le=65535, description="0 picks free ports.")
+    max_batch_size: int = Field(32, ge=1)
+    torch_threads: int | None = Field(None, ge=1)
+
+
+class RolloutConfig(Section):
+    engine: Literal["auto", "sglang", "embedded"] = Field("auto", description="auto: sglang on GPUs, else embedded.")
+    sglang: SGLangConfig = SGLangConfig()
+    embedded: EmbeddedEngineConfig = EmbeddedEngineConfig()
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(8192, ge=1, description="Tokens one turn may generate.")
+    pause_mode: Literal["retract", "abort", "in_place"] = Field(
+        "retract", description="How engines pause for a weight update; in_place mixes old KV with new weights."
+    )
+    request_timeout_s: float = Field(600.0, gt=0)
+
+
+class AgentConfig(Section):
+    action_format: Literal["bash_block", "terminus_json"] = "bash_block"
+    max_turns: int = Field(30, ge=1)
+    max_context_tokens: int = Field(32768, ge=1)
+    observation_max_chars: int = Field(4000, ge=1)
+    episode_timeout_s: float = Field(3600.0, gt=0)
+    command_timeout_s: float = Field(60.0, gt=0)
+
+
+class EnvConfig(Section):
+    name: str = Field("tbench2", description="Entry point name in the `agentrl.envs` group.")
+    tasks_dir: Path | None = Field(None, description="Folder of task folders; default: the project's fixtures.")
+    train_tasks: list[str] | None = Field(None, description="Task ids to train on; default: all but eval.")
+    eval_tasks: list[str] = Field(default_factory=list)
+    eval_every: int = Field(10, ge=0, description="Evaluate every N steps; 0 disables.")
+    eval_samples: int = Field(1, ge=1)
+    kwargs: dict[str, object] = Field(default_factory=dict, description="Passed to the env's constructor.")
+
+
+class SandboxConfig(Section):
+    backend: Literal["local", "daytona"] = "local"
+    max_concurrent_creates: int = Field(8, ge=1)
+    creates_per_minute: int = Field(120, ge=1)
+    retry_backoff_min_s: float = Field(2.0, ge=0)
+    retry_backoff_max_s: float = Field(30.0, ge=0)
+    max_create_attempts: int = Field(8, ge=1)
+    create_timeout_s: float = Field(600.0, gt=0)
+    keepalive_s: float = Field(300.0, gt=0)
+    min_cpus: int = Field(1, ge=1)
+    min_memory_mb: int = Field(2048, ge=1)
+    min_disk_mb: int = Field(10240, ge=1)
+    auto_delete_minutes: int = Field(240, ge=1)
+    daytona_api_url: str | None = Field(None, description="Default: $DAYTONA_API_URL. The key is read from $DAYTONA_API_KEY only.")
+    daytona_target: str | None = None
+    local_allow_network: bool = False
+    local_memory_mb: int = Field(2048, ge=64)
+    local_cpu_seconds: int = Field(600, ge=1)
+
+
+class BufferConfig(Section):
+    max_staleness: int = Field(4, ge=0, description="Max version lag of a group's oldest token at training time.")
+    stale_policy: Literal["drop", "regenerate"] = "regenerate"
+    max_episodes_in_flight: int = Field(128, ge=1)
+    max_tokens_in_flight: int | None = Field(None, ge=1)
+    fsync: bool = Field(True, description="fsync the log before acknowledging a trajectory.")
+
+
+class LoggingConfig(Section):
+    run_dir: Path = Path("runs/latest")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    transcripts: bool = True
+    wandb_project: str | None = None
+    tensorboard: bool = False
+
+
+class ModelConfig(Section):
+    name: str = Field("tiny", description="A named model (GLM-5.2, GLM-5.2_5layer, tiny, smollm2-135m) or a path.")
+    path: Path | None = Field(None, description="HF checkpoint folder; default: the named model's own source.")
+    megatron_dir: Path | None = Field(None, description="Converted torch_dist checkpoint (shared storage).")
+    local_dir: Path | None = Field(None, description="Node-local copy made by prepare-cp.")
+
+
+class RunConfig(Section):
+    """The whole run. `agentrl.config.load_config` builds it from a recipe and overrides."""
+
+    recipe: str = Field("local", description="Name of the recipe this tree came from.")
+    mode: Literal["async", "sync"] = "async"
+    seed: int = 0
+    cluster: ClusterConfig = ClusterConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    agent: AgentConfig = AgentConfig()
+    env: EnvConfig = EnvConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+    buffer: BufferConfig = BufferConfig()
+    logging: LoggingConfig = LoggingConfig()
