@@ -1,0 +1,83 @@
+"""The sandbox contract: one isolated machine per episode.
+
+Two real backends implement it: local (bubblewrap namespaces) and Daytona (cloud). Errors are
+classified before they leave the backend: `SandboxError.kind` becomes the `infra_error:<kind>`
+outcome of the episode, never a reward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int  # -1 when the command was killed (timeout) or never ran
+    output: str  # stdout and stderr interleaved, cut to the output cap
+    timed_out: bool = False
+    truncated: bool = False
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What to create. `image` is the task's docker image (Daytona); `files_dir` is the task's
+    environment/ folder whose Dockerfile the local backend interprets."""
+
+    image: str | None = None
+    files_dir: str | None = None
+    workdir: str = "/app"
+    env: dict[str, str] = field(default_factory=dict)
+    cpus: float = 1.0
+    memory_mb: int = 2048
+    disk_mb: int = 10240
+    allow_network: bool = False
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+class SandboxError(Exception):
+    """An infrastructure failure. `kind` names it (create, throttled, image_build, exec, lost, ...)."""
+
+    def __init__(self, kind: str, message: str, *, retryable: bool = False):
+        super().__init__(message)
+        self.kind = kind
+        self.retryable = retryable
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    id: str
+
+    async def exec(
+        self,
+        command: str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: float = 60.0,
+        max_output_bytes: int = 1 << 20,
+    ) -> ExecResult:
+        """Run `bash -c command`. A timeout kills the command and returns timed_out=True; it does
+        not raise. Raises SandboxError only when the sandbox itself failed."""
+        ...
+
+    async def upload(self, data: bytes, path: str) -> None: ...
+
+    async def download(self, path: str) -> bytes: ...
+
+    async def close(self) -> None:
+        """Destroy the sandbox and every process in it. Idempotent; never raises."""
+        ...
+
+
+@runtime_checkable
+class SandboxProvider(Protocol):
+    """Creates sandboxes; owns rate limits, retries and sweeping of orphans."""
+
+    async def create(self, spec: SandboxSpec) -> Sandbox: ...
+
+    async def sweep(self) -> int:
+        """Delete sandboxes this run left behind; returns how many."""
+        ...
+
+    async def aclose(self) -> None: ...
