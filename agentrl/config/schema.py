@@ -10,7 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from agentrl.secrets import check_no_secret_keys
 
 Hardware = Literal["H200", "B200", "GB300", "cpu"]
 
@@ -123,6 +125,12 @@ class SGLangConfig(Section):
     env: dict[str, str] = Field(
         default_factory=lambda: {"SGLANG_NSA_FORCE_MLA": "1", "INDEXER_ROPE_NEOX_STYLE": "0", "NVSHMEM_DISABLE_NCCL": "1"}
     )
+
+    @field_validator("env")
+    @classmethod
+    def _no_secrets(cls, v: dict[str, str]) -> dict[str, str]:
+        check_no_secret_keys(v, "rollout.sglang.env")
+        return v
 
 
 class EmbeddedEngineConfig(Section):

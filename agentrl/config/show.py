@@ -1,0 +1,70 @@
+"""Human and JSON views of a resolved config and plan (the launcher's --dry-run)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from rich.console import Console
+from rich.table import Table
+
+from agentrl.config.plan import RunPlan
+from agentrl.config.schema import RunConfig
+from agentrl.secrets import redact
+
+
+def plan_json(cfg: RunConfig, plan: RunPlan) -> str:
+    """One JSON object: the plan's fields at the top level, the resolved config under "config"."""
+    out = plan.to_json()
+    out["recipe"] = cfg.recipe
+    out["mode"] = cfg.mode
+    out["config"] = cfg.model_dump(mode="json")
+    return redact(json.dumps(out, indent=2))
+
+
+def print_plan(cfg: RunConfig, plan: RunPlan, console: Console | None = None) -> None:
+    """Print the plan as tables; the rendered text passes through `redact` before it leaves."""
+    console = console or Console()
+    with console.capture() as captured:
+        _render_plan(cfg, plan, console)
+    console.file.write(redact(captured.get()))
+
+
+def _render_plan(cfg: RunConfig, plan: RunPlan, console: Console) -> None:
+    p = plan.parallel
+    head = Table(title=f"agentrl plan: recipe {cfg.recipe}, model {plan.model}, {cfg.mode} mode", show_header=False)
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("cluster", f"{plan.num_nodes} node(s) x {plan.gpus_per_node} GPU(s), {plan.hardware}")
+    head.add_row("roles", f"{plan.train_nodes} train node(s), {plan.inference_nodes} inference node(s)"
+                 + (" (shared machine)" if plan.num_nodes == 1 else ""))
+    head.add_row("trainer", f"{plan.backend} backend on {plan.train_gpus or 'CPU'} GPU(s)"
+                 f"; TP{p.tp} PP{p.pp} CP{p.cp} EP{p.ep} ETP{p.etp} DP{p.dp} (expert DP {plan.expert_dp})")
+    head.add_row("pipeline", f"layers per stage {plan.pp_layer_split}; stages start on layers {plan.pp_stage_first_layers}")
+    head.add_row("batch", f"{cfg.algorithm.prompts_per_step} prompts x {cfg.algorithm.group_size} samples per step; "
+                 f"max {cfg.buffer.max_episodes_in_flight} episodes in flight; max staleness {cfg.buffer.max_staleness}")
+    head.add_row("optimizer", f"Adam lr {cfg.train.optimizer.lr:g}, wd {cfg.train.optimizer.weight_decay:g}, "
+                 f"betas ({cfg.train.optimizer.beta1:g}, {cfg.train.optimizer.beta2:g}), state: {cfg.train.optimizer.offload}")
+    head.add_row("sandboxes", f"{cfg.sandbox.backend}; env {cfg.env.name}; agent {cfg.agent.action_format}, "
+                 f"{cfg.agent.max_turns} turns")
+    head.add_row("run dir", str(cfg.logging.run_dir))
+    console.print(head)
+
+    nodes = Table(title="nodes")
+    for c in ("node", "role", "GPUs"):
+        nodes.add_column(c)
+    for r in plan.node_roles:
+        nodes.add_row(str(r.node), r.role, str(r.gpus))
+    console.print(nodes)
+
+    eng = Table(title=f"engines ({plan.engine_kind})")
+    for c in ("#", "node(s)", "GPUs", "port", "command"):
+        eng.add_column(c, overflow="fold")
+    for e in plan.engines:
+        eng.add_row(str(e.index), ",".join(map(str, e.nodes)), str(e.gpus), str(e.port), redact(shlex.join(e.command)))
+    console.print(eng)
+    envs = {k: v for e in plan.engines for k, v in e.env.items()}
+    if envs:
+        console.print("engine environment: " + redact(" ".join(f"{k}={v}" for k, v in sorted(envs.items()))))
+    for w in plan.warnings:
+        console.print(f"[yellow]warning:[/yellow] {w}")

@@ -1,0 +1,71 @@
+"""The launcher as a user runs it: --dry-run output, errors, and secret hygiene."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHER = ROOT / "launchers" / "run_glm5_2_daytona.py"
+PLANTED = "dtn_planted_secret_9f8e7d6c5b4a"
+
+
+def run(*args, env_extra=None):
+    env = {**os.environ, "DAYTONA_API_KEY": PLANTED, "WANDB_API_KEY": PLANTED + "_wandb", **(env_extra or {})}
+    return subprocess.run([sys.executable, str(LAUNCHER), *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_dry_run_json_reference():
+    r = run("train", "--num-nodes", "16", "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["train_nodes"] == 8 and d["inference_nodes"] == 8
+    assert {k: d["parallel"][k] for k in ("tp", "cp", "pp", "ep")} == {"tp": 2, "cp": 4, "pp": 4, "ep": 8}
+    assert d["pp_stage_first_layers"] == [1, 19, 39, 59]
+    assert len(d["engines"]) == 8
+    assert all({"node", "gpus", "command"} <= set(e) for e in d["engines"])
+    assert "sglang.launch_server" in d["engines"][0]["command"]
+
+
+def test_dry_run_tables_and_no_secret_anywhere():
+    outputs = []
+    for args in (["train", "--num-nodes", "16", "--dry-run"], ["train", "--num-nodes", "16", "--dry-run", "--json"],
+                 ["prepare", "--dry-run", "--json"], ["train", "--dry-run", "--set", "train.parallel.tp=zz"]):
+        r = run(*args)
+        outputs.append(r.stdout + r.stderr)
+    assert "TP2" in outputs[0] and "sglang.launch_server" in outputs[0]
+    for out in outputs:
+        assert PLANTED not in out
+
+
+def test_secret_in_override_value_is_redacted():
+    r = run("train", "--dry-run", "--set", f"logging.run_dir=/tmp/{PLANTED}")
+    assert r.returncode == 0
+    assert PLANTED not in r.stdout + r.stderr
+
+
+def test_rejected_split_names_layer_and_valid_starts():
+    r = run("train", "--num-nodes", "16", "--dry-run", "--set", "train.parallel.pp_first_stage_layers=19",
+            "--set", "train.parallel.pp_last_stage_layers=19")
+    assert r.returncode == 2
+    assert "layer 20" in r.stderr and "Valid starts: [1, 2, 3, 7" in r.stderr
+
+
+def test_unbuilt_subcommand_says_so_and_fails():
+    r = run("train", "--model-name", "tiny", "--num-nodes", "1")
+    assert r.returncode != 0
+    assert "not built yet" in r.stderr
+
+
+def test_unknown_model_name():
+    r = run("train", "--model-name", "gpt-9", "--dry-run")
+    assert r.returncode == 2 and "--model-name" in r.stderr
+
+
+@pytest.mark.parametrize("sub", ["prepare", "prepare-cp", "train", "full-train"])
+def test_help_explains(sub):
+    r = subprocess.run([sys.executable, str(LAUNCHER), sub, "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--dry-run" in r.stdout and "--num-nodes" in r.stdout
