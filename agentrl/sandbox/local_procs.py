@@ -1,0 +1,154 @@
+"""Process plumbing of the local sandbox: a capped output pipe and a killer for one exec's tree.
+
+Kept apart from local.py because both are pure host-side mechanics with their own tests: neither
+knows about bubblewrap, only about pipes, /proc and pid namespaces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+
+class CappedOutput(asyncio.Protocol):
+    """Reads a pipe to EOF keeping at most `max_bytes`: the first half and the last half.
+
+    Everything in between is counted and dropped as it arrives, so a command that prints 1 GB
+    costs 1 GB of pipe reads but never 1 GB of memory. The reader keeps draining after the cap so
+    the writer never blocks on a full pipe (blocking would change what the command does).
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max(0, max_bytes)
+        self._head_cap = self.max_bytes // 2
+        self._tail_cap = self.max_bytes - self._head_cap
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+        self.eof: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self._head_cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data and self._tail_cap:
+            if len(data) >= self._tail_cap:
+                self.tail[:] = data[-self._tail_cap :]
+            else:
+                self.tail += data
+                excess = len(self.tail) - self._tail_cap
+                if excess > 0:
+                    del self.tail[:excess]
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.eof.done():
+            self.eof.set_result(None)
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > len(self.head) + len(self.tail)
+
+    def text(self) -> str:
+        if not self.truncated:
+            return (bytes(self.head) + bytes(self.tail)).decode("utf-8", errors="replace")
+        omitted = self.total - len(self.head) - len(self.tail)
+        marker = f"\n[... {omitted} bytes of output omitted ...]\n"
+        return bytes(self.head).decode("utf-8", errors="replace") + marker + bytes(self.tail).decode(
+            "utf-8", errors="replace"
+        )
+
+
+async def open_capped_pipe(max_bytes: int) -> tuple[int, CappedOutput, asyncio.ReadTransport]:
+    """A fresh pipe: returns (write fd for the child, the capping reader, its transport). The
+    caller closes the write fd after spawning and the transport when done."""
+    r, w = os.pipe()
+    loop = asyncio.get_running_loop()
+    reader = CappedOutput(max_bytes)
+    transport, _ = await loop.connect_read_pipe(lambda: reader, os.fdopen(r, "rb", buffering=0))
+    return w, reader, transport
+
+
+def pid_namespace(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def pids_in_namespace(ns: str) -> list[int]:
+    """Host pids of the live processes in the pid namespace `ns` ("pid:[inode]")."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and pid_namespace(int(name)) == ns:
+            out.append(int(name))
+    return out
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(ppid, session id) of a process, as seen from the host."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[1]), int(fields[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _has_marker(pid: int, marker: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return marker in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def exec_tree(ns: str, marker: bytes) -> set[int]:
+    """The processes one exec started inside the sandbox: those whose environment carries the
+    exec's marker (inherited through forks, daemonising and setsid), everything in their sessions,
+    and every descendant of those. Processes of other execs (e.g. a tmux server started earlier)
+    carry other markers and sessions and are left alone."""
+    procs = {pid: st for pid in pids_in_namespace(ns) if (st := _stat(pid)) is not None}
+    tree = {pid for pid in procs if _has_marker(pid, marker)}
+    sessions = {procs[pid][1] for pid in tree}
+    tree |= {pid for pid, (_, sid) in procs.items() if sid in sessions}
+    grew = True
+    while grew:
+        kids = {pid for pid, (ppid, _) in procs.items() if ppid in tree and pid not in tree}
+        tree |= kids
+        grew = bool(kids)
+    return tree
+
+
+def kill_exec_tree(ns: str, marker: bytes, *, rounds: int = 50, pause_s: float = 0.01) -> int:
+    """SIGKILL an exec's tree, rescanning until it is empty (a process may fork while we scan).
+    Returns how many processes were signalled. Blocking: call through asyncio.to_thread."""
+    killed = 0
+    for _ in range(rounds):
+        tree = exec_tree(ns, marker)
+        if not tree:
+            break
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+        time.sleep(pause_s)
+    return killed
+
+
+def wait_namespace_empty(ns: str, timeout_s: float) -> bool:
+    """True once no process is left in the pid namespace. Blocking."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not pids_in_namespace(ns):
+            return True
+        time.sleep(0.02)
+    return not pids_in_namespace(ns)
