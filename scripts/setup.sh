@@ -35,6 +35,7 @@ if [ ! -f .venv/.installed ] || [ pyproject.toml -nt .venv/.installed ]; then
     echo "setup: installing agentrl and its dependencies into .venv (first time: a few minutes)"
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q -e '.[dev,openenv]'
+    .venv/bin/python -m pip install -q --no-deps -e packages/agentrl-countdown
     touch .venv/.installed
 fi
 

@@ -1,0 +1,84 @@
+"""Environments are found through package entry points, never through a registry filled at import.
+
+An installed package registers an environment with one line of its pyproject.toml:
+
+    [project.entry-points."agentrl.envs"]
+    countdown = "agentrl_countdown:CountdownEnv"
+
+`make_env("countdown", **kwargs)` then loads that class and constructs it. The metadata is read
+on every call, so a package installed while the process runs is found, and nothing is imported
+until an environment is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from importlib.metadata import EntryPoint
+
+from agentrl.envs.base import Env
+
+ENTRY_POINT_GROUP = "agentrl.envs"
+
+_HOW_TO_REGISTER = (
+    f'register one with `[project.entry-points."{ENTRY_POINT_GROUP}"] NAME = "module:Class"` in its '
+    "package's pyproject.toml and install that package"
+)
+
+
+class EnvRegistryError(LookupError):
+    """An environment name that is unknown, ambiguous, or whose entry point cannot be loaded."""
+
+
+def available_envs() -> dict[str, EntryPoint]:
+    """Every environment entry point installed in this interpreter, by name.
+
+    Raises EnvRegistryError if two installed packages claim one name for different objects
+    (silently picking one would make runs depend on install order).
+    """
+    found: dict[str, EntryPoint] = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        other = found.get(ep.name)
+        if other is not None and other.value != ep.value:
+            raise EnvRegistryError(
+                f"env {ep.name!r} is declared twice in group {ENTRY_POINT_GROUP!r}: {other.value!r} "
+                f"(package {_dist_name(other)}) and {ep.value!r} (package {_dist_name(ep)}); uninstall one"
+            )
+        found[ep.name] = ep
+    return dict(sorted(found.items()))
+
+
+def make_env(name: str, **kwargs: object) -> Env:
+    """Construct the environment registered under `name` with `kwargs`."""
+    envs = available_envs()
+    ep = envs.get(name)
+    if ep is None:
+        known = ", ".join(envs) or "none installed"
+        raise EnvRegistryError(f"unknown env {name!r} (known: {known}); {_HOW_TO_REGISTER}")
+    try:
+        factory = ep.load()
+    except Exception as err:  # an entry point's import can fail in any way; say which one
+        raise EnvRegistryError(
+            f"env {name!r}: cannot load entry point {ep.value!r} (package {_dist_name(ep)}): "
+            f"{type(err).__name__}: {err}"
+        ) from err
+    if not callable(factory):
+        raise EnvRegistryError(f"env {name!r}: entry point {ep.value!r} is not a class or factory")
+    try:
+        env = factory(**kwargs)
+    except TypeError as err:
+        raise EnvRegistryError(
+            f"env {name!r}: {ep.value!r} rejected arguments {sorted(kwargs)} (set them in env.kwargs): {err}"
+        ) from err
+    # What isinstance(env, Env) checks, but naming the members that are missing.
+    missing = [m for m in ("reset", "step", "score", "state", "close", "task_ids") if not hasattr(env, m)]
+    if missing:
+        raise EnvRegistryError(
+            f"env {name!r}: {ep.value!r} built a {type(env).__name__}, which lacks {missing} of the "
+            "Env protocol (agentrl/envs/base.py)"
+        )
+    return env
+
+
+def _dist_name(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return dist.name if dist is not None else "unknown"
