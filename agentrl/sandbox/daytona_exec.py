@@ -1,0 +1,136 @@
+"""The Daytona backend's command runner and error classifier (pure helpers over the SDK).
+
+A command runs as an async session command that we poll in short calls: field reports show idle
+exec HTTP connections dropped after ~240 s, so no call here waits on the command itself. Output
+is capped inside the sandbox (`head -c`, the rest drained so the command never sees SIGPIPE),
+so a command printing gigabytes costs us only the cap. A timeout deletes the session, which
+kills the command, and coreutils `timeout` inside the sandbox backs that up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shlex
+import uuid
+from typing import Any
+
+from agentrl.sandbox.base import ExecResult
+
+CALL_TIMEOUT_S = 30.0  # ceiling of any single HTTP call we make
+POLL_MIN_S, POLL_MAX_S = 0.05, 1.0  # poll fast first (most commands take milliseconds), then back off
+TRANSIENT_POLL_ERRORS = 3  # consecutive connection errors tolerated while polling
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def wrap_command(command: str, cwd: str | None, env: dict[str, str], max_output_bytes: int, timeout_s: float) -> str:
+    """The shell line the session runs: `bash -c command` in `cwd` with `env`, stderr merged,
+    output cut to max_output_bytes + 1 (the extra byte tells us it was cut), exit status kept."""
+    bad = [k for k in env if not _ENV_NAME.match(k)]
+    if bad:
+        raise ValueError(f"exec env names must be shell identifiers, got {bad}")
+    inner = shlex.quote(command)
+    kill_after = max(1, int(timeout_s) + 2)  # the poller's own deadline normally fires first
+    run = (
+        f"if command -v timeout >/dev/null 2>&1; then exec timeout -k 5 {kill_after} bash -c {inner}; "
+        f"else exec bash -c {inner}; fi"
+    )
+    steps = [f"cd {shlex.quote(cwd)}"] if cwd else []
+    steps += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    left = "( " + " && ".join([*steps, run]) + " )" if steps else f"( {run} )"
+    script = f"{left} </dev/null 2>&1 | {{ head -c {max_output_bytes + 1}; cat >/dev/null; }}; exit ${{PIPESTATUS[0]}}"
+    return "bash -c " + shlex.quote(script)
+
+
+async def run_command(
+    process: Any, command: str, *, cwd: str | None, env: dict[str, str], timeout_s: float, max_output_bytes: int
+) -> ExecResult:
+    """Run `command` through the SDK's `AsyncProcess`; SDK errors propagate to the caller, which
+    classifies them. A timeout is a result, not an error."""
+    from daytona import DaytonaConnectionError, SessionExecuteRequest
+
+    if timeout_s <= 0 or max_output_bytes <= 0:
+        raise ValueError(f"timeout_s and max_output_bytes must be positive, got {timeout_s}, {max_output_bytes}")
+    session = f"agentrl-{uuid.uuid4().hex[:12]}"
+    script = wrap_command(command, cwd, env, max_output_bytes, timeout_s)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    deadline = started + timeout_s
+    await process.create_session(session, request_timeout=CALL_TIMEOUT_S)
+    try:
+        resp = await process.execute_session_command(
+            session, SessionExecuteRequest(command=script, run_async=True), timeout=int(CALL_TIMEOUT_S)
+        )
+        exit_code: int | None = None
+        interval, transient = POLL_MIN_S, 0
+        while True:
+            try:
+                cmd = await process.get_session_command(session, resp.cmd_id, request_timeout=CALL_TIMEOUT_S)
+                transient = 0
+            except DaytonaConnectionError:
+                transient += 1
+                if transient > TRANSIENT_POLL_ERRORS:
+                    raise
+                cmd = None
+            if cmd is not None and cmd.exit_code is not None:
+                exit_code = cmd.exit_code
+                break
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            await asyncio.sleep(min(interval, left))
+            interval = min(interval * 1.5, POLL_MAX_S)
+        logs = await process.get_session_command_logs(session, resp.cmd_id, request_timeout=CALL_TIMEOUT_S)
+    finally:
+        # Deleting the session kills a command still running; shielded so a cancelled exec
+        # still kills it. Best effort: a dead sandbox is reported by the caller's probe.
+        await asyncio.shield(_delete_session(process, session))
+    raw = (logs.output or logs.stdout or "").encode("utf-8", "surrogateescape")
+    truncated = len(raw) > max_output_bytes
+    output = raw[:max_output_bytes].decode("utf-8", "replace")
+    # coreutils `timeout` fired in the sandbox just before our own deadline
+    killed_inside = exit_code in (124, 137) and loop.time() - started >= timeout_s
+    if exit_code is None or killed_inside:
+        return ExecResult(-1, output, timed_out=True, truncated=truncated)
+    return ExecResult(exit_code, output, timed_out=False, truncated=truncated)
+
+
+async def _delete_session(process: Any, session: str) -> None:
+    try:
+        await process.delete_session(session, request_timeout=CALL_TIMEOUT_S)
+    except Exception:
+        pass  # the sandbox may be gone; nothing left to kill then
+
+
+def classify_create_error(exc: BaseException) -> str:
+    """create error -> kind: throttled and capacity are retried; the rest are not."""
+    from daytona import (
+        DaytonaAuthenticationError,
+        DaytonaForbiddenError,
+        DaytonaRateLimitError,
+        DaytonaServiceUnavailableError,
+    )
+
+    msg = str(exc).lower()
+    status = getattr(exc, "status_code", None)
+    if isinstance(exc, DaytonaRateLimitError) or status == 429 or "rate limit" in msg or "too many requests" in msg:
+        return "throttled"
+    if isinstance(exc, (DaytonaAuthenticationError, DaytonaForbiddenError)):
+        return "auth"
+    if "build_failed" in msg or "build failed" in msg or "failed to build" in msg:
+        return "image_build"
+    capacity_words = ("no available runner", "no runners available", "insufficient capacity", "out of capacity")
+    if isinstance(exc, DaytonaServiceUnavailableError) or status == 503 or any(w in msg for w in capacity_words):
+        return "capacity"
+    return "create"
+
+
+def retry_after_s(exc: BaseException) -> float | None:
+    """The Retry-After header of a throttling answer, in seconds, when it has a usable one."""
+    headers = getattr(exc, "headers", None) or {}
+    value = next((v for k, v in headers.items() if str(k).lower() == "retry-after"), None)
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except (TypeError, ValueError):
+        return None  # an HTTP date: rare enough to fall back on our own backoff
+
