@@ -3,13 +3,16 @@
 A command runs as an async session command that we poll in short calls: field reports show idle
 exec HTTP connections dropped after ~240 s, so no call here waits on the command itself. Output
 is capped inside the sandbox (`head -c`, the rest drained so the command never sees SIGPIPE),
-so a command printing gigabytes costs us only the cap. A timeout deletes the session, which
-kills the command, and coreutils `timeout` inside the sandbox backs that up.
+so a command printing gigabytes costs us only the cap. The timeout fires inside the sandbox
+first (coreutils `timeout` signals the command's whole process group, and the output so far
+survives because `head` flushes on EOF); our own deadline, a few seconds later, deletes the
+session, which kills whatever escaped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import shlex
 import uuid
@@ -19,6 +22,7 @@ from agentrl.sandbox.base import ExecResult
 
 CALL_TIMEOUT_S = 30.0  # ceiling of any single HTTP call we make
 POLL_MIN_S, POLL_MAX_S = 0.05, 1.0  # poll fast first (most commands take milliseconds), then back off
+CLIENT_GRACE_S = 3.0  # our deadline trails the in-sandbox timeout by this much (TERM, then KILL 2 s later)
 TRANSIENT_POLL_ERRORS = 3  # consecutive connection errors tolerated while polling
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -30,9 +34,9 @@ def wrap_command(command: str, cwd: str | None, env: dict[str, str], max_output_
     if bad:
         raise ValueError(f"exec env names must be shell identifiers, got {bad}")
     inner = shlex.quote(command)
-    kill_after = max(1, int(timeout_s) + 2)  # the poller's own deadline normally fires first
+    limit = sandbox_timeout(timeout_s)
     run = (
-        f"if command -v timeout >/dev/null 2>&1; then exec timeout -k 5 {kill_after} bash -c {inner}; "
+        f"if command -v timeout >/dev/null 2>&1; then exec timeout -k 2 {limit} bash -c {inner}; "
         f"else exec bash -c {inner}; fi"
     )
     steps = [f"cd {shlex.quote(cwd)}"] if cwd else []
@@ -40,6 +44,11 @@ def wrap_command(command: str, cwd: str | None, env: dict[str, str], max_output_
     left = "( " + " && ".join([*steps, run]) + " )" if steps else f"( {run} )"
     script = f"{left} </dev/null 2>&1 | {{ head -c {max_output_bytes + 1}; cat >/dev/null; }}; exit ${{PIPESTATUS[0]}}"
     return "bash -c " + shlex.quote(script)
+
+
+def sandbox_timeout(timeout_s: float) -> int:
+    """Whole seconds, since busybox `timeout` takes no fractions."""
+    return max(1, math.ceil(timeout_s))
 
 
 async def run_command(
@@ -55,7 +64,7 @@ async def run_command(
     script = wrap_command(command, cwd, env, max_output_bytes, timeout_s)
     loop = asyncio.get_running_loop()
     started = loop.time()
-    deadline = started + timeout_s
+    deadline = started + sandbox_timeout(timeout_s) + CLIENT_GRACE_S
     await process.create_session(session, request_timeout=CALL_TIMEOUT_S)
     try:
         resp = await process.execute_session_command(

@@ -72,11 +72,18 @@ def parse_dockerfile(text: str, *, source: str = "Dockerfile") -> DockerfilePlan
     return plan
 
 
-def apply_copies(plan: DockerfilePlan, context_dir: Path, root_dir: Path, *, source: str = "Dockerfile") -> None:
+def apply_copies(plan: DockerfilePlan, context_dir: Path, root_dir: Path, *, source: str = "Dockerfile",
+                 read_only: tuple[str, ...] = ()) -> list[str]:
     """Copy the plan's files from the build context into a sandbox root on the host. Symlinks are
-    copied as links (never followed), so a task file cannot pull in host files."""
+    copied as links (never followed), so a task file cannot pull in host files. Steps whose
+    destination lies under a `read_only` prefix (system folders the sandbox binds from the host)
+    are skipped and returned as descriptions, for the caller's list of unsupported steps."""
     context = context_dir.resolve()
+    skipped: list[str] = []
     for step in plan.copies:
+        if any(step.dest == p or step.dest.startswith(p.rstrip("/") + "/") for p in read_only):
+            skipped.append(f"line {step.line}: COPY into read-only system path {step.dest} (not copied)")
+            continue
         matches: list[Path] = []
         for pattern in step.sources:
             found = sorted(context.glob(pattern)) if any(c in pattern for c in "*?[") else [context / pattern]
@@ -102,6 +109,7 @@ def apply_copies(plan: DockerfilePlan, context_dir: Path, root_dir: Path, *, sou
             shutil.copy2(src, target, follow_symlinks=False)
             if step.chmod is not None and not target.is_symlink():
                 target.chmod(step.chmod)
+    return skipped
 
 
 def host_path(root_dir: Path, sandbox_path: str) -> Path:

@@ -18,7 +18,7 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -52,12 +52,19 @@ class CreateLimiter:
     """At most `max_concurrent` creates in flight, at most `per_minute` started in any 60 s
     window, and none started before a throttling pause has passed."""
 
-    def __init__(self, max_concurrent: int, per_minute: int, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        max_concurrent: int,
+        per_minute: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ):
         if max_concurrent < 1 or per_minute < 1:
             raise ValueError(f"max_concurrent and per_minute must be >= 1, got {max_concurrent}, {per_minute}")
         self.max_concurrent = max_concurrent
         self.per_minute = per_minute
-        self._clock = clock
+        self._clock, self._sleep = clock, sleep
         self._slots = asyncio.Semaphore(max_concurrent)
         self._admit = asyncio.Lock()  # admission is serialised so the window check is exact
         self._starts: collections.deque[float] = collections.deque()
@@ -83,7 +90,7 @@ class CreateLimiter:
             if wait <= 0:
                 self._starts.append(now)
                 return
-            await asyncio.sleep(wait)
+            await self._sleep(wait)
 
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:

@@ -61,6 +61,14 @@ _NS_FLAGS = {"user": "-U", "mnt": "-m", "uts": "-u", "ipc": "-i", "net": "-n", "
 _DRAIN_GRACE_S = 0.5  # after the command exits, how long background children may hold its pipe
 _MAX_DOWNLOAD_BYTES = 256 << 20
 _READY_TIMEOUT_S = 30.0
+# Bound from the host (read-only) or private mounts: a COPY into them cannot be honoured.
+_READ_ONLY = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/dev")
+# Write to a temp file and rename over the target, so a symlink the agent planted at the target
+# is replaced rather than followed.
+_UPLOAD_SCRIPT = (
+    'd=$(dirname -- "$1") && mkdir -p -- "$d" && t=$(mktemp -p "$d" .upload.XXXXXX) && '
+    'cat > "$t" && chmod 644 -- "$t" && mv -fT -- "$t" "$1"'
+)
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -170,11 +178,13 @@ class LocalSandbox:
             if self._init_pid:
                 _kill(self._init_pid)  # pid 1 of the namespace: the kernel kills all the others
             if self._bwrap is not None:
-                _kill(self._bwrap.pid)
+                # bwrap's monitor reaps the init and exits by itself; kill it only if it lingers
+                # (killing it first would leave the init a zombie for the host's pid 1 to reap).
                 try:
-                    await asyncio.wait_for(self._bwrap.wait(), 10)
+                    await asyncio.wait_for(self._bwrap.wait(), 2)
                 except TimeoutError:
-                    log.warning("sandbox %s: bwrap did not exit within 10 s of SIGKILL", self.id)
+                    _kill(self._bwrap.pid)
+                    await asyncio.wait_for(self._bwrap.wait(), 10)
             if self._ns and not await asyncio.to_thread(wait_namespace_empty, self._ns, 10.0):
                 log.warning("sandbox %s: processes still alive 10 s after close", self.id)
             await asyncio.to_thread(shutil.rmtree, self.host_dir, True)
@@ -279,7 +289,7 @@ class LocalSandbox:
 
     async def upload(self, data: bytes, path: str) -> None:
         path = self._abs(path)
-        res = await self._run('mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', [path], cwd="/", env=None,
+        res = await self._run(_UPLOAD_SCRIPT, [path], cwd="/", env=None,
                               timeout_s=120.0, max_output_bytes=4096, stdin=data)
         if res.exit_code != 0:
             raise SandboxError("exec", f"upload to {path} in sandbox {self.id} failed: {res.output.strip()[:500]}")
@@ -392,7 +402,8 @@ class LocalSandboxProvider:
                 (root / name).mkdir()
         host_path(root, box.workdir).mkdir(parents=True, exist_ok=True)
         if plan is not None and spec.files_dir:
-            apply_copies(plan, Path(spec.files_dir), root, source=str(Path(spec.files_dir) / "Dockerfile"))
+            box.unsupported += apply_copies(plan, Path(spec.files_dir), root, read_only=_READ_ONLY,
+                                            source=str(Path(spec.files_dir) / "Dockerfile"))
 
     async def sweep(self) -> int:
         """Remove sandbox folders of this run that no live sandbox owns (a crashed process left

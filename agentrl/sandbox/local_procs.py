@@ -83,12 +83,20 @@ def pid_namespace(pid: int) -> str | None:
 
 
 def pids_in_namespace(ns: str) -> list[int]:
-    """Host pids of the live processes in the pid namespace `ns` ("pid:[inode]")."""
+    """Host pids of the live (not zombie) processes in the pid namespace `ns` ("pid:[inode]")."""
     out = []
     for name in os.listdir("/proc"):
-        if name.isdigit() and pid_namespace(int(name)) == ns:
+        if name.isdigit() and pid_namespace(int(name)) == ns and not _is_zombie(int(name)):
             out.append(int(name))
     return out
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
