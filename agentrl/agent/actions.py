@@ -1,0 +1,177 @@
+"""The two action formats a model may answer in, and what each tells the model.
+
+- `bash_block`: exactly one fenced ```bash block per turn (its contents go to the env as one
+  command), or the word TASK_COMPLETE to finish. This is the reference recipe's format.
+- `terminus_json`: the Terminus-2 protocol: a JSON object {"analysis", "plan", "commands":
+  [{"keystrokes", "duration"}], "task_complete"}; keystrokes go verbatim to the terminal, each
+  duration is clamped to the command timeout (60 s by default, as Terminus does), and finishing
+  takes `task_complete: true` in two consecutive turns, so a slip does not end an episode.
+
+A format object is made per episode (`make_action_format`): the terminus one remembers whether
+completion is awaiting confirmation. `parse` never raises on model text: anything malformed comes
+back as `ParsedTurn.error`, which the agent feeds back to the model as the next observation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+
+from agentrl.envs.base import Action
+
+TASK_COMPLETE = "TASK_COMPLETE"
+# Terminus waits one second after keystrokes that name no duration.
+DEFAULT_KEYSTROKE_DURATION_S = 1.0
+
+_THINK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
+_BASH_BLOCK = re.compile(r"```(?:bash|sh)[ \t]*\n(.*?)```", re.DOTALL)
+_ANY_FENCE = re.compile(r"```")
+_TASK_COMPLETE = re.compile(rf"\b{TASK_COMPLETE}\b")
+
+BASH_BLOCK_SYSTEM_PROMPT = f"""\
+You solve a task by acting in an environment, one action per turn.
+Each turn, reply with exactly one fenced code block:
+```bash
+<one command, or your answer>
+```
+Its contents are sent to the environment, and what comes back is the next message.
+Keep to one code block per reply; you may write brief reasoning before it.
+When the task is finished, reply with the single word {TASK_COMPLETE} and no code block."""
+
+TERMINUS_SYSTEM_PROMPT = """\
+You solve a task by typing into a Linux terminal (a tmux session), one reply per turn.
+Each reply is one JSON object and nothing else:
+{
+  "analysis": "what the current terminal output tells you",
+  "plan": "what you will do next and why",
+  "commands": [{"keystrokes": "ls -la\\n", "duration": 0.5}],
+  "task_complete": false
+}
+"keystrokes" are sent verbatim: end a command with "\\n" to run it; tmux key names such as C-c
+are allowed. "duration" is how many seconds to wait for output (at most %(max_s)g).
+The terminal output after your commands is the next message.
+Set "task_complete": true when the task is done; you will be asked to confirm it with a second
+reply that also has "task_complete": true."""
+
+COMPLETION_CONFIRMATION = (
+    'You set "task_complete": true. Your work will now be graded and cannot be changed. '
+    'If the task is really done, reply again with "task_complete": true; otherwise continue with '
+    '"task_complete": false.'
+)
+
+
+@dataclass
+class ParsedTurn:
+    """What one model reply asks for. `error` set: nothing runs, the text is fed back.
+    `complete`: the agent ends the episode after running `actions`. `notice` is appended to the
+    observation (e.g. the completion confirmation request)."""
+
+    actions: list[Action] = field(default_factory=list)
+    complete: bool = False
+    error: str | None = None
+    notice: str | None = None
+
+
+class BashBlockFormat:
+    name = "bash_block"
+
+    def __init__(self, command_timeout_s: float):
+        self.command_timeout_s = command_timeout_s
+        self.system_prompt = BASH_BLOCK_SYSTEM_PROMPT
+
+    def parse(self, text: str) -> ParsedTurn:
+        visible = _THINK.sub("", text)
+        blocks = _BASH_BLOCK.findall(visible)
+        done = bool(_TASK_COMPLETE.search(visible))
+        if len(blocks) == 1 and not done:
+            command = blocks[0].strip()
+            if not command:
+                return ParsedTurn(error="Your ```bash block is empty. " + self._reminder())
+            return ParsedTurn(actions=[Action(command=command, duration_s=self.command_timeout_s)])
+        if not blocks and done:
+            return ParsedTurn(complete=True)
+        if blocks and done:
+            return ParsedTurn(error=f"Reply with either one ```bash block or {TASK_COMPLETE}, not both. " + self._reminder())
+        if len(blocks) > 1:
+            return ParsedTurn(error=f"Found {len(blocks)} ```bash blocks; send exactly one per reply. " + self._reminder())
+        if _ANY_FENCE.search(visible):
+            return ParsedTurn(error="No complete ```bash block found (a block opens with ```bash and a newline and closes with ```). " + self._reminder())
+        return ParsedTurn(error="No ```bash block found. " + self._reminder())
+
+    @staticmethod
+    def _reminder() -> str:
+        return f"Reply with exactly one ```bash block containing one command, or {TASK_COMPLETE} when done."
+
+
+class TerminusJsonFormat:
+    name = "terminus_json"
+
+    def __init__(self, command_timeout_s: float):
+        self.max_duration_s = command_timeout_s
+        self.system_prompt = TERMINUS_SYSTEM_PROMPT % {"max_s": command_timeout_s}
+        self._completion_pending = False
+
+    def parse(self, text: str) -> ParsedTurn:
+        try:
+            reply = _json_object(_THINK.sub("", text))
+            actions = [self._action(i, c) for i, c in enumerate(_commands(reply))]
+            wants_complete = reply.get("task_complete", False)
+            if not isinstance(wants_complete, bool):
+                raise ValueError(f'"task_complete" must be true or false, got {wants_complete!r}')
+        except ValueError as err:
+            # A malformed reply breaks the confirmation chain: completion needs consecutive trues.
+            self._completion_pending = False
+            return ParsedTurn(error=f"Your reply could not be used: {err}. Reply with one JSON object as described.")
+        if not wants_complete:
+            self._completion_pending = False
+            return ParsedTurn(actions=actions)
+        if self._completion_pending:
+            return ParsedTurn(actions=actions, complete=True)
+        self._completion_pending = True
+        return ParsedTurn(actions=actions, notice=COMPLETION_CONFIRMATION)
+
+    def _action(self, index: int, command: object) -> Action:
+        if not isinstance(command, dict):
+            raise ValueError(f"commands[{index}] must be an object with keystrokes and duration")
+        keystrokes = command.get("keystrokes")
+        if not isinstance(keystrokes, str):
+            raise ValueError(f'commands[{index}].keystrokes must be a string, got {type(keystrokes).__name__}')
+        duration = command.get("duration", DEFAULT_KEYSTROKE_DURATION_S)
+        if isinstance(duration, bool) or not isinstance(duration, int | float) or not math.isfinite(duration):
+            raise ValueError(f"commands[{index}].duration must be a number of seconds, got {duration!r}")
+        return Action(keystrokes=keystrokes, duration_s=min(max(float(duration), 0.0), self.max_duration_s))
+
+
+def _json_object(text: str) -> dict:
+    start, end = text.find("{"), text.rfind("}")
+    if start < 0 or end < start:
+        raise ValueError("no JSON object found")
+    try:
+        reply = json.loads(text[start : end + 1])
+    except json.JSONDecodeError as err:
+        raise ValueError(f"invalid JSON ({err.msg} at character {err.pos})") from None
+    if not isinstance(reply, dict):
+        raise ValueError("the reply must be a JSON object")
+    return reply
+
+
+def _commands(reply: dict) -> list:
+    if "commands" not in reply:
+        raise ValueError('missing "commands" (a list, possibly empty)')
+    commands = reply["commands"]
+    if not isinstance(commands, list):
+        raise ValueError(f'"commands" must be a list, got {type(commands).__name__}')
+    return commands
+
+
+ActionFormat = BashBlockFormat | TerminusJsonFormat
+
+
+def make_action_format(name: str, command_timeout_s: float = 60.0) -> ActionFormat:
+    """A fresh (per-episode) parser for the named format."""
+    formats = {"bash_block": BashBlockFormat, "terminus_json": TerminusJsonFormat}
+    if name not in formats:
+        raise ValueError(f"agent.action_format {name!r} is unknown; use one of {sorted(formats)}")
+    return formats[name](command_timeout_s)

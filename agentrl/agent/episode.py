@@ -1,0 +1,245 @@
+"""One multi-turn episode, token-in-token-out: env + generator + tokenizer -> Trajectory.
+
+Flow: `env.reset` -> first prompt (chat template, once) -> loop { generate (ids in, ids +
+logprobs + versions out) -> parse the action -> `env.step` -> observation delta (loss mask 0) }
+-> `env.score()` -> `env.close()` (always, in `finally`).
+
+How an episode ends (the Trajectory's outcome):
+- `scored`: the model finished (TASK_COMPLETE / confirmed task_complete), the env said done, or
+  the turns ran out; the env's verdict is the reward.
+- `truncated`: the conversation reached agent.max_context_tokens; `agent_timeout`: the wall clock
+  (agent.episode_timeout_s, counted from after reset) ran out. Both are still scored, since the
+  env's state may already solve the task, and both stay trainable.
+- `infra_error:<kind>`: the env, sandbox, engine or verifier failed (a SandboxError keeps its
+  kind; other env failures are `env`, engine failures and aborts `engine`, scoring failures
+  `verifier`). The reward is then None, never 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+from typing import Any
+
+from agentrl.agent.actions import ParsedTurn, make_action_format
+from agentrl.agent.chat import ChatTokens
+from agentrl.agent.trajectory import AGENT_TIMEOUT, INFRA_ERROR_PREFIX, SCORED, TRUNCATED, Trajectory, infra_error
+from agentrl.config.schema import AgentConfig
+from agentrl.envs.base import Env, Observation
+from agentrl.rollout.types import GenerateResult, Generator, SamplingParams
+from agentrl.sandbox.base import SandboxError
+
+_MAX_ERROR_CHARS = 500
+
+
+class _InfraFailure(Exception):
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def cap_observation(text: str, max_chars: int) -> str:
+    """Keep the first and last max_chars/2 characters of a long observation (errors tend to be
+    at the end, the command's context at the start), saying how much was left out."""
+    if len(text) <= max_chars:
+        return text
+    head = max_chars // 2
+    tail = max_chars - head
+    return f"{text[:head]}\n[... {len(text) - max_chars} characters omitted ...]\n{text[len(text) - tail:]}"
+
+
+class _Episode:
+    """The state of one episode while it runs (kept off run_episode's signature)."""
+
+    def __init__(self, env: Env, generator: Generator, tokenizer: Any, cfg: AgentConfig, sampling: SamplingParams, episode_id: str):
+        self.env, self.generator, self.tokenizer = env, generator, tokenizer
+        self.cfg, self.sampling, self.episode_id = cfg, sampling, episode_id
+        self.format = make_action_format(cfg.action_format, cfg.command_timeout_s)
+        self.chat = ChatTokens(tokenizer, self.format.system_prompt)
+        self.token_ids: list[int] = []
+        self.loss_mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.turns = 0
+        self.timings = {"generate_s": 0.0, "env_s": 0.0, "score_s": 0.0}
+        self.info: dict[str, Any] = {"parse_errors": 0, "actions": 0, "finish_reasons": [], "stop": None}
+
+    # -- token bookkeeping -------------------------------------------------------------------
+
+    def append_context(self, ids: list[int]) -> None:
+        self.token_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def append_generated(self, result: GenerateResult) -> None:
+        self.token_ids += result.output_ids
+        self.loss_mask += [1] * len(result.output_ids)
+        self.logprobs += [float(x) for x in result.logprobs]
+        self.versions += [int(v) for v in result.weight_versions]
+
+    # -- calls that can fail for infrastructure reasons ------------------------------------
+
+    async def env_call(self, what: str, pending, timing: str = "env_s", kind: str = "env") -> Observation:
+        start = time.perf_counter()
+        try:
+            obs = await pending
+        except SandboxError as err:
+            raise _InfraFailure(err.kind, f"{what}: {err}") from err
+        except Exception as err:  # any env failure is infrastructure, never the model's fault
+            raise _InfraFailure(kind, f"{what}: {type(err).__name__}: {err}") from err
+        finally:
+            self.timings[timing] += time.perf_counter() - start
+        if obs.status is not None and obs.status.startswith(INFRA_ERROR_PREFIX):
+            raise _InfraFailure(obs.status[len(INFRA_ERROR_PREFIX) :], f"{what}: {obs.text}")
+        return obs
+
+    async def generate(self, max_new_tokens: int) -> GenerateResult:
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=max_new_tokens)
+        start = time.perf_counter()
+        try:
+            result = await self.generator.generate(
+                list(self.token_ids), sampling, session_id=self.episode_id, rid=f"{self.episode_id}:{self.turns}"
+            )
+        except Exception as err:
+            raise _InfraFailure("engine", f"generate: {type(err).__name__}: {err}") from err
+        finally:
+            self.timings["generate_s"] += time.perf_counter() - start
+        n = len(result.output_ids)
+        if result.finish_reason == "abort":
+            raise _InfraFailure("engine", "generate: the engine aborted the request")
+        if len(result.logprobs) != n or len(result.weight_versions) != n:
+            raise _InfraFailure(
+                "engine",
+                f"generate: {n} output ids but {len(result.logprobs)} logprobs and "
+                f"{len(result.weight_versions)} weight versions",
+            )
+        return result
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    async def interact(self) -> str:
+        """Turns until the model or env finishes, or a limit; returns why it stopped."""
+        cfg = self.cfg
+        while self.turns < cfg.max_turns:
+            room = cfg.max_context_tokens - len(self.token_ids)
+            if room <= 0:
+                return "context"
+            max_new = min(self.sampling.max_new_tokens, room)
+            result = await self.generate(max_new)
+            self.append_generated(result)
+            self.turns += 1
+            self.info["finish_reasons"].append(result.finish_reason)
+            if result.finish_reason == "length" and max_new < self.sampling.max_new_tokens:
+                return "context"  # cut by the context limit, not by the per-turn limit
+            text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+            parsed = self.format.parse(text)
+            observation, finished = await self.act(parsed)
+            if finished:
+                return finished
+            if self.turns >= cfg.max_turns:
+                break
+            delta = self.chat.observation_ids(result.output_ids, observation)
+            if len(self.token_ids) + len(delta) >= cfg.max_context_tokens:
+                return "context"  # no room left for another turn after this observation
+            self.append_context(delta)
+        return "max_turns"
+
+    async def act(self, parsed: ParsedTurn) -> tuple[str, str | None]:
+        """Runs a parsed turn; returns (observation text for the model, stop reason or None)."""
+        if parsed.error is not None:
+            self.info["parse_errors"] += 1
+            return parsed.error, None
+        outputs = []
+        for action in parsed.actions:
+            obs = await self.env_call("step", self.env.step(action))
+            self.info["actions"] += 1
+            outputs.append(cap_observation(obs.text, self.cfg.observation_max_chars))
+            if obs.done:
+                return "", "env_done"
+        if parsed.complete:
+            return "", "task_complete"
+        observation = "\n".join(o for o in outputs if o) or ("(no output)" if parsed.actions else "(no commands sent)")
+        if parsed.notice:
+            observation = f"{observation}\n\n{parsed.notice}"
+        return observation, None
+
+    async def score(self) -> float:
+        verdict = await self.env_call("score", self.env.score(), timing="score_s", kind="verifier")
+        reward = verdict.reward
+        if verdict.status not in (None, SCORED) or reward is None or not math.isfinite(reward):
+            raise _InfraFailure("verifier", f"score: no valid reward (status {verdict.status!r}, reward {reward!r})")
+        return float(reward)
+
+
+async def run_episode(
+    env: Env,
+    generator: Generator,
+    tokenizer: Any,
+    task_id: str,
+    cfg: AgentConfig,
+    sampling: SamplingParams,
+    episode_id: str,
+    group_id: str,
+) -> Trajectory:
+    """Play one episode of `task_id` and return its Trajectory; closes `env` whatever happens.
+
+    `tokenizer` is a transformers tokenizer with a chat template. `sampling.max_new_tokens` is
+    the per-turn limit (lowered near the context limit). Infrastructure failures become the
+    outcome `infra_error:<kind>`; programming errors (e.g. a tokenizer without a chat template)
+    and cancellation propagate, after the env is closed.
+    """
+    ep = _Episode(env, generator, tokenizer, cfg, sampling, episode_id)
+    started = time.perf_counter()
+    prompt_len = 0
+    outcome, reward = SCORED, None
+    try:
+        try:
+            first = await ep.env_call("reset", env.reset(task_id, episode_id=episode_id))
+            prompt = ep.chat.prompt_ids(first.text)
+            prompt_len = len(prompt)
+            ep.append_context(prompt)
+            if first.done:
+                stop = "env_done"
+            else:
+                # The wall clock starts after reset: sandbox start-up is not the agent's time.
+                deadline = asyncio.get_running_loop().time() + cfg.episode_timeout_s
+                timeout = asyncio.timeout_at(deadline)
+                try:
+                    async with timeout:
+                        stop = await ep.interact()
+                except TimeoutError:
+                    if not timeout.expired():
+                        raise
+                    stop = "timeout"
+            ep.info["stop"] = stop
+            outcome = {"context": TRUNCATED, "timeout": AGENT_TIMEOUT}.get(stop, SCORED)
+            reward = await ep.score()
+        except _InfraFailure as failure:
+            outcome, reward = infra_error(failure.kind), None
+            ep.info["error"] = str(failure)[:_MAX_ERROR_CHARS]
+    finally:
+        close_start = time.perf_counter()
+        try:
+            await env.close()
+        except Exception as err:  # a failed close must not hide the episode's result; record it
+            ep.info["close_error"] = f"{type(err).__name__}: {err}"[:_MAX_ERROR_CHARS]
+        ep.timings["close_s"] = time.perf_counter() - close_start
+    ep.timings["total_s"] = time.perf_counter() - started
+    return Trajectory(
+        episode_id=episode_id,
+        task_id=task_id,
+        group_id=group_id,
+        prompt_len=prompt_len,
+        token_ids=ep.token_ids,
+        loss_mask=ep.loss_mask,
+        rollout_logprobs=ep.logprobs,
+        weight_versions=ep.versions,
+        outcome=outcome,
+        reward=reward,
+        num_turns=ep.turns,
+        timings=ep.timings,
+        info=ep.info,
+    )
