@@ -41,8 +41,9 @@ async def make_provider():
 
     def make(url: str, run_id: str = "run-a", **cfg) -> DaytonaSandboxProvider:
         base = dict(daytona_api_url=url, retry_backoff_min_s=0.01, retry_backoff_max_s=0.05)
-        p = DaytonaSandboxProvider(SandboxConfig(backend="daytona", **{**base, **cfg}), run_id,
-                                   orphan_recheck_s=(0.3, 1.0))
+        p = DaytonaSandboxProvider(
+            SandboxConfig(backend="daytona", **{**base, **cfg}), run_id, orphan_recheck_s=(0.3, 1.0)
+        )
         providers.append(p)
         return p
 
@@ -55,8 +56,17 @@ async def test_happy_path_create_exec_files_close(standin, make_provider):
     url, h = standin()
     p = make_provider(url)
     assert isinstance(p, SandboxProvider)
-    sb = await p.create(SandboxSpec(image="ubuntu:22.04", workdir=".", cpus=0.5, memory_mb=512, disk_mb=100,
-                                    env={"GREETING": "hello"}, labels={"task": "t1", "episode": "e7"}))
+    sb = await p.create(
+        SandboxSpec(
+            image="ubuntu:22.04",
+            workdir=".",
+            cpus=0.5,
+            memory_mb=512,
+            disk_mb=100,
+            env={"GREETING": "hello"},
+            labels={"task": "t1", "episode": "e7"},
+        )
+    )
     assert isinstance(sb, Sandbox)
     body = h.create_body(sb.id)
     assert (body["cpu"], body["memory"], body["disk"]) == (1, 2, 10)  # floored at 1 CPU / 2 GiB / 10 GiB
@@ -131,7 +141,10 @@ async def test_capacity_errors_are_retried(standin, make_provider):
 
 async def test_twenty_concurrent_creates_respect_the_process_wide_limit(standin, make_provider):
     url, h = standin(start_delay_s=0.3)  # slow creates: each stays 'starting' and is polled
-    a, b = make_provider(url, "run-a", max_concurrent_creates=3), make_provider(url, "run-b", max_concurrent_creates=3)
+    a, b = (
+        make_provider(url, "run-a", max_concurrent_creates=3),
+        make_provider(url, "run-b", max_concurrent_creates=3),
+    )
     boxes = await asyncio.gather(*(p.create(SPEC) for p in [a, b] * 10))
     assert len({s.id for s in boxes}) == 20
     assert 2 <= h.max_concurrent_creates <= 3  # two providers, one limit: it is shared

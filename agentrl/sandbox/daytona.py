@@ -116,7 +116,9 @@ class DaytonaSandboxProvider:
             self._client = AsyncDaytona(cfg)
         return self._client
 
-    def _error(self, kind: str, what: str, exc: BaseException | None = None, *, retryable: bool = False) -> SandboxError:
+    def _error(
+        self, kind: str, what: str, exc: BaseException | None = None, *, retryable: bool = False
+    ) -> SandboxError:
         detail = f": {type(exc).__name__}: {exc}" if exc is not None else ""
         self.counters[f"error_{kind}"] += 1
         return SandboxError(kind, self._key.scrub(f"{what}{detail}"), retryable=retryable)
@@ -136,7 +138,13 @@ class DaytonaSandboxProvider:
         if reserved:
             raise ValueError(f"SandboxSpec.labels must not set {sorted(reserved)}: the provider owns them")
         c = self.config
-        labels = {"task": "unknown", "episode": "unknown", **spec.labels, RUN_LABEL: self.run_id, CREATE_LABEL: tag}
+        labels = {
+            "task": "unknown",
+            "episode": "unknown",
+            **spec.labels,
+            RUN_LABEL: self.run_id,
+            CREATE_LABEL: tag,
+        }
         return CreateSandboxFromImageParams(
             image=spec.image,
             resources=Resources(
@@ -168,8 +176,12 @@ class DaytonaSandboxProvider:
             except _Retry as r:
                 self.counters[f"create_{r.kind}"] += 1
                 if attempt + 1 == c.max_create_attempts:
-                    raise self._error(r.kind, f"sandbox create gave up after {attempt + 1} attempts", r.cause,
-                                      retryable=True) from None
+                    raise self._error(
+                        r.kind,
+                        f"sandbox create gave up after {attempt + 1} attempts",
+                        r.cause,
+                        retryable=True,
+                    ) from None
                 delay = self._backoff.delay(attempt, retry_after_s=r.retry_after)
                 limiter.pause(delay)  # the quota is shared: hold back every create, not only this one
                 log.info("sandbox create %s (attempt %d), retrying in %.1fs", r.kind, attempt + 1, delay)
@@ -191,14 +203,17 @@ class DaytonaSandboxProvider:
             raise
         except DaytonaTimeoutError as e:
             self._spawn(self._reap(tag, getattr(e, "sandbox_id", None)))
-            raise self._error("create", f"sandbox create timed out after {self.config.create_timeout_s}s", e,
-                              retryable=True) from None
+            raise self._error(
+                "create", f"sandbox create timed out after {self.config.create_timeout_s}s", e, retryable=True
+            ) from None
         except Exception as e:
             kind = classify_create_error(e)
             if kind in ("throttled", "capacity"):
                 raise _Retry(kind, e, retry_after_s(e)) from None
             self._spawn(self._reap(tag, None))  # an error state leaves a sandbox behind
-            raise self._error(kind, f"sandbox create failed ({kind})", e, retryable=kind == "create") from None
+            raise self._error(
+                kind, f"sandbox create failed ({kind})", e, retryable=kind == "create"
+            ) from None
 
     async def _reap(self, tag: str, sandbox_id: str | None) -> int:
         """Delete what a failed create `tag` left behind; look again a few times, since a
@@ -231,7 +246,9 @@ class DaytonaSandboxProvider:
             return 0
         except Exception as e:
             self.counters["delete_failed"] += 1
-            log.warning("deleting sandbox %s failed (sweep will retry): %s", sdk_sb.id, self._key.scrub(str(e)))
+            log.warning(
+                "deleting sandbox %s failed (sweep will retry): %s", sdk_sb.id, self._key.scrub(str(e))
+            )
             return 0
         self.counters["deleted"] += 1
         return 1
@@ -253,7 +270,9 @@ class DaytonaSandboxProvider:
         try:
             found = [sb async for sb in self._sdk().list(ListSandboxesQuery(labels={RUN_LABEL: self.run_id}))]
         except Exception as e:
-            raise self._error("sweep", f"listing sandboxes of run {self.run_id} failed", e, retryable=True) from None
+            raise self._error(
+                "sweep", f"listing sandboxes of run {self.run_id} failed", e, retryable=True
+            ) from None
         n = sum(await asyncio.gather(*(self._delete(sb) for sb in found)))
         self.counters["swept"] += n
         if n:
@@ -346,8 +365,12 @@ class DaytonaSandbox:
         self._check_usable("exec")
         try:
             return await run_command(
-                self._sdk.process, command, cwd=cwd if cwd is not None else self._workdir, env=env or {},
-                timeout_s=timeout_s, max_output_bytes=max_output_bytes,
+                self._sdk.process,
+                command,
+                cwd=cwd if cwd is not None else self._workdir,
+                env=env or {},
+                timeout_s=timeout_s,
+                max_output_bytes=max_output_bytes,
             )
         except (ValueError, asyncio.CancelledError):
             raise

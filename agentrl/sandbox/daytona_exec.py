@@ -27,7 +27,9 @@ TRANSIENT_POLL_ERRORS = 3  # consecutive connection errors tolerated while polli
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def wrap_command(command: str, cwd: str | None, env: dict[str, str], max_output_bytes: int, timeout_s: float) -> str:
+def wrap_command(
+    command: str, cwd: str | None, env: dict[str, str], max_output_bytes: int, timeout_s: float
+) -> str:
     """The shell line the session runs: `bash -c command` in `cwd` with `env`, stderr merged,
     output cut to max_output_bytes + 1 (the extra byte tells us it was cut), exit status kept."""
     bad = [k for k in env if not _ENV_NAME.match(k)]
@@ -52,14 +54,22 @@ def sandbox_timeout(timeout_s: float) -> int:
 
 
 async def run_command(
-    process: Any, command: str, *, cwd: str | None, env: dict[str, str], timeout_s: float, max_output_bytes: int
+    process: Any,
+    command: str,
+    *,
+    cwd: str | None,
+    env: dict[str, str],
+    timeout_s: float,
+    max_output_bytes: int,
 ) -> ExecResult:
     """Run `command` through the SDK's `AsyncProcess`; SDK errors propagate to the caller, which
     classifies them. A timeout is a result, not an error."""
     from daytona import DaytonaConnectionError, SessionExecuteRequest
 
     if timeout_s <= 0 or max_output_bytes <= 0:
-        raise ValueError(f"timeout_s and max_output_bytes must be positive, got {timeout_s}, {max_output_bytes}")
+        raise ValueError(
+            f"timeout_s and max_output_bytes must be positive, got {timeout_s}, {max_output_bytes}"
+        )
     session = f"agentrl-{uuid.uuid4().hex[:12]}"
     script = wrap_command(command, cwd, env, max_output_bytes, timeout_s)
     loop = asyncio.get_running_loop()
@@ -122,14 +132,28 @@ def classify_create_error(exc: BaseException) -> str:
 
     msg = str(exc).lower()
     status = getattr(exc, "status_code", None)
-    if isinstance(exc, DaytonaRateLimitError) or status == 429 or "rate limit" in msg or "too many requests" in msg:
+    if (
+        isinstance(exc, DaytonaRateLimitError)
+        or status == 429
+        or "rate limit" in msg
+        or "too many requests" in msg
+    ):
         return "throttled"
     if isinstance(exc, (DaytonaAuthenticationError, DaytonaForbiddenError)):
         return "auth"
     if "build_failed" in msg or "build failed" in msg or "failed to build" in msg:
         return "image_build"
-    capacity_words = ("no available runner", "no runners available", "insufficient capacity", "out of capacity")
-    if isinstance(exc, DaytonaServiceUnavailableError) or status == 503 or any(w in msg for w in capacity_words):
+    capacity_words = (
+        "no available runner",
+        "no runners available",
+        "insufficient capacity",
+        "out of capacity",
+    )
+    if (
+        isinstance(exc, DaytonaServiceUnavailableError)
+        or status == 503
+        or any(w in msg for w in capacity_words)
+    ):
         return "capacity"
     return "create"
 
@@ -142,4 +166,3 @@ def retry_after_s(exc: BaseException) -> float | None:
         return max(0.0, float(value)) if value is not None else None
     except (TypeError, ValueError):
         return None  # an HTTP date: rare enough to fall back on our own backoff
-

@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
-import signal
 import tempfile
 import threading
 import time
-import urllib.parse
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
-from aiohttp import MultipartWriter, web
+from aiohttp import web
+
+from agentrl.sandbox.daytona_standin_toolbox import Box, Fail, ToolboxRoutes, error_response, fail_middleware
 
 DEFAULT_KEY = "standin-key"
 
@@ -51,40 +50,13 @@ class StandinFaults:
     exec_errors: int = 0  # the next N command starts answer 500 (the sandbox stays healthy)
 
 
-@dataclass
-class _Cmd:
-    id: str
-    command: str
-    proc: asyncio.subprocess.Process | None = None
-    output: bytearray = field(default_factory=bytearray)
-    exit_code: int | None = None
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-@dataclass
-class _Box:
-    id: str
-    body: dict
-    root: str
-    image: str | None
-    state: str = "starting"
-    ready_at: float = 0.0
-    error_reason: str | None = None
-    sessions: dict[str, dict[str, _Cmd]] = field(default_factory=dict)
-    commands: int = 0
-
-    @property
-    def labels(self) -> dict[str, str]:
-        return dict(self.body.get("labels") or {})
-
-
-class _Standin:
+class _Standin(ToolboxRoutes):
     def __init__(self, faults: StandinFaults, root: str):
         self.f = faults
         self.root = root
         self.url = ""
         self.lock = threading.Lock()  # guards the records below against the test thread
-        self.boxes: dict[str, _Box] = {}
+        self.boxes: dict[str, Box] = {}
         self.calls: list[tuple[str, str, int]] = []
         self.unknown_routes: list[str] = []
         self.created: list[str] = []
@@ -101,27 +73,27 @@ class _Standin:
     @web.middleware
     async def middleware(self, request: web.Request, handler):
         if request.headers.get("Authorization") != f"Bearer {self.f.api_key}":
-            resp: web.StreamResponse = _err(401, "Unauthorized: invalid API key")
+            resp: web.StreamResponse = error_response(401, "Unauthorized: invalid API key")
         else:
             try:
                 resp = await handler(request)
             except web.HTTPNotFound:
                 with self.lock:
                     self.unknown_routes.append(f"{request.method} {request.path}")
-                resp = _err(404, f"no route {request.method} {request.path}")
+                resp = error_response(404, f"no route {request.method} {request.path}")
         with self.lock:
             self.calls.append((request.method, request.path, resp.status))
         return resp
 
-    def _box(self, request: web.Request, *, toolbox: bool = False) -> _Box:
+    def _box(self, request: web.Request, *, toolbox: bool = False) -> Box:
         box = self.boxes.get(request.match_info["sid"])
         if box is None or box.state == "destroyed":
-            raise _Fail(404, "Sandbox not found")
+            raise Fail(404, "Sandbox not found")
         if toolbox and box.state != "started":
-            raise _Fail(404, f"sandbox {box.id} is not running (state {box.state})")
+            raise Fail(404, f"sandbox {box.id} is not running (state {box.state})")
         return box
 
-    def _dto(self, box: _Box) -> dict:
+    def _dto(self, box: Box) -> dict:
         if box.state == "starting" and time.monotonic() >= box.ready_at:
             box.state = "started"
         if box.state != "starting":
@@ -129,12 +101,24 @@ class _Standin:
                 self.creating.discard(box.id)
         b = box.body
         return {
-            "id": box.id, "organizationId": "standin-org", "name": b.get("name") or box.id, "user": "daytona",
-            "env": b.get("env") or {}, "labels": box.labels, "public": False,
-            "networkBlockAll": bool(b.get("networkBlockAll")), "kvm": False, "target": "local",
-            "cpu": b.get("cpu") or 1, "gpu": 0, "memory": b.get("memory") or 1, "disk": b.get("disk") or 3,
-            "state": box.state, "errorReason": box.error_reason,
-            "autoStopInterval": b.get("autoStopInterval"), "autoDeleteInterval": b.get("autoDeleteInterval"),
+            "id": box.id,
+            "organizationId": "standin-org",
+            "name": b.get("name") or box.id,
+            "user": "daytona",
+            "env": b.get("env") or {},
+            "labels": box.labels,
+            "public": False,
+            "networkBlockAll": bool(b.get("networkBlockAll")),
+            "kvm": False,
+            "target": "local",
+            "cpu": b.get("cpu") or 1,
+            "gpu": 0,
+            "memory": b.get("memory") or 1,
+            "disk": b.get("disk") or 3,
+            "state": box.state,
+            "errorReason": box.error_reason,
+            "autoStopInterval": b.get("autoStopInterval"),
+            "autoDeleteInterval": b.get("autoDeleteInterval"),
             "toolboxProxyUrl": f"{self.url}/toolbox",
         }
 
@@ -146,17 +130,21 @@ class _Standin:
             if self.f.throttle_creates > 0:
                 self.f.throttle_creates -= 1
                 self.throttled_sent += 1
-                headers = {"Retry-After": str(self.f.retry_after_s)} if self.f.retry_after_s is not None else None
-                return _err(429, "Rate limit exceeded: too many requests", headers=headers)
+                headers = (
+                    {"Retry-After": str(self.f.retry_after_s)} if self.f.retry_after_s is not None else None
+                )
+                return error_response(429, "Rate limit exceeded: too many requests", headers=headers)
             if self.f.capacity_errors > 0:
                 self.f.capacity_errors -= 1
                 self.capacity_sent += 1
-                return _err(503, "No available runners: insufficient capacity")
+                return error_response(503, "No available runners: insufficient capacity")
         sid = uuid.uuid4().hex[:12]
         dockerfile = ((body.get("buildInfo") or {}).get("dockerfileContent")) or ""
-        image = next((ln.split()[1] for ln in dockerfile.splitlines() if ln.upper().startswith("FROM ")), None)
+        image = next(
+            (ln.split()[1] for ln in dockerfile.splitlines() if ln.upper().startswith("FROM ")), None
+        )
         root = tempfile.mkdtemp(prefix=f"{sid}-", dir=self.root)
-        box = _Box(sid, body, root, image, ready_at=time.monotonic() + self.f.start_delay_s)
+        box = Box(sid, body, root, image, ready_at=time.monotonic() + self.f.start_delay_s)
         if image in self.f.fail_build_images:
             box.state, box.error_reason = "build_failed", f"failed to build image {image}: manifest unknown"
         with self.lock:
@@ -200,182 +188,17 @@ class _Standin:
         self._box(request)
         return web.json_response({"url": f"{self.url}/toolbox"})
 
-    # ---- toolbox: processes ---------------------------------------------------------------
-    async def _spawn(self, box: _Box, command: str, cwd: str | None = None, env: dict | None = None) -> _Cmd:
-        with self.lock:
-            if self.f.exec_errors > 0:
-                self.f.exec_errors -= 1
-                raise _Fail(500, "injected failure starting the command")
-            self.commands_run.append(command)
-        box.commands += 1
-        cmd = _Cmd(uuid.uuid4().hex[:12], command)
-        base_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": box.root, "LANG": "C.UTF-8"}
-        cmd.proc = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", command,
-            cwd=os.path.join(box.root, cwd) if cwd else box.root,
-            env={**base_env, **(box.body.get("env") or {}), **(env or {})},
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,  # one process group per command, so a kill reaches its children
-        )
-        asyncio.get_running_loop().create_task(self._pump(cmd))
-        if self.f.die_on_exec is not None and box.commands == self.f.die_on_exec:
-            asyncio.get_running_loop().call_later(
-                self.f.die_delay_s, lambda: asyncio.ensure_future(self._die(box))
-            )
-        return cmd
-
-    async def _pump(self, cmd: _Cmd) -> None:
-        assert cmd.proc is not None and cmd.proc.stdout is not None
-        while chunk := await cmd.proc.stdout.read(65536):
-            cmd.output.extend(chunk)
-        cmd.exit_code = await cmd.proc.wait()
-        cmd.done.set()
-
-    async def _die(self, box: _Box) -> None:
-        if box.state == "started":
-            await self._kill_all(box)
-            box.state, box.error_reason = "error", "runner lost the sandbox"
-
-    async def _kill_all(self, box: _Box) -> None:
-        for cmds in box.sessions.values():
-            for c in cmds.values():
-                _killpg(c)
-        box.sessions.clear()
-
-    async def create_session(self, request: web.Request) -> web.Response:
-        box = self._box(request, toolbox=True)
-        box.sessions.setdefault((await request.json())["sessionId"], {})
-        return web.Response(status=201)
-
-    async def delete_session(self, request: web.Request) -> web.Response:
-        box = self._box(request, toolbox=True)
-        for c in box.sessions.pop(request.match_info["session"], {}).values():
-            _killpg(c)
-        return web.Response(status=204)
-
-    async def session_exec(self, request: web.Request) -> web.Response:
-        box = self._box(request, toolbox=True)
-        session = box.sessions.get(request.match_info["session"])
-        if session is None:
-            raise _Fail(404, "session not found")
-        body = await request.json()
-        cmd = await self._spawn(box, body["command"])
-        session[cmd.id] = cmd
-        if body.get("runAsync") or body.get("async"):
-            return web.json_response({"cmdId": cmd.id})
-        await cmd.done.wait()
-        out = cmd.output.decode("utf-8", "replace")
-        return web.json_response({"cmdId": cmd.id, "exitCode": cmd.exit_code, "output": out, "stdout": out, "stderr": ""})
-
-    def _cmd(self, request: web.Request) -> _Cmd:
-        box = self._box(request, toolbox=True)
-        cmd = box.sessions.get(request.match_info["session"], {}).get(request.match_info["cmd"])
-        if cmd is None:
-            raise _Fail(404, "command not found")
-        return cmd
-
-    async def get_command(self, request: web.Request) -> web.Response:
-        cmd = self._cmd(request)
-        return web.json_response({"id": cmd.id, "command": cmd.command, "exitCode": cmd.exit_code})
-
-    async def command_logs(self, request: web.Request) -> web.Response:
-        out = self._cmd(request).output.decode("utf-8", "replace")
-        return web.json_response({"output": out, "stdout": out, "stderr": ""})
-
-    async def execute(self, request: web.Request) -> web.Response:
-        box = self._box(request, toolbox=True)
-        body = await request.json()
-        cmd = await self._spawn(box, body["command"], body.get("cwd"), body.get("envs"))
-        try:
-            await asyncio.wait_for(cmd.done.wait(), body.get("timeout") or None)
-        except TimeoutError:
-            _killpg(cmd)
-            raise _Fail(408, "command execution timeout") from None
-        return web.json_response({"exitCode": cmd.exit_code, "result": cmd.output.decode("utf-8", "replace")})
-
-    # ---- toolbox: files -------------------------------------------------------------------
-    def _path(self, box: _Box, path: str) -> str:
-        return path if os.path.isabs(path) else os.path.join(box.root, path)
-
-    async def upload(self, request: web.Request) -> web.Response:
-        box = self._box(request, toolbox=True)
-        reader = await request.multipart()
-        paths: dict[str, str] = {}  # "files[i]" -> destination, from the files[i].path fields
-        while (part := await reader.next()) is not None:
-            field_name = part.name or ""  # type: ignore[union-attr]
-            prefix, _, kind = field_name.rpartition(".")
-            if kind == "path":
-                paths[prefix] = (await part.read()).decode()  # type: ignore[union-attr]
-            elif kind == "file":  # the client percent-quotes the filename: prefer the path field
-                dst = self._path(box, paths.get(prefix) or urllib.parse.unquote(part.filename or ""))  # type: ignore[union-attr]
-                os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
-                with open(dst, "wb") as fh:
-                    fh.write(await part.read())  # type: ignore[union-attr]
-        return web.json_response({})
-
-    async def download(self, request: web.Request) -> web.StreamResponse:
-        box = self._box(request, toolbox=True)
-        paths = (await request.json())["paths"]
-        mp = MultipartWriter("form-data")
-        for p in paths:
-            try:
-                with open(self._path(box, p), "rb") as fh:
-                    part = mp.append(fh.read(), {"Content-Type": "application/octet-stream"})
-                name = "file"
-            except OSError as e:
-                code = "FILE_NOT_FOUND" if isinstance(e, FileNotFoundError) else "FILE_READ_FAILED"
-                err = {"message": f"{p}: {e.strerror}", "statusCode": 404, "code": code, "source": "DAYTONA_DAEMON"}
-                part = mp.append(json.dumps(err), {"Content-Type": "application/json"})
-                name = "error"
-            part.set_content_disposition("form-data", quote_fields=False, name=name, filename=p)
-        resp = web.Response(status=200)
-        resp.body = mp
-        return resp
-
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self.middleware, _fail_middleware], client_max_size=1 << 30)
-        r, t = app.router, "/toolbox/{sid}"
+        app = web.Application(middlewares=[self.middleware, fail_middleware], client_max_size=1 << 30)
+        r = app.router
         r.add_post("/api/sandbox", self.create)
         r.add_get("/api/sandbox", self.list)
         r.add_get("/api/sandbox/{sid}", self.get)
         r.add_delete("/api/sandbox/{sid}", self.delete)
         r.add_post("/api/sandbox/{sid}/last-activity", self.last_activity)
         r.add_get("/api/sandbox/{sid}/toolbox-proxy-url", self.proxy_url)
-        r.add_post(t + "/process/session", self.create_session)
-        r.add_delete(t + "/process/session/{session}", self.delete_session)
-        r.add_post(t + "/process/session/{session}/exec", self.session_exec)
-        r.add_get(t + "/process/session/{session}/command/{cmd}", self.get_command)
-        r.add_get(t + "/process/session/{session}/command/{cmd}/logs", self.command_logs)
-        r.add_post(t + "/process/execute", self.execute)
-        r.add_post(t + "/files/bulk-upload", self.upload)
-        r.add_post(t + "/files/bulk-download", self.download)
+        self.add_toolbox_routes(r, "/toolbox/{sid}")
         return app
-
-
-class _Fail(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-@web.middleware
-async def _fail_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except _Fail as e:
-        return _err(e.status, str(e))
-
-
-def _err(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"statusCode": status, "message": message}, status=status, headers=headers)
-
-
-def _killpg(cmd: _Cmd) -> None:
-    if cmd.proc is not None and cmd.proc.returncode is None:
-        try:
-            os.killpg(cmd.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 class StandinHandle:
@@ -392,20 +215,57 @@ class StandinHandle:
         with self._s.lock:
             return list(self._s.calls)
 
-    def __getattr__(self, name: str):
-        if name in {"unknown_routes", "created", "deleted", "commands_run"}:
-            with self._s.lock:
-                return list(getattr(self._s, name))
-        if name in {"creates_received", "throttled_sent", "capacity_sent", "max_concurrent_creates",
-                    "activity_refreshes"}:
-            return getattr(self._s, name)
-        raise AttributeError(name)
+    def _copy(self, name: str) -> list:
+        with self._s.lock:
+            return list(getattr(self._s, name))
+
+    @property
+    def unknown_routes(self) -> list[str]:
+        """Requests no route matched (an SDK call the stand-in does not speak yet)."""
+        return self._copy("unknown_routes")
+
+    @property
+    def created(self) -> list[str]:
+        return self._copy("created")
+
+    @property
+    def deleted(self) -> list[str]:
+        return self._copy("deleted")
+
+    @property
+    def commands_run(self) -> list[str]:
+        return self._copy("commands_run")
+
+    @property
+    def creates_received(self) -> int:
+        return self._s.creates_received
+
+    @property
+    def throttled_sent(self) -> int:
+        return self._s.throttled_sent
+
+    @property
+    def capacity_sent(self) -> int:
+        return self._s.capacity_sent
+
+    @property
+    def max_concurrent_creates(self) -> int:
+        """Most sandboxes at once between their create request and being seen 'started'."""
+        return self._s.max_concurrent_creates
+
+    @property
+    def activity_refreshes(self) -> int:
+        return self._s.activity_refreshes
 
     def live(self, **labels: str) -> list[str]:
         """Ids of sandboxes not deleted (including dead ones), optionally filtered by labels."""
         with self._s.lock:
             boxes = list(self._s.boxes.values())
-        return [b.id for b in boxes if b.state != "destroyed" and all(b.labels.get(k) == v for k, v in labels.items())]
+        return [
+            b.id
+            for b in boxes
+            if b.state != "destroyed" and all(b.labels.get(k) == v for k, v in labels.items())
+        ]
 
     def state_of(self, sid: str) -> str:
         return self._s.boxes[sid].state
@@ -421,7 +281,7 @@ class StandinHandle:
         sid = uuid.uuid4().hex[:12]
         root = tempfile.mkdtemp(prefix=f"{sid}-", dir=self._s.root)
         with self._s.lock:
-            self._s.boxes[sid] = _Box(sid, {"labels": dict(labels)}, root, None, state="started")
+            self._s.boxes[sid] = Box(sid, {"labels": dict(labels)}, root, None, state="started")
         return sid
 
     def stop(self) -> None:

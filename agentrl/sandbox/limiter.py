@@ -40,7 +40,9 @@ class Backoff:
                 f"backoff needs 0 <= retry_backoff_min_s <= retry_backoff_max_s, got {self.min_s}, {self.max_s}"
             )
 
-    def delay(self, attempt: int, *, retry_after_s: float | None = None, rng: random.Random | None = None) -> float:
+    def delay(
+        self, attempt: int, *, retry_after_s: float | None = None, rng: random.Random | None = None
+    ) -> float:
         cap = min(self.max_s, self.min_s * (2.0 ** (attempt + 1)))
         d = (rng or random).uniform(self.min_s, max(cap, self.min_s))
         if retry_after_s is not None and retry_after_s > d:
@@ -61,7 +63,9 @@ class CreateLimiter:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ):
         if max_concurrent < 1 or per_minute < 1:
-            raise ValueError(f"max_concurrent and per_minute must be >= 1, got {max_concurrent}, {per_minute}")
+            raise ValueError(
+                f"max_concurrent and per_minute must be >= 1, got {max_concurrent}, {per_minute}"
+            )
         self.max_concurrent = max_concurrent
         self.per_minute = per_minute
         self._clock, self._sleep = clock, sleep
