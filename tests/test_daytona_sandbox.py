@@ -40,7 +40,7 @@ async def make_provider():
     providers = []
 
     def make(url: str, run_id: str = "run-a", **cfg) -> DaytonaSandboxProvider:
-        base = dict(daytona_api_url=url, retry_backoff_min_s=0.01, retry_backoff_max_s=0.05)
+        base = {"daytona_api_url": url, "retry_backoff_min_s": 0.01, "retry_backoff_max_s": 0.05}
         p = DaytonaSandboxProvider(
             SandboxConfig(backend="daytona", **{**base, **cfg}), run_id, orphan_recheck_s=(0.3, 1.0)
         )
@@ -160,6 +160,7 @@ async def test_create_timeout_with_sandbox_id_deletes_the_orphan(standin, make_p
         await p.create(SPEC)
     assert ei.value.kind == "create" and "timed out" in str(ei.value)
     await p.aclose()  # waits for the reaper
+    assert h.creates_received == 1  # a timeout is not retried here: the caller decides
     assert len(h.created) == 1 and h.deleted == h.created and h.live() == []
     assert p.counters["orphans_deleted"] == 1
 
@@ -212,7 +213,7 @@ async def test_sandbox_dying_mid_exec_is_lost(standin, make_provider):
 
 
 async def test_exec_failure_in_a_healthy_sandbox_is_exec(standin, make_provider):
-    url, h = standin(exec_errors=1)
+    url, _h = standin(exec_errors=1)
     sb = await make_provider(url).create(SPEC)
     with pytest.raises(SandboxError) as ei:
         await sb.exec("echo hi")
@@ -246,7 +247,7 @@ async def test_keepalive_refreshes_activity_while_open(standin, make_provider):
 
 async def test_secret_never_leaks(standin, make_provider, caplog, monkeypatch):
     caplog.set_level(logging.DEBUG)
-    url, h = standin(exec_errors=1)
+    url, _h = standin(exec_errors=1)
     p = make_provider(url)
     sb = await p.create(SPEC)
     texts = [repr(p), str(p), repr(sb), p.config.model_dump_json(), repr(p.stats())]

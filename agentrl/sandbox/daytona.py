@@ -40,6 +40,7 @@ DEFAULT_API_URL = "https://app.daytona.io/api"
 RUN_LABEL, CREATE_LABEL = "agentrl_run", "agentrl_create"
 ORPHAN_RECHECK_S = (1.0, 5.0, 30.0)  # a cancelled create may still land server-side: look again
 DELETE_TIMEOUT_S = 60.0
+SWEEP_PARALLEL_DELETES = 16  # a sweep of hundreds must not become its own 429 storm
 
 
 class _Secret:
@@ -273,7 +274,13 @@ class DaytonaSandboxProvider:
             raise self._error(
                 "sweep", f"listing sandboxes of run {self.run_id} failed", e, retryable=True
             ) from None
-        n = sum(await asyncio.gather(*(self._delete(sb) for sb in found)))
+        gate = asyncio.Semaphore(SWEEP_PARALLEL_DELETES)
+
+        async def delete(sb: AsyncSandbox) -> int:
+            async with gate:
+                return await self._delete(sb)
+
+        n = sum(await asyncio.gather(*(delete(sb) for sb in found)))
         self.counters["swept"] += n
         if n:
             log.info("swept %d sandbox(es) of run %s", n, self.run_id)

@@ -12,6 +12,7 @@ session, which kills whatever escaped.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import re
 import shlex
@@ -19,6 +20,8 @@ import uuid
 from typing import Any
 
 from agentrl.sandbox.base import ExecResult
+
+log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0  # ceiling of any single HTTP call we make
 POLL_MIN_S, POLL_MAX_S = 0.05, 1.0  # poll fast first (most commands take milliseconds), then back off
@@ -117,8 +120,8 @@ async def run_command(
 async def _delete_session(process: Any, session: str) -> None:
     try:
         await process.delete_session(session, request_timeout=CALL_TIMEOUT_S)
-    except Exception:
-        pass  # the sandbox may be gone; nothing left to kill then
+    except Exception as e:  # the sandbox may be gone; nothing left to kill then
+        log.debug("deleting exec session %s failed: %s", session, type(e).__name__)
 
 
 def classify_create_error(exc: BaseException) -> str:

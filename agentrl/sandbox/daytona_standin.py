@@ -299,7 +299,7 @@ class StandinHandle:
         self._thread.join(timeout=30)
         shutil.rmtree(self._s.root, ignore_errors=True)
 
-    def __enter__(self) -> "StandinHandle":
+    def __enter__(self) -> StandinHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -117,7 +117,7 @@ class CreateLimiter:
         }
 
 
-_shared: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, CreateLimiter]]" = (
+_shared: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, CreateLimiter]] = (
     weakref.WeakKeyDictionary()
 )
 _shared_lock = threading.Lock()
