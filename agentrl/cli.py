@@ -19,6 +19,7 @@ def _register() -> None:
     app.add_typer(config_app, name="config", help="Show and check run configs.")
     # Sub-apps of other areas are added below, one line each.
     from agentrl.models.cli import app as models_app; app.add_typer(models_app, name="models")  # noqa: E702
+    from agentrl.envs.tasks_cli import app as tasks_app; app.add_typer(tasks_app, name="tasks", help="Check task folders end to end.")  # noqa: E702, E501
 
 
 _register()

@@ -1,0 +1,277 @@
+"""terminal-bench-2 task folders -> TaskSpec.
+
+A task folder holds `instruction.md`, `task.toml`, `environment/Dockerfile` (+ build files),
+`solution/solve.sh` (the oracle, optional here) and `tests/test.sh` (+ test files). task.toml comes
+in two schemas, both accepted:
+- legacy `version = "1.0"`: `[environment] memory = "2G"`, `storage = "10G"` (sizes as strings);
+- `schema_version = "1.1"`: `[task]` name/description, `[environment]` `memory_mb`/`storage_mb`,
+  `docker_image`, `cpus`, `gpus`, `allow_internet`, `build_timeout_sec`, plus `[environment.env]`.
+Both carry `[metadata]`, `[verifier] timeout_sec` (+ `[verifier.env]`) and `[agent] timeout_sec`.
+
+Fixture conventions (this project's, ignored by other harnesses): `[metadata] expected_status`,
+`expected_reward` and `expected_empty_status` tell `agentrl tasks check` what a deliberately
+adversarial task must end with; a file `expected_error.txt` marks a deliberately invalid task.
+Every error names the file and the field, and what would fix it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentrl.sandbox.base import SandboxSpec
+from agentrl.sandbox.dockerfile import DockerfileError, parse_dockerfile
+
+DEFAULT_TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+DEFAULT_WORKDIR = "/app"  # what TB2 images use; Docker's own default would be "/"
+EXPECTED_ERROR_FILE = "expected_error.txt"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
+_UNIT_MB = {"": 1, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1 << 20}  # a bare number means MB
+
+
+class TaskFormatError(ValueError):
+    """A task folder that does not follow the format; says which file and which field."""
+
+    def __init__(self, task_dir: Path, file: str, message: str):
+        super().__init__(f"task {task_dir.name}: {file}: {message}")
+        self.task_dir = task_dir
+        self.file = file
+
+
+class TaskSpec(BaseModel):
+    """Everything about one task that the env, the scorer and `tasks check` need."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Task id: the folder's name.")
+    path: Path
+    instruction: str
+    schema_version: str = Field(description='"1.0" (legacy) or "1.1".')
+    description: str = ""
+    difficulty: str | None = None
+    category: str | None = None
+    tags: list[str] = Field(default_factory=list)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    agent_timeout_s: float = 900.0
+    verifier_timeout_s: float = 900.0
+    build_timeout_s: float = 600.0
+    docker_image: str | None = None
+    cpus: float = 1.0
+    memory_mb: int = 2048
+    storage_mb: int = 10240
+    gpus: int = 0
+    allow_internet: bool = True
+    verifier_env: dict[str, str] = Field(default_factory=dict)
+    environment_env: dict[str, str] = Field(default_factory=dict)
+    workdir: str = DEFAULT_WORKDIR
+    unsupported_locally: list[str] = Field(default_factory=list, description="Dockerfile steps a local sandbox skips.")
+    expected_status: str = "scored"
+    expected_reward: float | None = 1.0
+    expected_empty_status: str = "scored"
+
+    @property
+    def environment_dir(self) -> Path:
+        return self.path / "environment"
+
+    @property
+    def tests_dir(self) -> Path:
+        return self.path / "tests"
+
+    @property
+    def solution_path(self) -> Path | None:
+        p = self.path / "solution" / "solve.sh"
+        return p if p.is_file() else None
+
+    @property
+    def adversarial(self) -> bool:
+        return self.expected_status != "scored" or self.expected_reward != 1.0
+
+    def sandbox_spec(self, *, labels: dict[str, str] | None = None) -> SandboxSpec:
+        return SandboxSpec(
+            image=self.docker_image,
+            files_dir=str(self.environment_dir),
+            workdir=self.workdir,
+            env=dict(self.environment_env),
+            cpus=self.cpus,
+            memory_mb=self.memory_mb,
+            disk_mb=self.storage_mb,
+            allow_network=self.allow_internet,
+            labels={"task": self.name, **(labels or {})},
+        )
+
+
+def list_task_dirs(tasks_dir: Path) -> list[Path]:
+    """Folders of `tasks_dir` that contain a task.toml, sorted by name."""
+    if not tasks_dir.is_dir():
+        raise FileNotFoundError(f"tasks dir {tasks_dir} does not exist (set env.tasks_dir to a folder of task folders)")
+    return sorted(p for p in tasks_dir.iterdir() if p.is_dir() and (p / "task.toml").is_file())
+
+
+def load_task(task_dir: str | Path) -> TaskSpec:
+    d = Path(task_dir).resolve()
+    if not d.is_dir():
+        raise TaskFormatError(d, ".", "is not a folder")
+    for rel in ("instruction.md", "task.toml", "environment/Dockerfile", "tests/test.sh"):
+        if not (d / rel).is_file():
+            raise TaskFormatError(d, rel, "missing (every task needs instruction.md, task.toml, environment/Dockerfile, tests/test.sh)")
+    instruction = (d / "instruction.md").read_text(encoding="utf-8", errors="replace").strip()
+    if not instruction:
+        raise TaskFormatError(d, "instruction.md", "is empty")
+    try:
+        raw = tomllib.loads((d / "task.toml").read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise TaskFormatError(d, "task.toml", f"not valid TOML: {err}") from err
+    fields = _TomlFields(d, raw)
+    dockerfile = d / "environment" / "Dockerfile"
+    try:
+        plan = parse_dockerfile(dockerfile.read_text(encoding="utf-8"), source="environment/Dockerfile")
+    except (DockerfileError, UnicodeDecodeError) as err:
+        raise TaskFormatError(d, "environment/Dockerfile", str(err)) from err
+    meta = fields.table("metadata")
+    spec = {
+        "name": d.name,
+        "path": d,
+        "instruction": instruction,
+        "schema_version": fields.schema_version(),
+        "description": fields.string("task", "description") or "",
+        "difficulty": fields.string("metadata", "difficulty"),
+        "category": fields.string("metadata", "category"),
+        "tags": fields.string_list("metadata", "tags"),
+        "metadata": meta,
+        "agent_timeout_s": fields.seconds("agent", "timeout_sec", 900.0),
+        "verifier_timeout_s": fields.seconds("verifier", "timeout_sec", 900.0),
+        "build_timeout_s": fields.seconds("environment", "build_timeout_sec", 600.0),
+        "docker_image": fields.string("environment", "docker_image"),
+        "cpus": fields.number("environment", "cpus", 1.0),
+        "memory_mb": fields.size_mb("memory", "memory_mb", 2048),
+        "storage_mb": fields.size_mb("storage", "storage_mb", 10240),
+        "gpus": int(fields.number("environment", "gpus", 0)),
+        "allow_internet": fields.boolean("environment", "allow_internet", True),
+        "verifier_env": fields.env("verifier"),
+        "environment_env": fields.env("environment"),
+        "workdir": plan.workdir or DEFAULT_WORKDIR,
+        "unsupported_locally": plan.unsupported,
+        "expected_status": fields.string("metadata", "expected_status") or "scored",
+        "expected_empty_status": fields.string("metadata", "expected_empty_status") or "",
+    }
+    reward = meta.get("expected_reward", 1.0 if spec["expected_status"] == "scored" else None)
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
+        raise TaskFormatError(d, "task.toml", f"[metadata].expected_reward = {reward!r}: must be a number")
+    spec["expected_reward"] = None if reward is None else float(reward)
+    if not spec["expected_empty_status"]:  # an infra error of the verifier hits empty attempts too
+        spec["expected_empty_status"] = spec["expected_status"] if spec["expected_status"] != "scored" else "scored"
+    return TaskSpec(**spec)
+
+
+def expected_error(task_dir: Path) -> str | None:
+    """The text a deliberately invalid fixture's validation error must contain, if it is one."""
+    p = task_dir / EXPECTED_ERROR_FILE
+    return p.read_text().strip() if p.is_file() else None
+
+
+def load_splits(tasks_dir: Path) -> dict[str, list[str]]:
+    """SPLITS.json of a tasks dir: {"train": [...], "eval": [...]}; {} when there is none."""
+    p = tasks_dir / "SPLITS.json"
+    if not p.is_file():
+        return {}
+    data = json.loads(p.read_text())
+    if not isinstance(data, dict) or not all(isinstance(v, list) for k, v in data.items() if not k.startswith("_")):
+        raise ValueError(f"{p}: expected an object of task-name lists, e.g. {{\"train\": [...], \"eval\": [...]}}")
+    return {k: [str(x) for x in v] for k, v in data.items() if not k.startswith("_")}
+
+
+class _TomlFields:
+    """Typed reads of task.toml with errors that name the field."""
+
+    def __init__(self, task_dir: Path, raw: dict[str, Any]):
+        self.d, self.raw = task_dir, raw
+
+    def _fail(self, where: str, msg: str) -> TaskFormatError:
+        return TaskFormatError(self.d, "task.toml", f"{where}: {msg}")
+
+    def schema_version(self) -> str:
+        if "schema_version" in self.raw:
+            v = str(self.raw["schema_version"])
+        elif "version" in self.raw:
+            v = str(self.raw["version"])
+        else:
+            raise self._fail("top level", 'needs `version = "1.0"` (legacy) or `schema_version = "1.1"`')
+        if v.split(".")[0] != "1":
+            raise self._fail("schema_version", f"{v!r} is not a known schema (1.0 or 1.1)")
+        return v
+
+    def table(self, name: str) -> dict[str, Any]:
+        t = self.raw.get(name, {})
+        if not isinstance(t, dict):
+            raise self._fail(f"[{name}]", f"must be a table, got {type(t).__name__}")
+        return t
+
+    def _get(self, table: str, key: str) -> Any:
+        return self.table(table).get(key)
+
+    def string(self, table: str, key: str) -> str | None:
+        v = self._get(table, key)
+        if v is not None and not isinstance(v, str):
+            raise self._fail(f"[{table}].{key}", f"must be a string, got {v!r}")
+        return v
+
+    def string_list(self, table: str, key: str) -> list[str]:
+        v = self._get(table, key)
+        if v is None:
+            return []
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise self._fail(f"[{table}].{key}", f"must be a list of strings, got {v!r}")
+        return v
+
+    def number(self, table: str, key: str, default: float) -> float:
+        v = self._get(table, key)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            raise self._fail(f"[{table}].{key}", f"must be a non-negative number, got {v!r}")
+        return float(v)
+
+    def seconds(self, table: str, key: str, default: float) -> float:
+        v = self.number(table, key, default)
+        if v <= 0:
+            raise self._fail(f"[{table}].{key}", f"must be > 0 seconds, got {v!r}")
+        return v
+
+    def boolean(self, table: str, key: str, default: bool) -> bool:
+        v = self._get(table, key)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise self._fail(f"[{table}].{key}", f"must be true or false, got {v!r}")
+        return v
+
+    def size_mb(self, legacy_key: str, mb_key: str, default: int) -> int:
+        """`memory_mb = 2048` (1.1) or `memory = "2G"` (1.0); either schema may use either."""
+        env = self.table("environment")
+        if mb_key in env:
+            v = env[mb_key]
+            if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+                raise self._fail(f"[environment].{mb_key}", f"must be a positive number of MB, got {v!r}")
+            return int(v)
+        if legacy_key in env:
+            v = env[legacy_key]
+            m = _SIZE.match(str(v)) if isinstance(v, str | int) and not isinstance(v, bool) else None
+            if m is None:
+                raise self._fail(f"[environment].{legacy_key}", f"{v!r} is not a size like \"2G\" or \"512M\"")
+            mb = float(m.group(1)) * _UNIT_MB[m.group(2).upper()]
+            if mb <= 0:
+                raise self._fail(f"[environment].{legacy_key}", f"{v!r} must be positive")
+            return max(1, int(mb))
+        return default
+
+    def env(self, table: str) -> dict[str, str]:
+        v = self.table(table).get("env", {})
+        if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(x, str | int | float | bool) for k, x in v.items()):
+            raise self._fail(f"[{table}.env]", "must be a table of KEY = \"value\" strings")
+        return {k: str(x).lower() if isinstance(x, bool) else str(x) for k, x in v.items()}

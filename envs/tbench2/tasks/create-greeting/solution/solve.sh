@@ -1,0 +1,2 @@
+#!/bin/bash
+printf 'Hello, agentrl!\n' > /app/greeting.txt

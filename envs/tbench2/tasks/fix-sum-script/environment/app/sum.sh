@@ -1,0 +1,3 @@
+#!/bin/bash
+# Prints the sum of two integers.
+echo $(( $1 - $2 ))

@@ -1,0 +1,3 @@
+#!/bin/bash
+echo done > /app/done.txt
+yes "this line repeats forever"
