@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import pytest
+from agentrl_countdown import CountdownEnv
 
 from agentrl.agent import cap_observation, run_episode
 from agentrl.agent.actions import COMPLETION_CONFIRMATION, make_action_format
@@ -14,7 +15,6 @@ from agentrl.config.schema import AgentConfig
 from agentrl.envs.base import Action, Observation, State
 from agentrl.rollout.types import GenerateResult, SamplingParams
 from agentrl.sandbox.base import SandboxError
-from agentrl_countdown import CountdownEnv
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,12 @@ class FakeTerminalEnv:
         self.files: dict[str, str] = {}
         self.actions: list[Action] = []
         self.closed = 0
-        self.fail_at, self.score_obs, self.step_delay_s, self.done_after = fail_at, score_obs, step_delay_s, done_after
+        self.fail_at, self.score_obs, self.step_delay_s, self.done_after = (
+            fail_at,
+            score_obs,
+            step_delay_s,
+            done_after,
+        )
         self._state = State()
 
     def _maybe_fail(self, where):
@@ -95,13 +100,17 @@ class FakeTerminalEnv:
             out = "".join(chr(ord("a") + i % 26) for i in range(int(rest)))
         else:
             out = f"{verb}: command not found"
-        return Observation(text=out, done=self.done_after is not None and self._state.step_count >= self.done_after)
+        return Observation(
+            text=out, done=self.done_after is not None and self._state.step_count >= self.done_after
+        )
 
     async def score(self):
         self._maybe_fail("score")
         if self.score_obs is not None:
             return self.score_obs
-        return Observation(done=True, reward=1.0 if self.files.get("answer") == "42" else 0.0, status="scored")
+        return Observation(
+            done=True, reward=1.0 if self.files.get("answer") == "42" else 0.0, status="scored"
+        )
 
     @property
     def state(self):
@@ -167,17 +176,35 @@ async def test_countdown_episode_tokens_are_prompt_outputs_and_observation_delta
     fb2 = make_action_format("bash_block").parse("no block at all").error
     d1, d2 = expected_delta(tok, fb1, out1), expected_delta(tok, fb2, out2)
     assert traj.token_ids == prompt + out1 + d1 + out2 + d2 + out3
-    assert traj.loss_mask == [0] * len(prompt) + [1] * len(out1) + [0] * len(d1) + [1] * len(out2) + [0] * len(d2) + [1] * len(out3)
+    assert traj.loss_mask == [0] * len(prompt) + [1] * len(out1) + [0] * len(d1) + [1] * len(out2) + [
+        0
+    ] * len(d2) + [1] * len(out3)
     # Each call saw exactly the trajectory so far: nothing was re-tokenised.
-    for (input_ids, *_), upto in zip(gen.calls, [len(prompt), len(prompt + out1 + d1), len(prompt + out1 + d1 + out2 + d2)]):
+    for (input_ids, *_), upto in zip(
+        gen.calls, [len(prompt), len(prompt + out1 + d1), len(prompt + out1 + d1 + out2 + d2)]
+    ):
         assert input_ids == traj.token_ids[:upto]
-    assert all(sid == "ep-7" for _, _, sid, _ in gen.calls) and [c[3] for c in gen.calls] == ["ep-7:0", "ep-7:1", "ep-7:2"]
+    assert all(sid == "ep-7" for _, _, sid, _ in gen.calls) and [c[3] for c in gen.calls] == [
+        "ep-7:0",
+        "ep-7:1",
+        "ep-7:2",
+    ]
     # Logprobs and versions per token, where generated; 0.0 / -1 elsewhere.
     gen_pos = [i for i, m in enumerate(traj.loss_mask) if m]
-    assert [traj.weight_versions[i] for i in gen_pos] == [3] * ((len(out1) + 1) // 2) + [4] * (len(out1) // 2) + [4] * ((len(out2) + 1) // 2) + [5] * (len(out2) // 2) + [5] * ((len(out3) + 1) // 2) + [6] * (len(out3) // 2)
-    assert all(traj.weight_versions[i] == -1 and traj.rollout_logprobs[i] == 0.0 for i, m in enumerate(traj.loss_mask) if not m)
+    assert [traj.weight_versions[i] for i in gen_pos] == [3] * ((len(out1) + 1) // 2) + [4] * (
+        len(out1) // 2
+    ) + [4] * ((len(out2) + 1) // 2) + [5] * (len(out2) // 2) + [5] * ((len(out3) + 1) // 2) + [6] * (
+        len(out3) // 2
+    )
+    assert all(
+        traj.weight_versions[i] == -1 and traj.rollout_logprobs[i] == 0.0
+        for i, m in enumerate(traj.loss_mask)
+        if not m
+    )
     assert traj.rollout_logprobs[gen_pos[0]] == pytest.approx(-1.01) and traj.oldest_version == 3
-    assert set(traj.timings) >= {"generate_s", "env_s", "score_s", "total_s"} and all(v >= 0 for v in traj.timings.values())
+    assert set(traj.timings) >= {"generate_s", "env_s", "score_s", "total_s"} and all(
+        v >= 0 for v in traj.timings.values()
+    )
 
 
 async def test_terminus_json_episode_with_confirmed_completion(tok):
@@ -234,7 +261,9 @@ async def test_context_limit_truncates(tok):
 
 async def test_per_turn_token_limit_cuts_the_reply_and_feeds_back(tok):
     env = FakeTerminalEnv()
-    gen = ScriptedGenerator(tok, [bash("write answer 42 " + "x" * 400), bash("write answer 42"), "TASK_COMPLETE"])
+    gen = ScriptedGenerator(
+        tok, [bash("write answer 42 " + "x" * 400), bash("write answer 42"), "TASK_COMPLETE"]
+    )
     traj = await play(env, gen, tok, sampling=SamplingParams(max_new_tokens=30))
     assert traj.info["finish_reasons"] == ["length", "stop", "stop"]
     assert traj.info["parse_errors"] == 1 and "No complete ```bash block" in tok.decode(traj.token_ids)
@@ -253,7 +282,9 @@ async def test_wall_clock_timeout(tok):
 async def test_long_observations_keep_head_and_tail(tok):
     assert cap_observation("abcdef", 6) == "abcdef"
     capped = cap_observation("0123456789" * 10, 20)
-    assert capped.startswith("0123456789\n[... 80 characters omitted ...]\n") and capped.endswith("0123456789")
+    assert capped.startswith("0123456789\n[... 80 characters omitted ...]\n") and capped.endswith(
+        "0123456789"
+    )
     env = FakeTerminalEnv()
     gen = ScriptedGenerator(tok, [bash("spam 5000"), "TASK_COMPLETE"])
     traj = await play(env, gen, tok, cfg=AgentConfig(observation_max_chars=100))
@@ -272,9 +303,17 @@ async def test_long_observations_keep_head_and_tail(tok):
         ({"fail_at": "step-bug"}, [bash("cat x")], "infra_error:env"),
         ({"fail_at": "score"}, ["TASK_COMPLETE"], "infra_error:exec"),
         ({"fail_at": "score-bug"}, ["TASK_COMPLETE"], "infra_error:verifier"),
-        ({"score_obs": Observation(done=True, status="infra_error:verifier")}, ["TASK_COMPLETE"], "infra_error:verifier"),
+        (
+            {"score_obs": Observation(done=True, status="infra_error:verifier")},
+            ["TASK_COMPLETE"],
+            "infra_error:verifier",
+        ),
         ({"score_obs": Observation(done=True, status="scored")}, ["TASK_COMPLETE"], "infra_error:verifier"),
-        ({"score_obs": Observation(done=True, reward=float("nan"), status="scored")}, ["TASK_COMPLETE"], "infra_error:verifier"),
+        (
+            {"score_obs": Observation(done=True, reward=float("nan"), status="scored")},
+            ["TASK_COMPLETE"],
+            "infra_error:verifier",
+        ),
         ({}, [ConnectionError("engine gone")], "infra_error:engine"),
         ({}, [("TASK_COMPLETE", "abort")], "infra_error:engine"),
     ],
@@ -350,7 +389,7 @@ def test_bash_block_format(reply, command, complete, error):
         ('{"commands": [{"keystrokes": 3}]}', "keystrokes must be a string"),
         ('{"commands": [{"keystrokes": "ls\\n", "duration": "soon"}]}', "duration must be a number"),
         ('{"commands": [], "task_complete": "yes"}', "true or false"),
-        ('[1, 2]', "JSON object"),
+        ("[1, 2]", "JSON object"),
     ],
 )
 def test_terminus_format_errors(reply, error):
@@ -363,9 +402,84 @@ def test_terminus_format_defaults_and_clamps():
         'Sure: {"analysis": "", "plan": "", "commands": [{"keystrokes": "C-c"}, '
         '{"keystrokes": "sleep 1\\n", "duration": -3}, {"keystrokes": "make\\n", "duration": 1e9}]} thanks'
     )
-    assert [(a.keystrokes, a.duration_s) for a in parsed.actions] == [("C-c", 1.0), ("sleep 1\n", 0.0), ("make\n", 60.0)]
+    assert [(a.keystrokes, a.duration_s) for a in parsed.actions] == [
+        ("C-c", 1.0),
+        ("sleep 1\n", 0.0),
+        ("make\n", 60.0),
+    ]
 
 
 def test_unknown_format_is_a_clear_error():
     with pytest.raises(ValueError, match="agent.action_format 'xml'"):
         make_action_format("xml")
+
+
+# -- observation deltas under other templates -------------------------------------------------
+
+# ChatML-like: an assistant turn closes with eos and a newline, so the delta starts with the
+# newline when the model stopped on eos. Like Qwen3 it renders the latest assistant turn
+# differently from past ones; the delta is taken from the history rendering.
+QWEN_LIKE_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}{{ '<|assistant|>\\n' }}"
+    "{%- if loop.last -%}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}{{ m.content + '<|endoftext|>\\n' }}"
+    "{%- else -%}{{ '<|' + m.role + '|>\\n' + m.content + '<|endoftext|>\\n' }}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
+)
+
+
+@pytest.fixture
+def qwen_like_tok():
+    from agentrl.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("tiny")
+    tok.chat_template = QWEN_LIKE_TEMPLATE
+    return tok
+
+
+async def test_deltas_follow_the_template_and_skip_what_the_model_already_closed(qwen_like_tok):
+    tok = qwen_like_tok
+    eos = tok.eos_token_id
+    env = FakeTerminalEnv()
+    gen = ScriptedGenerator(tok, [bash("write answer 42"), (bash("cat answer"), "length"), "TASK_COMPLETE"])
+    traj = await play(env, gen, tok)
+    out1, out2, out3 = gen.outputs
+    assert out1[-1] == eos and out2[-1] != eos
+    delta = lambda obs: tok.encode(
+        f"\n<|user|>\n{obs}<|endoftext|>\n<|assistant|>\n", add_special_tokens=False
+    )
+    prompt = traj.token_ids[: traj.prompt_len]
+    # Turn 1 ended with eos: the delta continues after it. Turn 2 was cut (no eos): the delta closes it.
+    assert traj.token_ids == prompt + out1 + delta("(no output)") + out2 + [eos] + delta("42") + out3
+    assert tok.decode(prompt).endswith(
+        "<|user|>\nWrite 42 into the file answer.<|endoftext|>\n<|assistant|>\n"
+    )
+
+
+async def test_a_turn_ended_by_the_next_role_token_is_continued_after_it(tok):
+    user = tok.convert_tokens_to_ids("<|user|>")
+
+    class StopsOnUser(ScriptedGenerator):
+        async def generate(self, input_ids, sampling, *, session_id, rid=None):
+            r = await super().generate(input_ids, sampling, session_id=session_id, rid=rid)
+            ids = r.output_ids[:-1] + [user]  # GLM-style: the turn ends by opening the user's
+            self.outputs[-1] = ids
+            return GenerateResult(ids, r.logprobs, r.weight_versions, "stop")
+
+    env = FakeTerminalEnv()
+    gen = StopsOnUser(tok, [bash("write answer 42"), "TASK_COMPLETE"])
+    traj = await play(env, gen, tok)
+    out1, out2 = gen.outputs
+    prompt = traj.token_ids[: traj.prompt_len]
+    rest = tok.encode("\n(no output)\n<|assistant|>\n", add_special_tokens=False)
+    assert traj.token_ids == prompt + out1 + rest + out2 and traj.reward == 1.0
+
+
+def test_a_tokenizer_without_chat_template_is_a_clear_error(tok):
+    from agentrl.agent.chat import ChatTokens
+
+    class NoTemplate:
+        chat_template = None
+
+    with pytest.raises(ValueError, match="no chat template"):
+        ChatTokens(NoTemplate(), "system")

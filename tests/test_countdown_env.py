@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from agentrl_countdown import CountdownEnv
 
 from agentrl.envs.base import Action, Env
-from agentrl_countdown import CountdownEnv
 
 
 def test_is_an_env_with_deterministic_tasks():

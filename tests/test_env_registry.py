@@ -11,7 +11,9 @@ from agentrl.envs.base import Env
 from agentrl.envs.registry import ENTRY_POINT_GROUP, EnvRegistryError, available_envs, make_env
 
 
-def _install_fake_distribution(root, dist: str, entry_points: dict[str, str], module: str, source: str) -> None:
+def _install_fake_distribution(
+    root, dist: str, entry_points: dict[str, str], module: str, source: str
+) -> None:
     """A real (if minimal) installed distribution: a dist-info folder with entry_points.txt,
     plus its module, under `root` (which the test puts on sys.path)."""
     info = root / f"{dist}-0.1.dist-info"
@@ -128,7 +130,9 @@ def test_two_packages_claiming_one_name_is_an_error(fake_dist):
 
 
 def test_nothing_is_registered_at_import():
-    import agentrl.envs.registry as registry
+    from agentrl.envs import registry
 
-    module_state = {k: v for k, v in vars(registry).items() if not k.startswith("__") and isinstance(v, (dict, list, set))}
+    module_state = {
+        k: v for k, v in vars(registry).items() if not k.startswith("__") and isinstance(v, (dict, list, set))
+    }
     assert module_state == {}

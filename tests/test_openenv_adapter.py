@@ -17,10 +17,11 @@ import pytest
 pytest.importorskip("openenv")
 uvicorn = pytest.importorskip("uvicorn")
 
-from agentrl.envs.base import Action, Observation  # noqa: E402
-from agentrl.envs.openenv_adapter import OpenEnvRemote, create_openenv_app  # noqa: E402
-from agentrl.sandbox.base import SandboxError  # noqa: E402
-from agentrl_countdown import CountdownEnv  # noqa: E402
+from agentrl_countdown import CountdownEnv
+
+from agentrl.envs.base import Action, Observation
+from agentrl.envs.openenv_adapter import OpenEnvRemote, create_openenv_app
+from agentrl.sandbox.base import SandboxError
 
 
 @contextmanager
@@ -46,7 +47,9 @@ def running(app) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def countdown_url() -> Iterator[str]:
-    with running(create_openenv_app(lambda: CountdownEnv(num_tasks=5), env_name="countdown", max_concurrent_envs=4)) as url:
+    with running(
+        create_openenv_app(lambda: CountdownEnv(num_tasks=5), env_name="countdown", max_concurrent_envs=4)
+    ) as url:
         yield url
 
 
@@ -147,3 +150,52 @@ def test_importing_the_adapter_does_not_import_openenv():
     code = "import sys, agentrl.envs.openenv_adapter, agentrl.envs.registry; print('openenv' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+async def test_stateless_http_routes_and_seed_picked_tasks(countdown_url):
+    import httpx
+
+    local = CountdownEnv(num_tasks=5)
+    async with httpx.AsyncClient(base_url=countdown_url, timeout=30) as http:
+        # A plain OpenEnv client sends no task id: the seed picks one (seed 7 -> task 7 % 5 = 2).
+        reset = (await http.post("/reset", json={"seed": 7})).raise_for_status().json()
+        assert f"Target: {local.puzzle(local.task_ids()[2])[1]}" in reset["observation"]["text"]
+        reset = (await http.post("/reset", json={"task_id": local.task_ids()[4]})).raise_for_status().json()
+        assert f"Target: {local.puzzle(local.task_ids()[4])[1]}" in reset["observation"]["text"]
+        task = (
+            (await http.post("/countdown/task", json={"split": "all", "index": 1})).raise_for_status().json()
+        )
+        assert task["task"] == {"id": local.task_ids()[1], "index": 1}
+        schema = (await http.get("/schema")).raise_for_status().json()
+        assert schema["action"]["title"] == "AgentrlAction" and "op" in schema["action"]["properties"]
+
+
+@pytest.mark.slow
+def test_serve_openenv_runs_a_server_process():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    code = (
+        "from agentrl.envs.openenv_adapter import serve_openenv\n"
+        "from agentrl_countdown import CountdownEnv\n"
+        f"serve_openenv(lambda: CountdownEnv(num_tasks=2), port={port}, env_name='countdown')\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                names = httpx.get(f"http://127.0.0.1:{port}/list_environments", timeout=2).json()
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "server did not come up"
+                time.sleep(0.5)
+        assert names == ["countdown"]
+        assert OpenEnvRemote(f"http://127.0.0.1:{port}").task_ids() == ["countdown-0-0", "countdown-0-1"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

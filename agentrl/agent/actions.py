@@ -62,6 +62,10 @@ COMPLETION_CONFIRMATION = (
 )
 
 
+class _BadReply(Exception):
+    """A reply that does not follow the format; its message is fed back to the model."""
+
+
 @dataclass
 class ParsedTurn:
     """What one model reply asks for. `error` set: nothing runs, the text is fed back.
@@ -93,11 +97,18 @@ class BashBlockFormat:
         if not blocks and done:
             return ParsedTurn(complete=True)
         if blocks and done:
-            return ParsedTurn(error=f"Reply with either one ```bash block or {TASK_COMPLETE}, not both. " + self._reminder())
+            return ParsedTurn(
+                error=f"Reply with either one ```bash block or {TASK_COMPLETE}, not both. " + self._reminder()
+            )
         if len(blocks) > 1:
-            return ParsedTurn(error=f"Found {len(blocks)} ```bash blocks; send exactly one per reply. " + self._reminder())
+            return ParsedTurn(
+                error=f"Found {len(blocks)} ```bash blocks; send exactly one per reply. " + self._reminder()
+            )
         if _ANY_FENCE.search(visible):
-            return ParsedTurn(error="No complete ```bash block found (a block opens with ```bash and a newline and closes with ```). " + self._reminder())
+            return ParsedTurn(
+                error="No complete ```bash block found (a block opens with ```bash and a newline and closes with ```). "
+                + self._reminder()
+            )
         return ParsedTurn(error="No ```bash block found. " + self._reminder())
 
     @staticmethod
@@ -119,11 +130,13 @@ class TerminusJsonFormat:
             actions = [self._action(i, c) for i, c in enumerate(_commands(reply))]
             wants_complete = reply.get("task_complete", False)
             if not isinstance(wants_complete, bool):
-                raise ValueError(f'"task_complete" must be true or false, got {wants_complete!r}')
-        except ValueError as err:
+                raise _BadReply(f'"task_complete" must be true or false, got {wants_complete!r}')
+        except _BadReply as err:
             # A malformed reply breaks the confirmation chain: completion needs consecutive trues.
             self._completion_pending = False
-            return ParsedTurn(error=f"Your reply could not be used: {err}. Reply with one JSON object as described.")
+            return ParsedTurn(
+                error=f"Your reply could not be used: {err}. Reply with one JSON object as described."
+            )
         if not wants_complete:
             self._completion_pending = False
             return ParsedTurn(actions=actions)
@@ -134,35 +147,35 @@ class TerminusJsonFormat:
 
     def _action(self, index: int, command: object) -> Action:
         if not isinstance(command, dict):
-            raise ValueError(f"commands[{index}] must be an object with keystrokes and duration")
+            raise _BadReply(f"commands[{index}] must be an object with keystrokes and duration")
         keystrokes = command.get("keystrokes")
         if not isinstance(keystrokes, str):
-            raise ValueError(f'commands[{index}].keystrokes must be a string, got {type(keystrokes).__name__}')
+            raise _BadReply(f"commands[{index}].keystrokes must be a string, got {type(keystrokes).__name__}")
         duration = command.get("duration", DEFAULT_KEYSTROKE_DURATION_S)
         if isinstance(duration, bool) or not isinstance(duration, int | float) or not math.isfinite(duration):
-            raise ValueError(f"commands[{index}].duration must be a number of seconds, got {duration!r}")
+            raise _BadReply(f"commands[{index}].duration must be a number of seconds, got {duration!r}")
         return Action(keystrokes=keystrokes, duration_s=min(max(float(duration), 0.0), self.max_duration_s))
 
 
 def _json_object(text: str) -> dict:
     start, end = text.find("{"), text.rfind("}")
     if start < 0 or end < start:
-        raise ValueError("no JSON object found")
+        raise _BadReply("no JSON object found")
     try:
         reply = json.loads(text[start : end + 1])
     except json.JSONDecodeError as err:
-        raise ValueError(f"invalid JSON ({err.msg} at character {err.pos})") from None
+        raise _BadReply(f"invalid JSON ({err.msg} at character {err.pos})") from None
     if not isinstance(reply, dict):
-        raise ValueError("the reply must be a JSON object")
+        raise _BadReply("the reply must be a JSON object")
     return reply
 
 
 def _commands(reply: dict) -> list:
     if "commands" not in reply:
-        raise ValueError('missing "commands" (a list, possibly empty)')
+        raise _BadReply('missing "commands" (a list, possibly empty)')
     commands = reply["commands"]
     if not isinstance(commands, list):
-        raise ValueError(f'"commands" must be a list, got {type(commands).__name__}')
+        raise _BadReply(f'"commands" must be a list, got {type(commands).__name__}')
     return commands
 
 

@@ -59,7 +59,7 @@ class ChatTokens:
         if rendered.count(_MARKER) != 1:
             raise ValueError("the chat template does not render an assistant turn's content verbatim")
         delta = self._encode(rendered.split(_MARKER, 1)[1])
-        return delta[_overlap(last_output_ids, delta) :]
+        return delta[self._already_produced(last_output_ids, delta) :]
 
     def _render(self, messages: list[dict[str, str]]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -68,10 +68,18 @@ class ChatTokens:
         # The template writes its own special tokens (bos, role tokens): add none.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def _already_produced(self, output_ids: list[int], delta: list[int]) -> int:
+        """How many of the delta's first ids the model's turn already ends with.
 
-def _overlap(output_ids: list[int], delta: list[int]) -> int:
-    """Largest k such that the output ends with the delta's first k ids."""
-    for k in range(min(_MAX_OVERLAP, len(output_ids), len(delta)), 0, -1):
-        if output_ids[-k:] == delta[:k]:
-            return k
-    return 0
+        Usually its end-of-turn token (k=1). A model may also stop on the *next* role token
+        (GLM-style templates stop on <|user|>/<|observation|>); when the output ends with a
+        special token that appears early in the delta, the delta continues after it, so the
+        turn is closed the way the model closed it."""
+        for k in range(min(_MAX_OVERLAP, len(output_ids), len(delta)), 0, -1):
+            if output_ids[-k:] == delta[:k]:
+                return k
+        if output_ids and output_ids[-1] in set(self.tokenizer.all_special_ids):
+            head = delta[:_MAX_OVERLAP]
+            if output_ids[-1] in head:
+                return head.index(output_ids[-1]) + 1
+        return 0

@@ -25,7 +25,14 @@ from typing import Any
 
 from agentrl.agent.actions import ParsedTurn, make_action_format
 from agentrl.agent.chat import ChatTokens
-from agentrl.agent.trajectory import AGENT_TIMEOUT, INFRA_ERROR_PREFIX, SCORED, TRUNCATED, Trajectory, infra_error
+from agentrl.agent.trajectory import (
+    AGENT_TIMEOUT,
+    INFRA_ERROR_PREFIX,
+    SCORED,
+    TRUNCATED,
+    Trajectory,
+    infra_error,
+)
 from agentrl.config.schema import AgentConfig
 from agentrl.envs.base import Env, Observation
 from agentrl.rollout.types import GenerateResult, Generator, SamplingParams
@@ -47,13 +54,21 @@ def cap_observation(text: str, max_chars: int) -> str:
         return text
     head = max_chars // 2
     tail = max_chars - head
-    return f"{text[:head]}\n[... {len(text) - max_chars} characters omitted ...]\n{text[len(text) - tail:]}"
+    return f"{text[:head]}\n[... {len(text) - max_chars} characters omitted ...]\n{text[len(text) - tail :]}"
 
 
 class _Episode:
     """The state of one episode while it runs (kept off run_episode's signature)."""
 
-    def __init__(self, env: Env, generator: Generator, tokenizer: Any, cfg: AgentConfig, sampling: SamplingParams, episode_id: str):
+    def __init__(
+        self,
+        env: Env,
+        generator: Generator,
+        tokenizer: Any,
+        cfg: AgentConfig,
+        sampling: SamplingParams,
+        episode_id: str,
+    ):
         self.env, self.generator, self.tokenizer = env, generator, tokenizer
         self.cfg, self.sampling, self.episode_id = cfg, sampling, episode_id
         self.format = make_action_format(cfg.action_format, cfg.command_timeout_s)
@@ -101,7 +116,10 @@ class _Episode:
         start = time.perf_counter()
         try:
             result = await self.generator.generate(
-                list(self.token_ids), sampling, session_id=self.episode_id, rid=f"{self.episode_id}:{self.turns}"
+                list(self.token_ids),
+                sampling,
+                session_id=self.episode_id,
+                rid=f"{self.episode_id}:{self.turns}",
             )
         except Exception as err:
             raise _InfraFailure("engine", f"generate: {type(err).__name__}: {err}") from err
@@ -161,7 +179,9 @@ class _Episode:
                 return "", "env_done"
         if parsed.complete:
             return "", "task_complete"
-        observation = "\n".join(o for o in outputs if o) or ("(no output)" if parsed.actions else "(no commands sent)")
+        observation = "\n".join(o for o in outputs if o) or (
+            "(no output)" if parsed.actions else "(no commands sent)"
+        )
         if parsed.notice:
             observation = f"{observation}\n\n{parsed.notice}"
         return observation, None
@@ -170,7 +190,9 @@ class _Episode:
         verdict = await self.env_call("score", self.env.score(), timing="score_s", kind="verifier")
         reward = verdict.reward
         if verdict.status not in (None, SCORED) or reward is None or not math.isfinite(reward):
-            raise _InfraFailure("verifier", f"score: no valid reward (status {verdict.status!r}, reward {reward!r})")
+            raise _InfraFailure(
+                "verifier", f"score: no valid reward (status {verdict.status!r}, reward {reward!r})"
+            )
         return float(reward)
 
 
@@ -224,7 +246,7 @@ async def run_episode(
         close_start = time.perf_counter()
         try:
             await env.close()
-        except Exception as err:  # a failed close must not hide the episode's result; record it
+        except Exception as err:  # noqa: BLE001 - a failed close must not hide the episode's result; record it
             ep.info["close_error"] = f"{type(err).__name__}: {err}"[:_MAX_ERROR_CHARS]
         ep.timings["close_s"] = time.perf_counter() - close_start
     ep.timings["total_s"] = time.perf_counter() - started

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -32,6 +33,7 @@ WIRE_ACTION_TITLE = "AgentrlAction"
 # The single split a served agentrl env publishes through OpenEnv's Task API.
 TASK_SPLIT = "all"
 _INFRA_PREFIX = "infra_error:"
+_log = logging.getLogger(__name__)
 
 
 # -- serving an agentrl Env through OpenEnv ----------------------------------------------------
@@ -45,7 +47,9 @@ def create_openenv_app(
     Every WebSocket session gets its own env from the factory, so sessions never share state.
     """
     if not callable(env_factory):
-        raise TypeError(f"env_factory must build an Env (a class or function), got {type(env_factory).__name__}")
+        raise TypeError(
+            f"env_factory must build an Env (a class or function), got {type(env_factory).__name__}"
+        )
     from openenv.core.env_server.http_server import create_app
 
     action_cls, observation_cls, state_cls, served_cls = _wire_types()
@@ -124,7 +128,9 @@ def _wire_types() -> tuple[type, type, type, type]:
                 task_id = ids[(seed or 0) % len(ids)]
             return await self._call(self._env.reset(task_id, episode_id=episode_id, seed=seed))
 
-        async def step_async(self, action: AgentrlAction, timeout_s: float | None = None, **_: Any) -> AgentrlObservation:
+        async def step_async(
+            self, action: AgentrlAction, timeout_s: float | None = None, **_: Any
+        ) -> AgentrlObservation:
             self._loop = asyncio.get_running_loop()
             if action.op == "score":
                 return await self._call(self._env.score())
@@ -141,10 +147,14 @@ def _wire_types() -> tuple[type, type, type, type]:
             )
 
         # OpenEnv's sync entry points; used only when the caller has no event loop of its own.
-        def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> AgentrlObservation:
+        def reset(
+            self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any
+        ) -> AgentrlObservation:
             return _run_blocking(self.reset_async(seed=seed, episode_id=episode_id, **kwargs))
 
-        def step(self, action: AgentrlAction, timeout_s: float | None = None, **kwargs: Any) -> AgentrlObservation:
+        def step(
+            self, action: AgentrlAction, timeout_s: float | None = None, **kwargs: Any
+        ) -> AgentrlObservation:
             return _run_blocking(self.step_async(action, timeout_s=timeout_s))
 
         @property
@@ -178,6 +188,7 @@ def _wire_types() -> tuple[type, type, type, type]:
             if running is not None:
                 # On a loop thread we must not block: finish the close as a task on this loop.
                 self._pending_close = running.create_task(self._env.close())
+                self._pending_close.add_done_callback(_log_close_failure)
             elif self._loop is not None and self._loop.is_running():
                 # The env's resources belong to the server's loop; close them there.
                 asyncio.run_coroutine_threadsafe(self._env.close(), self._loop).result(timeout=120)
@@ -187,13 +198,20 @@ def _wire_types() -> tuple[type, type, type, type]:
     return AgentrlAction, AgentrlObservation, AgentrlState, ServedAgentrlEnv
 
 
+def _log_close_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        _log.warning("closing a served env failed: %r", task.exception())
+
+
 def _run_blocking(coro):
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coro)
     coro.close()
-    raise RuntimeError("called the sync OpenEnv method inside an event loop; await reset_async/step_async instead")
+    raise RuntimeError(
+        "called the sync OpenEnv method inside an event loop; await reset_async/step_async instead"
+    )
 
 
 # -- using a remote OpenEnv environment as an agentrl Env --------------------------------------
@@ -255,7 +273,9 @@ class OpenEnvRemote:
             tasks = resp.raise_for_status().json()["tasks"]
         return [t["id"] if isinstance(t, dict) else str(t) for t in tasks]
 
-    async def reset(self, task_id: str, *, episode_id: str | None = None, seed: int | None = None) -> Observation:
+    async def reset(
+        self, task_id: str, *, episode_id: str | None = None, seed: int | None = None
+    ) -> Observation:
         if self._protocol == "auto":
             self._protocol = await self._detect_protocol()
         if self._client is None:
@@ -291,7 +311,9 @@ class OpenEnvRemote:
             return Observation(
                 text="the remote env reported no reward", done=True, status=f"{_INFRA_PREFIX}verifier"
             )
-        return Observation(text=f"reward {self._last_reward}", done=True, reward=self._last_reward, status="scored")
+        return Observation(
+            text=f"reward {self._last_reward}", done=True, reward=self._last_reward, status="scored"
+        )
 
     @property
     def state(self) -> State:
@@ -319,7 +341,9 @@ class OpenEnvRemote:
             try:
                 resp = await http.get("/schema")
             except httpx.HTTPError as err:
-                raise SandboxError("env_connect", f"OpenEnv server {self.base_url} unreachable: {err}") from err
+                raise SandboxError(
+                    "env_connect", f"OpenEnv server {self.base_url} unreachable: {err}"
+                ) from err
         if resp.status_code != 200:
             return "generic"
         return "agentrl" if resp.json().get("action", {}).get("title") == WIRE_ACTION_TITLE else "generic"
@@ -334,7 +358,7 @@ class OpenEnvRemote:
     async def _exchange(self, what: str, call: Callable[[], Any]) -> Observation:
         try:
             result = await call()
-        except (ConnectionError, OSError, asyncio.TimeoutError) as err:
+        except (TimeoutError, ConnectionError, OSError) as err:
             raise SandboxError("env_connect", f"OpenEnv {what} at {self.base_url} failed: {err}") from err
         except RuntimeError as err:  # the server answered with an error frame
             raise SandboxError("env", f"OpenEnv {what} at {self.base_url}: {err}") from err

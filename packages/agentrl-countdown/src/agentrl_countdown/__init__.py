@@ -37,7 +37,12 @@ class CountdownEnv:
     """
 
     def __init__(
-        self, num_tasks: int = 1000, seed: int = 0, num_numbers: int = 4, max_number: int = 25, max_attempts: int = 3
+        self,
+        num_tasks: int = 1000,
+        seed: int = 0,
+        num_numbers: int = 4,
+        max_number: int = 25,
+        max_attempts: int = 3,
     ):
         for name, value, low in (
             ("num_tasks", num_tasks, 1),
@@ -102,7 +107,9 @@ class CountdownEnv:
 
     # -- episode ----------------------------------------------------------------------------
 
-    async def reset(self, task_id: str, *, episode_id: str | None = None, seed: int | None = None) -> Observation:
+    async def reset(
+        self, task_id: str, *, episode_id: str | None = None, seed: int | None = None
+    ) -> Observation:
         """Start a task. `seed` is ignored: the task id alone fixes the puzzle."""
         self._numbers, self._target = self.puzzle(task_id)
         self._attempts = 0
@@ -136,7 +143,11 @@ class CountdownEnv:
         else:
             correct = value == self._target
             shown = str(value) if value.denominator == 1 else f"{value} (not an integer)"
-            feedback = f"Correct: {answer} = {self._target}." if correct else f"{answer} = {shown}; the target is {self._target}."
+            feedback = (
+                f"Correct: {answer} = {self._target}."
+                if correct
+                else f"{answer} = {shown}; the target is {self._target}."
+            )
         self._solved = self._solved or correct
         self._done = correct or self._attempts >= self.max_attempts
         if not self._done:
@@ -194,5 +205,7 @@ def _evaluate(node: ast.expr, used: list[int]) -> Fraction:
         used.append(node.value)
         return Fraction(node.value)
     if isinstance(node, ast.BinOp):
-        raise ValueError("only + - * / are allowed")
-    raise ValueError(f"only the given integers, + - * / and parentheses are allowed (found {ast.unparse(node)!r})")
+        raise ValueError("only + - * / are allowed")  # noqa: TRY004 - check() reports every bad answer as ValueError
+    raise ValueError(
+        f"only the given integers, + - * / and parentheses are allowed (found {ast.unparse(node)!r})"
+    )
