@@ -1,0 +1,436 @@
+"""Continuous batching around a transformers causal LM: one thread owns the model.
+
+Each iteration the scheduler thread (1) runs control commands (pause, weight load, flush) and
+aborts, (2) admits waiting requests up to `max_batch_size`, prefilling them (reusing a cached
+prefix when one matches), and (3) runs ONE decode step for every running sequence together.
+Requests join and leave between steps; no lock is held across a generation. The HTTP side only
+enqueues work and receives results through a callback.
+
+Pause modes (SGLang's): `abort` ends every request with its partial output; `retract` frees the
+running requests' KV and re-queues them, so after a weight update their KV is recomputed under
+the new weights; `in_place` keeps KV and is the only mode in which old KV meets new weights.
+A weight load while requests run (not paused in_place) retracts them first, for the same reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from agentrl.rollout.embedded import kv as kvlib
+from agentrl.rollout.embedded.prefix_cache import PrefixCache
+from agentrl.rollout.embedded.sampling import RowParams, sample_rows, scaled_logprobs
+
+log = logging.getLogger(__name__)
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass
+class GenRequest:
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    params: RowParams
+    on_done: Callable[["GenOutput"], None]  # called on the scheduler thread; must not block
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprob_start_len: int = -1  # >= 0: also return input logprobs from this position
+
+
+@dataclass
+class GenOutput:
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[str]
+    finish_reason: dict
+    prompt_tokens: int
+    cached_tokens: int
+    weight_version: str
+    input_logprobs: list[float | None] | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Seq:
+    req: GenRequest
+    tokens: list[int]
+    out_ids: list[int] = field(default_factory=list)
+    out_lps: list[float] = field(default_factory=list)
+    out_versions: list[str] = field(default_factory=list)
+    kv: kvlib.SeqKV | None = None  # only between prefill and joining the batch
+    kv_len: int = 0
+    cached_tokens: int = 0
+    admitted: bool = False
+    done: bool = False
+    input_lps: list[float | None] | None = None
+
+
+class Busy(RuntimeError):
+    """The request conflicts with running generation (e.g. flush_cache while requests run)."""
+
+
+class Scheduler:
+    def __init__(self, model, *, max_batch_size: int = 32, prefill_tokens_per_step: int = 8192,
+                 prefix_cache_tokens: int = 262144, eos_token_ids: tuple[int, ...] = (),
+                 decode: Callable[[list[int]], str] | None = None, seed: int = 0,
+                 weight_version: str = "0") -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model.eval()
+        if model.config._attn_implementation not in ("eager", "sdpa"):
+            model.set_attn_implementation("sdpa")
+        self._additive = model.dtype if model.config._attn_implementation == "eager" else None
+        self.max_batch_size = max_batch_size
+        self.prefill_tokens_per_step = prefill_tokens_per_step
+        self.eos = frozenset(eos_token_ids)
+        self.decode = decode
+        self.prefix = PrefixCache(prefix_cache_tokens)
+        self._gen = torch.Generator().manual_seed(seed)
+        self.weight_version = weight_version
+        self.epoch = 0  # bumped by every weight load; prefix-cache entries of older epochs are dead
+        self.paused, self.pause_mode = False, None
+        self._cv = threading.Condition()
+        self._inbox: deque[_Seq] = deque()
+        self._commands: deque[tuple[Callable[[], object], Future]] = deque()
+        self._abort_rids: set[str] = set()
+        self._abort_all = False
+        self._stopping = False
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._admitting: list[_Seq] = []
+        self._cache = None
+        self._width = 0
+        self._stats = {"decode_steps": 0, "max_decode_batch_size": 0, "last_decode_batch_size": 0,
+                       "generated_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0, "requests_done": 0}
+        self._thread = threading.Thread(target=self._loop, name="embedded-engine-scheduler", daemon=True)
+
+    # ---- thread-safe API -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, req: GenRequest) -> None:
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("engine is shutting down")
+            self._inbox.append(_Seq(req, list(req.input_ids)))
+            self._cv.notify()
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        with self._cv:
+            if abort_all:
+                self._abort_all = True
+            elif rid:
+                self._abort_rids.add(rid)
+            self._cv.notify()
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run fn on the scheduler thread between steps (no forward is in flight then)."""
+        fut: Future = Future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("engine is shutting down")
+            self._commands.append((fn, fut))
+            self._cv.notify()
+        return fut
+
+    def stats(self) -> dict:
+        with self._cv:
+            return {**self._stats, "num_running": len(self._running), "num_waiting": len(self._waiting),
+                    "prefix_cache_tokens": self.prefix.tokens_held, "paused": self.paused,
+                    "pause_mode": self.pause_mode, "weight_version": self.weight_version,
+                    "max_batch_size": self.max_batch_size}
+
+    # ---- commands (run on the scheduler thread via call) ---------------------------------
+    def pause(self, mode: str) -> dict:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}; use one of {PAUSE_MODES}")
+        n_running, n_waiting = len(self._running), len(self._waiting)
+        if mode == "abort":
+            self._finish_all("paused with mode=abort")
+        elif mode == "retract":
+            self._retract_running()
+        self.paused, self.pause_mode = True, mode
+        return {"running": n_running, "waiting": n_waiting}
+
+    def resume(self) -> None:
+        self.paused, self.pause_mode = False, None
+
+    def load_weights(self, load: Callable[[], int], weight_version: str | None) -> int:
+        """Apply `load` (which copies tensors into the model) with no forward in flight."""
+        if self._running and not (self.paused and self.pause_mode == "in_place"):
+            self._retract_running()
+        n = load()
+        self.epoch += 1
+        self.prefix.clear()
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        return n
+
+    def set_weight_version(self, version: str, abort_all: bool) -> None:
+        if abort_all:
+            self._finish_all("aborted by update_weight_version")
+        self.weight_version = str(version)
+
+    def flush_cache(self) -> None:
+        if self._running or self._waiting:
+            raise Busy(f"cache not flushed: {len(self._running)} running, {len(self._waiting)} waiting requests")
+        self.prefix.clear()
+
+    # ---- the loop -----------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        return bool(self._inbox or self._commands or self._abort_rids or self._abort_all
+                    or (not self.paused and (self._waiting or self._running)))
+
+    def _loop(self) -> None:
+        with torch.no_grad():
+            while True:
+                with self._cv:
+                    while not (self._stopping or self._has_work()):
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    self._waiting.extend(self._inbox)
+                    self._inbox.clear()
+                    commands = list(self._commands)
+                    self._commands.clear()
+                    rids, abort_all = self._abort_rids, self._abort_all
+                    self._abort_rids, self._abort_all = set(), False
+                for fn, fut in commands:
+                    try:
+                        fut.set_result(fn())
+                    except Exception as exc:  # reported to the caller, the loop lives on
+                        fut.set_exception(exc)
+                if abort_all or rids:
+                    self._abort(rids, abort_all)
+                if self.paused:
+                    continue
+                try:
+                    self._admit()
+                    if self._running:
+                        self._decode_step()
+                except Exception as exc:
+                    log.exception("embedded engine step failed")
+                    self._fail_running(f"engine error: {type(exc).__name__}: {exc}")
+            self._waiting.extend(self._inbox)
+            self._finish_all("engine shutting down")
+            for _, fut in self._commands:
+                fut.set_exception(RuntimeError("engine shutting down"))
+
+    def _admit(self) -> None:
+        room, budget, new = self.max_batch_size - len(self._running), self.prefill_tokens_per_step, []
+        while self._waiting and room > 0 and (not new or budget >= len(self._waiting[0].tokens)):
+            seq = self._waiting.popleft()
+            budget -= len(seq.tokens)
+            room -= 1
+            new.append(seq)
+        if not new:
+            return
+        self._admitting = new  # so a failing prefill still answers every one of them
+        # Sequences without a cached prefix and of equal length prefill together.
+        groups: dict[int, list[tuple[_Seq, kvlib.SeqKV | None, int]]] = {}
+        singles = []
+        for seq in new:
+            want_input = not seq.admitted and seq.req.logprob_start_len >= 0
+            limit = len(seq.tokens) - 1
+            if want_input:
+                limit = min(limit, max(seq.req.logprob_start_len - 1, 0))
+            prefix_kv, m = self.prefix.lookup(seq.tokens, self.epoch, limit)
+            if not seq.admitted:
+                seq.cached_tokens = m
+            if m == 0 and not want_input:
+                groups.setdefault(len(seq.tokens), []).append((seq, None, 0))
+            else:
+                singles.append([(seq, prefix_kv, m)])
+        joined = []
+        for group in [*groups.values(), *singles]:
+            joined += self._prefill(group)
+        if joined:
+            kvs = [kvlib.extract(self._cache, i, self._width - s.kv_len, s.kv_len) for i, s in enumerate(self._running)]
+            kvs += [s.kv for s in joined]
+            everyone = self._running + joined
+            self._width = max(s.kv_len for s in everyone)
+            self._cache = kvlib.stack(self.model.config, kvs, self._width)
+            self._running = everyone
+            for s in joined:
+                s.kv = None
+        self._admitting = []
+
+    def _prefill(self, group: list[tuple[_Seq, kvlib.SeqKV | None, int]]) -> list[_Seq]:
+        """Prefill a group (one cached-prefix length m, one length); return those that keep running."""
+        seqs = [g[0] for g in group]
+        prefix_kv, m = group[0][1], group[0][2]
+        n_new = len(seqs[0].tokens) - m
+        cache = kvlib.stack(self.model.config, [prefix_kv], m) if prefix_kv else kvlib.new_cache(self.model.config)
+        want_input = not seqs[0].admitted and seqs[0].req.logprob_start_len >= 0
+        keep = n_new if want_input else 1
+        out = self.model(
+            input_ids=torch.tensor([s.tokens[m:] for s in seqs]),
+            attention_mask=kvlib.prefill_mask(len(seqs), m, n_new, additive_dtype=self._additive),
+            position_ids=torch.arange(m, m + n_new).expand(len(seqs), n_new),
+            cache=cache, use_cache=True, logits_to_keep=keep,
+        )
+        logits = out.logits[:, -1]
+        with self._cv:
+            self._stats["prefill_tokens"] += n_new * len(seqs)
+            self._stats["cached_tokens"] += m * len(seqs)
+        if want_input:
+            self._set_input_logprobs(seqs[0], out.logits[0], m)
+        running = []
+        sampling = [s for s in seqs if len(s.out_ids) < s.req.max_new_tokens]
+        if sampling:
+            rows = [seqs.index(s) for s in sampling]
+            toks, lps = sample_rows(logits[rows], [s.req.params for s in sampling], self._gen)
+        for row, seq in enumerate(seqs):
+            seq.admitted = True
+            seq.kv_len = m + n_new
+            seq.kv = kvlib.extract(cache, row, 0, seq.kv_len)
+            if seq not in sampling:
+                self._finish(seq, {"type": "length", "length": seq.req.max_new_tokens}, keep_kv=seq.kv)
+                continue
+            i = sampling.index(seq)
+            reason = self._append(seq, toks[i], lps[i])
+            if reason:
+                self._finish(seq, reason, keep_kv=seq.kv)
+            else:
+                running.append(seq)
+        return running
+
+    def _set_input_logprobs(self, seq: _Seq, logits: torch.Tensor, m: int) -> None:
+        # logits[j] predicts token m + j + 1.
+        start = seq.req.logprob_start_len
+        lp = scaled_logprobs(logits[None], [seq.req.params.temperature])[0]
+        out: list[float | None] = []
+        for p in range(start, len(seq.req.input_ids)):
+            out.append(None if p == 0 else float(lp[p - 1 - m, seq.tokens[p]]))
+        seq.input_lps = out
+
+    def _decode_step(self) -> None:
+        seqs = self._running
+        pads = [self._width - s.kv_len for s in seqs]
+        out = self.model(
+            input_ids=torch.tensor([[s.tokens[-1]] for s in seqs]),
+            attention_mask=kvlib.decode_mask(pads, self._width, additive_dtype=self._additive),
+            position_ids=torch.tensor([[s.kv_len] for s in seqs]),
+            cache=self._cache, use_cache=True, logits_to_keep=1,
+        )
+        self._width += 1
+        toks, lps = sample_rows(out.logits[:, -1], [s.req.params for s in seqs], self._gen)
+        done = []
+        for i, (seq, tok, lp) in enumerate(zip(seqs, toks, lps)):
+            seq.kv_len += 1
+            reason = self._append(seq, tok, lp)
+            if reason:
+                done.append((i, reason))
+        with self._cv:
+            st = self._stats
+            st["decode_steps"] += 1
+            st["last_decode_batch_size"] = len(seqs)
+            st["max_decode_batch_size"] = max(st["max_decode_batch_size"], len(seqs))
+        if done:
+            self._remove_rows(done)
+
+    def _append(self, seq: _Seq, tok: int, lp: float) -> dict | None:
+        seq.tokens.append(tok)
+        seq.out_ids.append(tok)
+        seq.out_lps.append(lp)
+        seq.out_versions.append(self.weight_version)
+        with self._cv:
+            self._stats["generated_tokens"] += 1
+        req = seq.req
+        if tok in req.stop_token_ids or (not req.ignore_eos and tok in self.eos):
+            return {"type": "stop", "matched": tok}
+        if req.stop_strings and self.decode is not None:
+            tail = self.decode(seq.out_ids[-64:])
+            for s in req.stop_strings:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        if len(seq.out_ids) >= req.max_new_tokens:
+            return {"type": "length", "length": req.max_new_tokens}
+        return None
+
+    def _remove_rows(self, done: list[tuple[int, dict]]) -> None:
+        """Finish the given rows of the running batch and shrink the batch cache."""
+        gone = {i for i, _ in done}
+        for i, reason in done:
+            seq = self._running[i]
+            self._finish(seq, reason, keep_kv=kvlib.extract(self._cache, i, self._width - seq.kv_len, seq.kv_len))
+        keep = [i for i in range(len(self._running)) if i not in gone]
+        self._running = [self._running[i] for i in keep]
+        if not keep:
+            self._cache, self._width = None, 0
+            return
+        drop = min(self._width - s.kv_len for s in self._running)
+        kvlib.select_rows(self._cache, keep, drop)
+        self._width -= drop
+
+    def _retract_running(self) -> None:
+        """Free running requests' KV and queue them first; they are re-prefilled when admitted."""
+        for i, seq in enumerate(self._running):
+            kv = kvlib.extract(self._cache, i, self._width - seq.kv_len, seq.kv_len)
+            self.prefix.insert(seq.tokens[: seq.kv_len], _clone(kv), self.epoch)
+            seq.kv_len = 0
+        self._waiting.extendleft(reversed(self._running))
+        self._running, self._cache, self._width = [], None, 0
+
+    def _abort(self, rids: set[str], abort_all: bool) -> None:
+        hit = lambda s: abort_all or s.req.rid in rids  # noqa: E731
+        for seq in [s for s in self._waiting if hit(s)]:
+            self._waiting.remove(seq)
+            self._finish(seq, {"type": "abort", "message": "aborted by request"})
+        rows = [(i, {"type": "abort", "message": "aborted by request"}) for i, s in enumerate(self._running) if hit(s)]
+        if rows:
+            self._remove_rows(rows)
+
+    def _finish_all(self, message: str) -> None:
+        reason = {"type": "abort", "message": message}
+        if self._running:
+            self._remove_rows([(i, reason) for i in range(len(self._running))])
+        while self._waiting:
+            self._finish(self._waiting.popleft(), reason)
+
+    def _fail_running(self, error: str) -> None:
+        for seq in self._running + self._admitting:
+            self._finish(seq, {"type": "abort", "message": error}, error=error)
+        self._running, self._admitting, self._cache, self._width = [], [], None, 0
+
+    def _finish(self, seq: _Seq, reason: dict, keep_kv: kvlib.SeqKV | None = None, error: str | None = None) -> None:
+        if seq.done:
+            return
+        seq.done = True
+        if keep_kv is not None and seq.kv_len > 0:
+            # Cloned so the entry does not pin the whole batch tensor it was sliced from.
+            self.prefix.insert(seq.tokens[: seq.kv_len], _clone(keep_kv), self.epoch)
+        with self._cv:
+            self._stats["requests_done"] += 1
+        out = GenOutput(
+            rid=seq.req.rid, output_ids=seq.out_ids, logprobs=seq.out_lps, weight_versions=seq.out_versions,
+            finish_reason=reason, prompt_tokens=len(seq.req.input_ids), cached_tokens=seq.cached_tokens,
+            weight_version=self.weight_version, input_logprobs=seq.input_lps, error=error,
+        )
+        try:
+            seq.req.on_done(out)
+        except Exception:
+            log.exception("on_done callback failed for rid %s", seq.req.rid)
+
+
+def _clone(kv: kvlib.SeqKV) -> kvlib.SeqKV:
+    return [{name: t.clone() for name, t in layer.items()} for layer in kv]
