@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 
 import pytest
 from agentrl_countdown import CountdownEnv
@@ -60,16 +61,12 @@ class FakeTerminalEnv:
     """An in-memory 'terminal': `write NAME TEXT` stores a file, `cat NAME` prints it, `spam N`
     prints N characters; score: reward 1.0 if file answer holds 42. Failures are injectable."""
 
-    def __init__(self, fail_at=None, score_obs=None, step_delay_s=0.0, done_after=None):
+    def __init__(self, fail_at=None, score_obs=None, step_delay_s=0.0, done_after=None, done_metadata=None):
         self.files: dict[str, str] = {}
         self.actions: list[Action] = []
         self.closed = 0
-        self.fail_at, self.score_obs, self.step_delay_s, self.done_after = (
-            fail_at,
-            score_obs,
-            step_delay_s,
-            done_after,
-        )
+        self.fail_at, self.score_obs, self.step_delay_s = fail_at, score_obs, step_delay_s
+        self.done_after, self.done_metadata = done_after, done_metadata or {}
         self._state = State()
 
     def _maybe_fail(self, where):
@@ -100,9 +97,8 @@ class FakeTerminalEnv:
             out = "".join(chr(ord("a") + i % 26) for i in range(int(rest)))
         else:
             out = f"{verb}: command not found"
-        return Observation(
-            text=out, done=self.done_after is not None and self._state.step_count >= self.done_after
-        )
+        done = self.done_after is not None and self._state.step_count >= self.done_after
+        return Observation(text=out, done=done, metadata=self.done_metadata if done else {})
 
     async def score(self):
         self._maybe_fail("score")
@@ -277,6 +273,16 @@ async def test_wall_clock_timeout(tok):
     traj = await play(env, gen, tok, cfg=AgentConfig(episode_timeout_s=0.3))
     assert traj.outcome == AGENT_TIMEOUT and traj.reward == 0.0 and traj.trainable
     assert traj.timings["env_s"] < 2.0 and env.closed == 1
+
+
+async def test_env_enforced_time_limit_is_an_agent_timeout(tok):
+    env = FakeTerminalEnv(done_after=2, done_metadata={"agent_timeout": True})
+    gen = ScriptedGenerator(tok, [bash("write answer 42"), bash("cat answer"), bash("cat answer")])
+    traj = await play(env, gen, tok)
+    assert (traj.outcome, traj.reward, traj.num_turns) == (AGENT_TIMEOUT, 1.0, 2)
+    env = FakeTerminalEnv(done_after=1)
+    traj = await play(env, ScriptedGenerator(tok, [bash("write answer 42")]), tok)
+    assert (traj.outcome, traj.reward, traj.info["stop"]) == (SCORED, 1.0, "env_done")
 
 
 async def test_long_observations_keep_head_and_tail(tok):
@@ -483,3 +489,34 @@ def test_a_tokenizer_without_chat_template_is_a_clear_error(tok):
 
     with pytest.raises(ValueError, match="no chat template"):
         ChatTokens(NoTemplate(), "system")
+
+
+# -- with the real terminal-bench-2 env and the local sandbox -------------------------------------
+
+
+@pytest.mark.skipif(
+    not (shutil.which("bwrap") and shutil.which("tmux")), reason="local sandbox needs bwrap and tmux"
+)
+@pytest.mark.parametrize("action_format", ["bash_block", "terminus_json"])
+async def test_solves_a_tbench2_fixture_task_in_a_local_sandbox(tok, action_format):
+    from agentrl.envs.registry import make_env
+
+    solve = "printf 'Hello, agentrl!\\n' > /app/greeting.txt"
+    replies = {
+        "bash_block": [bash("cat /app/greeting.txt"), bash(solve), "TASK_COMPLETE"],
+        "terminus_json": [
+            terminus(solve + "\n", "cat /app/greeting.txt\n", complete=True),
+            terminus(complete=True),
+        ],
+    }[action_format]
+    env = make_env("tbench2")
+    traj = await play(
+        env,
+        ScriptedGenerator(tok, replies),
+        tok,
+        cfg=AgentConfig(action_format=action_format),
+        task_id="create-greeting",
+    )
+    assert traj.info.get("error") is None
+    assert (traj.outcome, traj.reward, traj.info["stop"]) == (SCORED, 1.0, "task_complete")
+    assert "Hello, agentrl!" in tok.decode(traj.token_ids[traj.prompt_len :])

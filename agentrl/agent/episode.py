@@ -8,7 +8,8 @@ How an episode ends (the Trajectory's outcome):
 - `scored`: the model finished (TASK_COMPLETE / confirmed task_complete), the env said done, or
   the turns ran out; the env's verdict is the reward.
 - `truncated`: the conversation reached agent.max_context_tokens; `agent_timeout`: the wall clock
-  (agent.episode_timeout_s, counted from after reset) ran out. Both are still scored, since the
+  (agent.episode_timeout_s, counted from after reset) ran out, or the env ended the episode with
+  metadata `agent_timeout: true` (its own task time limit). Both are still scored, since the
   env's state may already solve the task, and both stay trainable.
 - `infra_error:<kind>`: the env, sandbox, engine or verifier failed (a SandboxError keeps its
   kind; other env failures are `env`, engine failures and aborts `engine`, scoring failures
@@ -176,7 +177,8 @@ class _Episode:
             self.info["actions"] += 1
             outputs.append(cap_observation(obs.text, self.cfg.observation_max_chars))
             if obs.done:
-                return "", "env_done"
+                # An env that enforces its own time limit (TB2's task timeout) says so in metadata.
+                return "", "timeout" if obs.metadata.get("agent_timeout") else "env_done"
         if parsed.complete:
             return "", "task_complete"
         observation = "\n".join(o for o in outputs if o) or (
