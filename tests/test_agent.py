@@ -296,6 +296,15 @@ async def test_long_observations_keep_head_and_tail(tok):
     traj = await play(env, gen, tok, cfg=AgentConfig(observation_max_chars=100))
     text = tok.decode(traj.token_ids)
     assert "abcdefghijklmnopqrstuvwxyzabcdefghijklmnopqrstuvwx\n[... 4900 characters omitted ...]\n" in text
+    # Several commands in one turn share one cap.
+    env = FakeTerminalEnv()
+    gen = ScriptedGenerator(
+        tok, [terminus("spam 300\n", "spam 300\n"), terminus(complete=True), terminus(complete=True)]
+    )
+    traj = await play(
+        env, gen, tok, cfg=AgentConfig(action_format="terminus_json", observation_max_chars=100)
+    )
+    assert "[... 501 characters omitted ...]" in tok.decode(traj.token_ids)
 
 
 # -- failures are never rewards, and the env is always closed ---------------------------------

@@ -175,13 +175,14 @@ class _Episode:
         for action in parsed.actions:
             obs = await self.env_call("step", self.env.step(action))
             self.info["actions"] += 1
-            outputs.append(cap_observation(obs.text, self.cfg.observation_max_chars))
+            outputs.append(obs.text)
             if obs.done:
                 # An env that enforces its own time limit (TB2's task timeout) says so in metadata.
                 return "", "timeout" if obs.metadata.get("agent_timeout") else "env_done"
         if parsed.complete:
             return "", "task_complete"
-        observation = "\n".join(o for o in outputs if o) or (
+        joined = "\n".join(o for o in outputs if o)
+        observation = cap_observation(joined, self.cfg.observation_max_chars) or (
             "(no output)" if parsed.actions else "(no commands sent)"
         )
         if parsed.notice:

@@ -165,7 +165,7 @@ class CountdownEnv:
         except SyntaxError:
             raise ValueError(f"not an arithmetic expression: {expression!r}") from None
         used: list[int] = []
-        value = _evaluate(tree.body, used)
+        value = self._evaluate(tree.body, used)
         over = Counter(used) - Counter(self._numbers)
         if over:
             raise ValueError(
@@ -188,24 +188,25 @@ class CountdownEnv:
         """Nothing to release: the puzzle lives in memory."""
         self._done = True
 
-
-def _evaluate(node: ast.expr, used: list[int]) -> Fraction:
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        left, right = _evaluate(node.left, used), _evaluate(node.right, used)
-        if isinstance(node.op, ast.Add):
-            return left + right
-        if isinstance(node.op, ast.Sub):
-            return left - right
-        if isinstance(node.op, ast.Mult):
-            return left * right
-        if right == 0:
-            raise ValueError("division by zero")
-        return left / right
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        used.append(node.value)
-        return Fraction(node.value)
-    if isinstance(node, ast.BinOp):
-        raise ValueError("only + - * / are allowed")  # noqa: TRY004 - check() reports every bad answer as ValueError
-    raise ValueError(
-        f"only the given integers, + - * / and parentheses are allowed (found {ast.unparse(node)!r})"
-    )
+    @staticmethod
+    def _evaluate(node: ast.expr, used: list[int]) -> Fraction:
+        """Exact value of an expression tree; appends every number literal it uses to `used`."""
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = CountdownEnv._evaluate(node.left, used), CountdownEnv._evaluate(node.right, used)
+            if isinstance(node.op, ast.Add):
+                return left + right
+            if isinstance(node.op, ast.Sub):
+                return left - right
+            if isinstance(node.op, ast.Mult):
+                return left * right
+            if right == 0:
+                raise ValueError("division by zero")
+            return left / right
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            used.append(node.value)
+            return Fraction(node.value)
+        if isinstance(node, ast.BinOp):
+            raise ValueError("only + - * / are allowed")  # noqa: TRY004 - check() reports every bad answer as ValueError
+        raise ValueError(
+            f"only the given integers, + - * / and parentheses are allowed (found {ast.unparse(node)!r})"
+        )
