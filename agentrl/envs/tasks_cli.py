@@ -30,6 +30,7 @@ def check(
     fresh sandbox. Exits 1 if a task fails validation, its oracle does not score 1.0 or its empty
     attempt does not score 0.0, unless it is an adversarial fixture whose expected status is met."""
     from agentrl.config.schema import SandboxConfig
+    from agentrl.sandbox.base import SandboxError
     from agentrl.sandbox.factory import make_provider
     from envs.tbench2.check import check_tasks, task_dirs_of
 
@@ -61,7 +62,11 @@ def check(
         finally:
             await provider.aclose()
 
-    results = asyncio.run(run())
+    try:
+        results = asyncio.run(run())
+    except SandboxError as err:  # the backend itself is unusable (no key, no bubblewrap, ...)
+        typer.echo(f"cannot check tasks on the {backend} backend: {err}", err=True)
+        raise typer.Exit(2) from None
     if as_json:
         keys = ("task", "status", "reward", "empty_reward", "unsupported", "error", "ok", "empty_status",
                 "expected_status", "solve_timed_out", "elapsed_s")

@@ -24,6 +24,7 @@ _KEY_NAME = re.compile(
 _PASTE_OVER_BYTES = 4096  # longer keystrokes go through a paste buffer (one upload, one tmux call)
 _TMUX_TIMEOUT_S = 30.0
 _NEW_SHELL_NOTE = "[the shell exited; a new one was started]\n"
+_SHELL_GONE_NOTE = "[the shell exited; the next keystrokes start a new one]\n"
 
 
 def cap_text(text: str, max_bytes: int) -> str:
@@ -108,6 +109,7 @@ class TmuxTerminal:
         """The lines from where the last read stopped (the cursor's line then, so a command
         typed at the prompt shows) through the cursor's line now."""
         out = await self._sh(
+            f"{self._tmux} has-session {self._target} 2>/dev/null || {{ echo gone; exit 0; }}; "
             f"h=$({self._tmux} display -p {self._target} '#{{history_size}}') && "
             f"c=$({self._tmux} display -p {self._target} '#{{cursor_y}}') && echo \"$h $c\" && "
             f"s=$(( {self._read_from} - h )); [ $s -lt -$h ] && s=-$h; "
@@ -116,6 +118,8 @@ class TmuxTerminal:
             max_output_bytes=8 << 20,
         )
         first, _, text = out.partition("\n")
+        if first == "gone":
+            return _SHELL_GONE_NOTE
         history, cursor = (int(x) for x in first.split())
         self._read_from = history + cursor
         return cap_text(text.rstrip("\n") + ("\n" if text.strip() else ""), self.max_output_bytes)

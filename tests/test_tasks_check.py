@@ -1,0 +1,138 @@
+"""`agentrl tasks check`: oracle and empty attempts, adversarial fixtures, exit codes, no leaks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from agentrl.config.schema import SandboxConfig
+from agentrl.sandbox.local import LocalSandboxProvider
+from envs.tbench2.check import check_task, check_tasks, task_dirs_of
+from envs.tbench2.loader import DEFAULT_TASKS_DIR
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
+
+REPO = Path(__file__).resolve().parents[1]
+ADVERSARIAL = ["runaway-output", "hanging-command", "verifier-hangs", "planted-reward", "missing-reward",
+               "nan-reward", "malformed-toml"]
+# Command lines only the adversarial fixtures start; none may survive its sandbox.
+LEAK_MARKERS = [b"this line repeats forever", b"sleep\x00100000", b"tail\x00-f\x00/dev/null"]
+
+
+def host_processes_matching(markers: list[bytes]) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if any(m in cmd for m in markers):
+            found.append(int(name))
+    return found
+
+
+@pytest.fixture
+async def provider(tmp_path):
+    p = LocalSandboxProvider(SandboxConfig(), run_id=f"chk{uuid.uuid4().hex[:6]}", root_dir=tmp_path / "boxes")
+    yield p
+    await p.aclose()
+
+
+async def test_adversarial_fixtures_end_right_and_leave_nothing(provider):
+    host_paths = [Path(p) for p in ("/app", "/logs/verifier", "/solution", "/tests")]
+    before = {p: p.exists() for p in host_paths}
+    assert host_processes_matching(LEAK_MARKERS) == []
+    results = await check_tasks(provider, task_dirs_of(DEFAULT_TASKS_DIR, ADVERSARIAL), jobs=4)
+    by_name = {r.task: r for r in results}
+    assert all(r.ok for r in results), [(r.task, r.error) for r in results if not r.ok]
+    assert (by_name["runaway-output"].status, by_name["runaway-output"].reward) == ("scored", 1.0)
+    assert by_name["runaway-output"].solve_timed_out and by_name["hanging-command"].solve_timed_out
+    assert (by_name["planted-reward"].status, by_name["planted-reward"].reward) == ("scored", 0.0)
+    assert by_name["verifier-hangs"].status == "infra_error:verifier_timeout"
+    assert by_name["verifier-hangs"].empty_status == "infra_error:verifier_timeout"
+    for name in ("missing-reward", "nan-reward"):
+        assert (by_name[name].status, by_name[name].reward, by_name[name].empty_reward) == ("infra_error:verifier", None, None)
+    assert by_name["malformed-toml"].status == "invalid" and "[verifier].timeout_sec" in by_name["malformed-toml"].error
+    # Nothing outlives its sandbox: no process, no sandbox folder, no file on the host's paths.
+    assert host_processes_matching(LEAK_MARKERS) == []
+    assert list(provider.base_dir.iterdir()) == []
+    assert {p: p.exists() for p in host_paths} == before
+
+
+def copy_task(tmp_path: Path, name: str) -> Path:
+    dest = tmp_path / "tasks" / name
+    shutil.copytree(DEFAULT_TASKS_DIR / name, dest)
+    return dest
+
+
+async def test_broken_tasks_fail_the_check(provider, tmp_path):
+    d = copy_task(tmp_path, "create-greeting")
+    (d / "solution" / "solve.sh").write_text("echo wrong > /app/greeting.txt\n")
+    r = await check_task(provider, d)
+    assert not r.ok and r.reward == 0.0 and "oracle scored 0.0, expected 1.0" in r.error
+
+    d = copy_task(tmp_path, "count-lines")
+    (d / "tests" / "test.sh").write_text("mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt\n")
+    r = await check_task(provider, d)  # a test that passes an empty attempt is broken
+    assert not r.ok and r.empty_reward == 1.0 and "empty attempt scored 1.0" in r.error
+
+    d = copy_task(tmp_path, "malformed-toml")
+    (d / "expected_error.txt").write_text("some other field")
+    r = await check_task(provider, d)
+    assert not r.ok and r.status == "invalid"
+    (d / "expected_error.txt").unlink()
+    assert not (await check_task(provider, d)).ok
+
+    d = copy_task(tmp_path, "sort-names")
+    (d / "solution" / "solve.sh").unlink()
+    r = await check_task(provider, d)
+    assert not r.ok and "solve.sh is missing" in r.error
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agentrl.cli", "tasks", "check", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=env, check=False)
+
+
+def test_cli_json_and_exit_codes(tmp_path):
+    res = run_cli(str(DEFAULT_TASKS_DIR), "--json", "--task", "make-executable", "--task", "malformed-toml")
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)
+    assert [r["task"] for r in rows] == ["make-executable", "malformed-toml"]
+    assert {k: rows[0][k] for k in ("status", "reward", "empty_reward", "error")} == {
+        "status": "scored", "reward": 1.0, "empty_reward": 0.0, "error": None}
+    assert rows[0]["unsupported"] == ["line 1: FROM ubuntu:24.04"]
+    assert rows[1]["status"] == "invalid" and rows[1]["reward"] is None
+    assert "[1/2]" in res.stderr and "2/2 tasks passed" in res.stderr
+
+    d = copy_task(tmp_path, "rename-logs")
+    (d / "solution" / "solve.sh").write_text("true\n")
+    res = run_cli(str(d), "--json")  # one task folder works as DIR too
+    assert res.returncode == 1 and json.loads(res.stdout)[0]["reward"] == 0.0 and "FAIL" in res.stderr
+
+    res = run_cli(str(DEFAULT_TASKS_DIR), "--task", "no-such-task")
+    assert res.returncode != 0 and "no-such-task" in res.stderr
+
+    env = {k: v for k, v in os.environ.items() if k != "DAYTONA_API_KEY"}
+    res = run_cli(str(DEFAULT_TASKS_DIR), "--backend", "daytona", "--task", "count-lines", env=env)
+    assert res.returncode == 2 and "DAYTONA_API_KEY is not set" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+def test_every_fixture_passes_through_the_cli():
+    res = run_cli(str(DEFAULT_TASKS_DIR), "--json", "--jobs", "2")
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)
+    assert len(rows) >= 12 and all(r["ok"] for r in rows)
+    normal = [r for r in rows if r["task"] not in ADVERSARIAL]
+    assert normal and all(r["reward"] == 1.0 and r["empty_reward"] == 0.0 for r in normal)
