@@ -1,0 +1,192 @@
+"""One benchmark case per kernel family, used by agentrl/bench/kernels.py.
+
+Each case builds inputs at the given shapes, checks the kernel against its torch reference on a
+slice that fits in memory, times kernel and reference, and yields report entries (see
+``make_entry``). FLOP and byte counts are the minimum work: they are what the entries' rates
+and ceiling fractions are computed from.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from agentrl.bench.kernels import make_entry
+
+
+def _rel(torch, a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def bench_logprobs(torch, dev, sh, timer) -> Iterator[dict]:
+    from kernels.logprobs import fused_logprobs
+    from kernels.logprobs_torch import chunked_logprobs, reference_logprobs
+
+    T, H, V = sh.lp_tokens, sh.hidden, sh.vocab
+    shape = {"tokens": T, "hidden": H, "vocab": V, "dtype": "bf16"}
+    hidden = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    weight = (torch.randn(V, H, device=dev) * 0.02).to(torch.bfloat16)
+    targets = torch.randint(0, V, (T,), device=dev)
+    n = min(sh.check_rows, T)
+    with torch.no_grad():
+        logp = fused_logprobs(hidden, weight, targets)
+        ref = reference_logprobs(hidden[:n], weight, targets[:n])
+        err = float((logp[:n] - ref).abs().max())
+        ms = timer(lambda: fused_logprobs(hidden, weight, targets))
+        ref_ms = timer(lambda: chunked_logprobs(hidden, weight, targets, chunk_tokens=2048), min_iters=2)
+    yield make_entry("logprobs_fwd", shape, ms, flops=2.0 * T * V * H, reference_ms=ref_ms,
+                     correct=err < 1e-2, max_abs_err_vs_fp32=err, reference="chunked_logprobs (torch, bf16 GEMM)")
+
+    # forward with entropy + backward (grad wrt hidden and weight): 2 + 2 (recompute) + 4 (two GEMMs)
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    g_lp = torch.randn(T, device=dev)
+    g_ent = torch.randn(T, device=dev) * 0.1
+
+    def step(fn):
+        lp, ent = fn(h, w, targets, return_entropy=True)
+        gh, gw = torch.autograd.grad([lp, ent], [h, w], [g_lp, g_ent])
+        return lp.detach(), ent.detach(), gh, gw
+
+    fused = step(fused_logprobs)
+    chunk = step(lambda *a, **k: chunked_logprobs(*a, chunk_tokens=2048, **k))
+    errs = {"logp_abs": float((fused[0] - chunk[0]).abs().max()),
+            "entropy_abs": float((fused[1] - chunk[1]).abs().max()),
+            "grad_hidden_rel": _rel(torch, fused[2], chunk[2]), "grad_weight_rel": _rel(torch, fused[3], chunk[3])}
+    del fused, chunk
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    ms = timer(lambda: step(fused_logprobs), min_iters=2)
+    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    ref_ms = timer(lambda: step(lambda *a, **k: chunked_logprobs(*a, chunk_tokens=2048, **k)), min_iters=2)
+    ok = errs["logp_abs"] < 1e-2 and errs["entropy_abs"] < 1e-2 and max(
+        errs["grad_hidden_rel"], errs["grad_weight_rel"]) < 3e-2
+    yield make_entry("logprobs_entropy_fwd_bwd", shape, ms, flops=8.0 * T * V * H, reference_ms=ref_ms,
+                     correct=ok, errors_vs_chunked_torch=errs, peak_memory_gb=peak,
+                     reference="chunked_logprobs fwd+bwd (torch autograd, checkpointed)")
+
+
+def _indexer_inputs(torch, dev, sh, ctx):
+    q = torch.randn(ctx, sh.idx_heads, sh.idx_dim, device=dev).to(torch.bfloat16)
+    k = torch.randn(ctx, sh.idx_dim, device=dev).to(torch.bfloat16)
+    w = torch.randn(ctx, sh.idx_heads, device=dev) / sh.idx_heads
+    return q, k, w
+
+
+def _indexer_phase_ms(torch, dev, q, k, w, sh, timer):
+    """Time the scoring kernel and the top-k kernel separately, over all chunks."""
+    from kernels import indexer as ix
+
+    T = S = q.shape[0]
+    rows = min(sh.idx_chunk_rows, T)
+    scores = torch.empty((rows, S), device=dev, dtype=torch.float32)
+    out = torch.empty((T, sh.topk), device=dev, dtype=torch.int32)
+    chunks = [(r0, min(rows, T - r0)) for r0 in range(0, T, rows)]
+
+    def score_all():
+        for r0, n in chunks:
+            ix.indexer_scores_chunk(q, k, w, r0, n, 0, scores)
+
+    def topk_all():  # the buffer holds the last chunk's scores: every read entry was written
+        for r0, n in chunks:
+            ix.topk_rows_chunk(scores, r0, n, 0, S, sh.topk, out)
+
+    score_all()
+    return timer(score_all, min_iters=2), timer(topk_all, min_iters=2)
+
+
+def bench_indexer(torch, dev, sh, timer) -> Iterator[dict]:
+    from kernels.indexer import indexer_topk
+    from kernels.indexer_torch import reference_indexer_topk
+
+    for i, ctx in enumerate(sh.idx_contexts):
+        T = S = ctx
+        shape = {"tokens": T, "context": S, "heads": sh.idx_heads, "dim": sh.idx_dim, "topk": sh.topk}
+        q, k, w = _indexer_inputs(torch, dev, sh, ctx)
+        out = indexer_topk(q, k, w, sh.topk, chunk_rows=sh.idx_chunk_rows)
+        ms = timer(lambda: indexer_topk(q, k, w, sh.topk, chunk_rows=sh.idx_chunk_rows), min_iters=2)
+        score_ms, topk_ms = _indexer_phase_ms(torch, dev, q, k, w, sh, timer)
+        # correctness: the longest rows and the first rows past the k boundary, vs the fp32 reference
+        n = min(sh.check_rows, T)
+        picks = [(T - n, n), (sh.topk - 8, min(16, T - sh.topk + 8))] if T > sh.topk else [(0, T)]
+        exact = total = 0
+        worst = 0
+        for r0, cnt in picks:
+            ref = reference_indexer_topk(q[r0:r0 + cnt], k, w[r0:r0 + cnt], sh.topk, offset=r0, chunk_rows=32)
+            for a, b in zip(out[r0:r0 + cnt].tolist(), ref.tolist()):
+                diff = len(set(a) ^ set(b))
+                exact += diff == 0
+                worst = max(worst, diff)
+                total += 1
+        causal_pairs = T * (T + 1) / 2
+        valid = torch.arange(1, T + 1, dtype=torch.float64).clamp(max=S)
+        read_bytes = float(4 * valid[valid > sh.topk].sum())  # rows with <= k keys read nothing
+        ref_ms = None
+        if i == 0:
+            ref_ms = timer(lambda: reference_indexer_topk(q, k, w, sh.topk, chunk_rows=256, stable=False,
+                                                          fast=True), warmup=1, min_iters=1, max_iters=1)
+        yield make_entry(
+            "indexer_topk", shape, ms, flops=2.0 * sh.idx_heads * sh.idx_dim * causal_pairs, reference_ms=ref_ms,
+            correct=(exact / total >= 0.9 and worst <= 4), rows_checked=total, rows_exact=exact,
+            worst_row_set_difference=worst, score_ms=round(score_ms, 3), topk_ms=round(topk_ms, 3),
+            score_tflops=round(2.0 * sh.idx_heads * sh.idx_dim * causal_pairs / score_ms / 1e9, 2),
+            topk_read_gbps=round(read_bytes / topk_ms / 1e6, 1),
+            topk_read_fraction_of_copy=round(read_bytes / topk_ms / 1e6 / 4240.0, 4),
+            reference=None if ref_ms is None else "torch: bf16 GEMM scores per 256-row chunk + torch.topk",
+            note="tflops counts causal scoring FLOPs over the whole pipeline time")
+        del q, k, w, out
+
+
+def bench_sparse_mla(torch, dev, sh, timer) -> Iterator[dict]:
+    from kernels.sparse_mla import default_sm_scale, reference_sparse_mla, sparse_mla_flops, sparse_mla_forward
+
+    T, S, Hh, dv, dr, K = sh.mla_tokens, sh.mla_context, sh.mla_heads, sh.mla_dv, sh.mla_dr, sh.topk
+    shape = {"tokens": T, "context": S, "heads": Hh, "d_qk": dv + dr, "d_v": dv, "topk": K}
+    q = torch.randn(T, Hh, dv + dr, device=dev).to(torch.bfloat16)
+    kv = torch.randn(S, dv + dr, device=dev).to(torch.bfloat16)
+    idx = torch.randint(0, S, (T, K), device=dev, dtype=torch.int32).sort(dim=1).values
+    scale = default_sm_scale()
+    out, lse = sparse_mla_forward(q, kv, idx, scale, d_v=dv)
+    n = min(sh.check_rows, T)
+    ref_out, ref_lse = reference_sparse_mla(q[:n], kv, idx[:n], scale, d_v=dv, chunk_tokens=64)
+    err_out = float((out[:n].float() - ref_out.float()).abs().max())
+    err_lse = float((lse[:n] - ref_lse).abs().max())
+    ms = timer(lambda: sparse_mla_forward(q, kv, idx, scale, d_v=dv))
+    ref_ms = timer(lambda: reference_sparse_mla(q, kv, idx, scale, d_v=dv, chunk_tokens=256), min_iters=1,
+                   max_iters=2)
+    yield make_entry("sparse_mla_fwd", shape, ms, flops=sparse_mla_flops(T, Hh, K, dv, dr), reference_ms=ref_ms,
+                     correct=err_out < 3e-2 and err_lse < 1e-2, max_abs_err_out=err_out, max_abs_err_lse=err_lse,
+                     flop_formula="2 * tokens * heads * topk * (d_qk + d_v)",
+                     reference="torch gather + fp32 einsum softmax, 256-token chunks")
+
+
+def bench_fp8(torch, dev, sh, timer) -> Iterator[dict]:
+    from kernels import fp8_quant as fq
+
+    M, N = sh.quant_shape
+    shape = {"rows": M, "cols": N, "block": 128}
+    w = (torch.randn(M, N, device=dev) * 0.02).to(torch.bfloat16)
+    q, s = fq.fp8_block_quant(w)
+    rq, rs = fq.reference_fp8_block_quant(w)
+    ok = bool(torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs))
+    del rq, rs
+    nbytes = 3.0 * M * N + 4.0 * s.numel()
+    ms = timer(lambda: fq.fp8_block_quant(w))
+    ref_ms = timer(lambda: fq.reference_fp8_block_quant(w), min_iters=2)
+    yield make_entry("fp8_block_quant", shape, ms, nbytes=nbytes, reference_ms=ref_ms, correct=ok,
+                     check="bitwise equal codes and scales", bytes_formula="M*N*(2 read + 1 write) + scales")
+    y = fq.fp8_block_dequant(q, s)
+    ok = bool(torch.equal(y, fq.reference_fp8_block_dequant(q, s)))
+    ms = timer(lambda: fq.fp8_block_dequant(q, s))
+    ref_ms = timer(lambda: fq.reference_fp8_block_dequant(q, s), min_iters=2)
+    yield make_entry("fp8_block_dequant", shape, ms, nbytes=nbytes, reference_ms=ref_ms, correct=ok,
+                     check="bitwise equal bf16 output", bytes_formula="M*N*(1 read + 2 write) + scales")
+
+
+CASES = {"fp8": bench_fp8, "logprobs": bench_logprobs, "sparse_mla": bench_sparse_mla, "indexer": bench_indexer}
+
+
+def tuning_summary() -> dict[str, Any]:
+    from kernels import fp8_quant, indexer, logprobs, sparse_mla
+
+    tuners = [logprobs.FWD_TUNER, logprobs.BWD_TUNER, indexer.SCORE_TUNER, indexer.TOPK_TUNER,
+              sparse_mla.TUNER, fp8_quant.QUANT_TUNER, fp8_quant.DEQUANT_TUNER]
+    return {t.name: t.summary() for t in tuners}
