@@ -1,0 +1,146 @@
+"""The torch TrainerBackend: one process, any transformers causal LM, CPU or one GPU.
+
+Log-probs are computed from the final hidden states in token chunks (kernels.logprobs_torch),
+so the [tokens, vocab] fp32 matrix is never materialised for the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from agentrl.agent.trajectory import Trajectory
+from agentrl.config.schema import AlgorithmConfig, TrainConfig
+from agentrl.train.batching import MicroBatch, collate, plan_micro_batches
+from agentrl.train.loss import LossConfig, LossInputs, group_advantages, grpo_tis_loss
+from kernels.logprobs_torch import chunked_logprobs
+
+
+class TorchBackend:
+    def __init__(self, model: torch.nn.Module, train: TrainConfig, algo: AlgorithmConfig, *, pad_id: int = 0,
+                 temperature: float = 1.0, advantage_sign: float = 1.0):
+        """`advantage_sign` exists for the learnability check's negative control (-1 must not learn)."""
+        self.model = model
+        self.train_cfg = train
+        self.algo = algo
+        self.pad_id = pad_id
+        self.temperature = temperature
+        self.advantage_sign = advantage_sign
+        self.loss_cfg = LossConfig(algo.eps_clip, algo.eps_clip_high, algo.use_tis, algo.tis_clip_low,
+                                   algo.tis_clip, algo.kl_coef)
+        o = train.optimizer
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+            weight_decay=o.weight_decay,
+        )
+        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if algo.kl_coef > 0 else None
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # -- log-probs ---------------------------------------------------------------------------
+    def _token_logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        """[B, L-1] log-probs of each next token under `model` at the sampling temperature."""
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        hidden = base(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state[:, :-1]
+        weight = model.get_output_embeddings().weight
+        B, T, H = hidden.shape
+        flat = chunked_logprobs(hidden.reshape(B * T, H), weight, mb.targets.reshape(-1),
+                                temperature=self.temperature, chunk_tokens=self.train_cfg.logprob_chunk_tokens)
+        return flat.view(B, T)
+
+    # -- one optimizer step --------------------------------------------------------------------
+    def train_step(self, trajectories: list[Trajectory], group_ids: list[str]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        if not trajectories:
+            raise ValueError("train_step needs at least one trajectory")
+        rewards = [t.reward if t.reward is not None else 0.0 for t in trajectories]
+        adv = group_advantages(rewards, group_ids)
+        advantages = [a * self.advantage_sign for a in adv.advantages]
+        batches = [collate(trajectories, advantages, idx, self.pad_id)
+                   for idx in plan_micro_batches([len(t.token_ids) for t in trajectories],
+                                                 self.train_cfg.micro_batch_tokens)]
+        total_loss_tokens = int(sum(mb.loss_mask.sum() for mb in batches))
+        self.model.train()
+        # Old log-probs: the policy as it is before this step (ratio 1 at the first gradient).
+        with torch.no_grad():
+            old = [self._token_logprobs(self.model, mb) for mb in batches]
+            ref = [self._token_logprobs(self.ref_model, mb) for mb in batches] if self.ref_model else None
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        loss_total = 0.0
+        for i, mb in enumerate(batches):
+            logp = self._token_logprobs(self.model, mb)
+            loss, m = grpo_tis_loss(
+                LossInputs(logp=logp, old_logp=old[i], rollout_logp=mb.rollout_logp, advantages=mb.advantages,
+                           mask=mb.loss_mask, ref_logp=ref[i] if ref else None),
+                self.loss_cfg, total_loss_tokens)
+            loss.backward()
+            loss_total += float(loss.detach())
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.optimizer.grad_clip)
+        self.optimizer.step()
+        self._version += 1
+        n = max(sums.get("loss_tokens", 0.0), 1.0)
+        versions = [t.oldest_version for t in trajectories if t.oldest_version is not None]
+        return {
+            "loss": loss_total,
+            "grad_norm": float(grad_norm),
+            "reward_mean": float(np.mean(rewards)),
+            "advantage_abs_mean": float(np.mean(np.abs(advantages))),
+            "zero_variance_groups": adv.zero_variance_groups,
+            "groups": adv.groups,
+            "loss_tokens": int(n),
+            "micro_batches": len(batches),
+            "tis_clip_frac": sums.get("tis_clip_frac_sum", 0.0) / n,
+            "tis_weight_mean": sums.get("tis_weight_sum", n) / n,
+            "pg_clip_frac": sums.get("pg_clip_frac_sum", 0.0) / n,
+            "rollout_train_mismatch": sums.get("mismatch_kl_sum", 0.0) / n,
+            "oldest_token_version": min(versions) if versions else -1,
+            "step_time_s": time.perf_counter() - t0,
+        }
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self.model.state_dict().items():
+            yield name, t.detach()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, directory: Path, extra: dict) -> None:
+        """Atomic: written to a temp folder, then renamed; a crash leaves the previous one intact."""
+        directory = Path(directory)
+        tmp = directory.with_name(directory.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save({
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "version": self._version,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            "extra": extra,
+        }, tmp / "state.pt")
+        with open(tmp / "state.pt", "rb") as f:
+            os.fsync(f.fileno())
+        if directory.exists():
+            shutil.rmtree(directory)
+        tmp.rename(directory)
+
+    def load_checkpoint(self, directory: Path) -> dict:
+        state = torch.load(Path(directory) / "state.pt", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._version = int(state["version"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        return state["extra"]
