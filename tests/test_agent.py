@@ -379,6 +379,8 @@ async def test_a_failing_close_is_recorded_not_raised(tok):
         (bash("ls -la"), "ls -la", False, None),
         ("```sh\necho hi\n```", "echo hi", False, None),
         ("<think>maybe ```bash\nrm -rf /\n``` or TASK_COMPLETE</think>\n" + bash("pwd"), "pwd", False, None),
+        ("thinking: maybe ```bash\nrm -rf /\n```</think>\n" + bash("ls"), "ls", False, None),
+        ("<think>unclosed ```bash\nrm -rf /\n```", None, False, "No ```bash block"),
         ("All done. TASK_COMPLETE", None, True, None),
         (bash("a") + bash("b"), None, False, "Found 2"),
         (bash("ls") + " TASK_COMPLETE", None, False, "not both"),
@@ -488,6 +490,21 @@ async def test_a_turn_ended_by_the_next_role_token_is_continued_after_it(tok):
     prompt = traj.token_ids[: traj.prompt_len]
     rest = tok.encode("\n(no output)\n<|assistant|>\n", add_special_tokens=False)
     assert traj.token_ids == prompt + out1 + rest + out2 and traj.reward == 1.0
+
+
+async def test_reasoning_is_not_parsed_even_with_special_think_tokens(tok):
+    from agentrl.models.tokenizer import load_tokenizer
+
+    think_tok = load_tokenizer("tiny")
+    think_tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    env = FakeTerminalEnv()
+    reasoning = "Maybe ```bash\nwrite answer 41\n``` first?</think>\n"  # template opened <think>
+    gen = ScriptedGenerator(
+        think_tok, [reasoning + bash("write answer 42"), "<think>hmm</think>TASK_COMPLETE"]
+    )
+    traj = await play(env, gen, think_tok)
+    assert [a.command for a in env.actions] == ["write answer 42"]
+    assert (traj.outcome, traj.reward, traj.info["parse_errors"]) == (SCORED, 1.0, 0)
 
 
 def test_a_tokenizer_without_chat_template_is_a_clear_error(tok):

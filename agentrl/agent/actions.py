@@ -25,7 +25,6 @@ TASK_COMPLETE = "TASK_COMPLETE"
 # Terminus waits one second after keystrokes that name no duration.
 DEFAULT_KEYSTROKE_DURATION_S = 1.0
 
-_THINK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
 _BASH_BLOCK = re.compile(r"```(?:bash|sh)[ \t]*\n(.*?)```", re.DOTALL)
 _ANY_FENCE = re.compile(r"```")
 _TASK_COMPLETE = re.compile(rf"\b{TASK_COMPLETE}\b")
@@ -62,6 +61,15 @@ COMPLETION_CONFIRMATION = (
 )
 
 
+def strip_reasoning(text: str) -> str:
+    """The reply without its reasoning: only what follows the last </think> (reasoning templates
+    often open the think block in the prompt, so the reply has no <think>), and nothing from an
+    unclosed <think> on. Commands written while thinking are never run."""
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    return text.split("<think>", 1)[0]
+
+
 class _BadReply(Exception):
     """A reply that does not follow the format; its message is fed back to the model."""
 
@@ -86,7 +94,7 @@ class BashBlockFormat:
         self.system_prompt = BASH_BLOCK_SYSTEM_PROMPT
 
     def parse(self, text: str) -> ParsedTurn:
-        visible = _THINK.sub("", text)
+        visible = strip_reasoning(text)
         blocks = _BASH_BLOCK.findall(visible)
         done = bool(_TASK_COMPLETE.search(visible))
         if len(blocks) == 1 and not done:
@@ -126,7 +134,7 @@ class TerminusJsonFormat:
 
     def parse(self, text: str) -> ParsedTurn:
         try:
-            reply = _json_object(_THINK.sub("", text))
+            reply = _json_object(strip_reasoning(text))
             actions = [self._action(i, c) for i, c in enumerate(_commands(reply))]
             wants_complete = reply.get("task_complete", False)
             if not isinstance(wants_complete, bool):

@@ -24,7 +24,7 @@ import math
 import time
 from typing import Any
 
-from agentrl.agent.actions import ParsedTurn, make_action_format
+from agentrl.agent.actions import ParsedTurn, make_action_format, strip_reasoning
 from agentrl.agent.chat import ChatTokens
 from agentrl.agent.trajectory import (
     AGENT_TIMEOUT,
@@ -153,8 +153,7 @@ class _Episode:
             self.info["finish_reasons"].append(result.finish_reason)
             if result.finish_reason == "length" and max_new < self.sampling.max_new_tokens:
                 return "context"  # cut by the context limit, not by the per-turn limit
-            text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
-            parsed = self.format.parse(text)
+            parsed = self.format.parse(self.reply_text(result.output_ids))
             observation, finished = await self.act(parsed)
             if finished:
                 return finished
@@ -165,6 +164,15 @@ class _Episode:
                 return "context"  # no room left for another turn after this observation
             self.append_context(delta)
         return "max_turns"
+
+    def reply_text(self, output_ids: list[int]) -> str:
+        """The model's reply as text for parsing. Decoded with special tokens kept, so that
+        reasoning is cut at <think> / </think> even where those are special tokens; the other
+        special tokens (end of turn, role tokens) are removed afterwards."""
+        text = strip_reasoning(self.tokenizer.decode(output_ids, skip_special_tokens=False))
+        for special in self.tokenizer.all_special_tokens:
+            text = text.replace(special, "")
+        return text
 
     async def act(self, parsed: ParsedTurn) -> tuple[str, str | None]:
         """Runs a parsed turn; returns (observation text for the model, stop reason or None)."""

@@ -54,7 +54,9 @@ class Trajectory:
         n = len(self.token_ids)
         for name in ("loss_mask", "rollout_logprobs", "weight_versions"):
             if len(getattr(self, name)) != n:
-                raise ValueError(f"Trajectory.{name} has {len(getattr(self, name))} entries, token_ids has {n}")
+                raise ValueError(
+                    f"Trajectory.{name} has {len(getattr(self, name))} entries, token_ids has {n}"
+                )
         if self.outcome == SCORED and self.reward is None:
             raise ValueError("a scored trajectory needs a reward")
         if not is_trainable(self.outcome) and not self.outcome.startswith(INFRA_ERROR_PREFIX):
