@@ -227,6 +227,9 @@ class OpenEnvRemote:
       goes into the remote action field `action_field` (or `action_builder` builds the whole
       dict), observations are rendered as JSON unless they carry a `text` field, and `score()`
       returns the last reward the server reported.
+
+    `message_timeout_s` bounds one reply of the server; a served env's `score` runs the task's
+    verifier, so it is an hour by default.
     """
 
     def __init__(
@@ -237,7 +240,7 @@ class OpenEnvRemote:
         protocol: Literal["auto", "agentrl", "generic"] = "auto",
         action_field: str = "message",
         action_builder: Callable[[Action], dict[str, Any]] | None = None,
-        message_timeout_s: float = 600.0,
+        message_timeout_s: float = 3600.0,
         connect_timeout_s: float = 30.0,
     ):
         if protocol not in ("auto", "agentrl", "generic"):
