@@ -51,7 +51,9 @@ async def test_no_network(box):
         probe = f"exec 3<>/dev/tcp/127.0.0.1/{port} && echo connected || echo refused"
         res = await box.exec(probe, timeout_s=10)
         assert "refused" in res.output and "connected" not in res.output
-        res = await box.exec("exec 3<>/dev/tcp/1.1.1.1/53 && echo connected || echo unreachable", timeout_s=10)
+        res = await box.exec(
+            "exec 3<>/dev/tcp/1.1.1.1/53 && echo connected || echo unreachable", timeout_s=10
+        )
         assert "unreachable" in res.output
         res = await box.exec("ls /sys/class/net 2>/dev/null || cat /proc/net/dev")
         assert "eth0" not in res.output
@@ -73,6 +75,8 @@ async def test_cannot_write_outside_root(box, tmp_path):
     assert (box.root / "tmp" / name).exists()  # it went to the sandbox's own /tmp
     res = await box.exec("mount -o remount,rw,bind /usr && echo remounted || echo denied")
     assert "denied" in res.output
+    res = await box.exec("cat /etc/shadow; echo end")
+    assert "root:" not in res.output and res.output.endswith("end\n")  # host hashes hidden
 
 
 async def test_pid_namespace(box):
@@ -86,7 +90,9 @@ async def test_timeout_kills_the_whole_tree(box):
     await box.exec("cp /usr/bin/sleep /tmp/keeper && tmux new-session -d -s keep '/tmp/keeper 1000'")
     await box.exec("cp /usr/bin/sleep /tmp/runaway")
     start = time.monotonic()
-    res = await box.exec("/tmp/runaway 1000 & setsid /tmp/runaway 1001 & echo begun; /tmp/runaway 1002", timeout_s=1)
+    res = await box.exec(
+        "/tmp/runaway 1000 & setsid /tmp/runaway 1001 & echo begun; /tmp/runaway 1002", timeout_s=1
+    )
     assert res.timed_out and res.exit_code == -1 and "begun" in res.output
     assert time.monotonic() - start < 8
     left = await box.exec("ps -eo args")
@@ -166,7 +172,9 @@ async def test_dockerfile_workdir_env_copy(provider, tmp_path):
     assert box.workdir == "/srv/app"
     assert [u.split(":")[0] for u in box.unsupported] == ["line 1", "line 2", "line 8"]
     assert "/usr/local/bin/" in box.unsupported[2]
-    res = await box.exec('pwd; echo "$GREETING"; echo $PATH; cat data/nums.txt; test -x /opt/bin/run.sh && echo exe')
+    res = await box.exec(
+        'pwd; echo "$GREETING"; echo $PATH; cat data/nums.txt; test -x /opt/bin/run.sh && echo exe'
+    )
     lines = res.output.splitlines()
     assert lines[0] == "/srv/app" and lines[1] == "hello world"
     assert lines[2].startswith("/opt/tools:/usr/local/sbin") and lines[3:] == ["1", "2", "exe"]

@@ -20,8 +20,15 @@ from envs.tbench2.loader import DEFAULT_TASKS_DIR
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
 
 REPO = Path(__file__).resolve().parents[1]
-ADVERSARIAL = ["runaway-output", "hanging-command", "verifier-hangs", "planted-reward", "missing-reward",
-               "nan-reward", "malformed-toml"]
+ADVERSARIAL = [
+    "runaway-output",
+    "hanging-command",
+    "verifier-hangs",
+    "planted-reward",
+    "missing-reward",
+    "nan-reward",
+    "malformed-toml",
+]
 # Command lines only the adversarial fixtures start; none may survive its sandbox.
 LEAK_MARKERS = [b"this line repeats forever", b"sleep\x00100000", b"tail\x00-f\x00/dev/null"]
 
@@ -43,7 +50,9 @@ def host_processes_matching(markers: list[bytes]) -> list[int]:
 
 @pytest.fixture
 async def provider(tmp_path):
-    p = LocalSandboxProvider(SandboxConfig(), run_id=f"chk{uuid.uuid4().hex[:6]}", root_dir=tmp_path / "boxes")
+    p = LocalSandboxProvider(
+        SandboxConfig(), run_id=f"chk{uuid.uuid4().hex[:6]}", root_dir=tmp_path / "boxes"
+    )
     yield p
     await p.aclose()
 
@@ -61,8 +70,15 @@ async def test_adversarial_fixtures_end_right_and_leave_nothing(provider):
     assert by_name["verifier-hangs"].status == "infra_error:verifier_timeout"
     assert by_name["verifier-hangs"].empty_status == "infra_error:verifier_timeout"
     for name in ("missing-reward", "nan-reward"):
-        assert (by_name[name].status, by_name[name].reward, by_name[name].empty_reward) == ("infra_error:verifier", None, None)
-    assert by_name["malformed-toml"].status == "invalid" and "[verifier].timeout_sec" in by_name["malformed-toml"].error
+        assert (by_name[name].status, by_name[name].reward, by_name[name].empty_reward) == (
+            "infra_error:verifier",
+            None,
+            None,
+        )
+    assert (
+        by_name["malformed-toml"].status == "invalid"
+        and "[verifier].timeout_sec" in by_name["malformed-toml"].error
+    )
     # Nothing outlives its sandbox: no process, no sandbox folder, no file on the host's paths.
     assert host_processes_matching(LEAK_MARKERS) == []
     assert list(provider.base_dir.iterdir()) == []
@@ -100,8 +116,15 @@ async def test_broken_tasks_fail_the_check(provider, tmp_path):
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "agentrl.cli", "tasks", "check", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120, env=env, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "tasks", "check", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
 
 
 def test_cli_json_and_exit_codes(tmp_path):
@@ -110,7 +133,11 @@ def test_cli_json_and_exit_codes(tmp_path):
     rows = json.loads(res.stdout)
     assert [r["task"] for r in rows] == ["make-executable", "malformed-toml"]
     assert {k: rows[0][k] for k in ("status", "reward", "empty_reward", "error")} == {
-        "status": "scored", "reward": 1.0, "empty_reward": 0.0, "error": None}
+        "status": "scored",
+        "reward": 1.0,
+        "empty_reward": 0.0,
+        "error": None,
+    }
     assert rows[0]["unsupported"] == ["line 1: FROM ubuntu:24.04"]
     assert rows[1]["status"] == "invalid" and rows[1]["reward"] is None
     assert "[1/2]" in res.stderr and "2/2 tasks passed" in res.stderr
@@ -125,7 +152,9 @@ def test_cli_json_and_exit_codes(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k != "DAYTONA_API_KEY"}
     res = run_cli(str(DEFAULT_TASKS_DIR), "--backend", "daytona", "--task", "count-lines", env=env)
-    assert res.returncode == 2 and "DAYTONA_API_KEY is not set" in res.stderr and "Traceback" not in res.stderr
+    assert (
+        res.returncode == 2 and "DAYTONA_API_KEY is not set" in res.stderr and "Traceback" not in res.stderr
+    )
 
 
 @pytest.mark.slow

@@ -25,7 +25,9 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 async def provider(tmp_path):
-    p = LocalSandboxProvider(SandboxConfig(), run_id=f"env{uuid.uuid4().hex[:6]}", root_dir=tmp_path / "boxes")
+    p = LocalSandboxProvider(
+        SandboxConfig(), run_id=f"env{uuid.uuid4().hex[:6]}", root_dir=tmp_path / "boxes"
+    )
     yield p
     await p.aclose()
 
@@ -68,7 +70,9 @@ async def test_keystrokes_drive_tmux(env):
     out = await env.step(Action(keystrokes="sleep 100\n", duration_s=0.3))
     out = await env.step(Action(keystrokes="C-c", duration_s=0.3))
     assert "^C" in out.text
-    long_cmd = "echo " + "x" * 5000 + " > /dev/null; wc -l < data/words.txt > count.txt\n"  # paste-buffer path
+    long_cmd = (
+        "echo " + "x" * 5000 + " > /dev/null; wc -l < data/words.txt > count.txt\n"
+    )  # paste-buffer path
     await env.step(Action(keystrokes=long_cmd, duration_s=1.0))
     out = await env.step(Action(command="cat /app/count.txt"))
     assert out.text.strip() == "37"
@@ -86,7 +90,9 @@ async def test_empty_attempt_and_planted_reward_score_zero(env):
     await env.reset("create-greeting")
     assert (await env.score()).reward == 0.0
     await env.reset("planted-reward")  # reset replaces the sandbox
-    await env.step(Action(command="mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt && echo 0 > sum.txt"))
+    await env.step(
+        Action(command="mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt && echo 0 > sum.txt")
+    )
     verdict = await env.score()
     assert verdict.status == "scored" and verdict.reward == 0.0
 

@@ -59,7 +59,9 @@ DEBUG = 1
 """
 
 
-def make_task(root: Path, toml: str, *, dockerfile: str = "FROM x\nWORKDIR /work\nENV A=1\n", name: str = "t") -> Path:
+def make_task(
+    root: Path, toml: str, *, dockerfile: str = "FROM x\nWORKDIR /work\nENV A=1\n", name: str = "t"
+) -> Path:
     d = root / name
     for sub in ("environment", "solution", "tests"):
         (d / sub).mkdir(parents=True, exist_ok=True)
@@ -85,7 +87,9 @@ def test_legacy_schema(tmp_path):
     assert spec.files_dir == str(t.path / "environment")
 
 
-@pytest.mark.parametrize(("memory", "mb"), [("512M", 512), ("1.5G", 1536), ("2Gi", 2048), ("4GB", 4096), ("1024", 1024)])
+@pytest.mark.parametrize(
+    ("memory", "mb"), [("512M", 512), ("1.5G", 1536), ("2Gi", 2048), ("4GB", 4096), ("1024", 1024)]
+)
 def test_legacy_sizes(tmp_path, memory, mb):
     assert load_task(make_task(tmp_path, LEGACY.format(memory=memory))).memory_mb == mb
 
@@ -94,7 +98,11 @@ def test_new_schema(tmp_path):
     t = load_task(make_task(tmp_path, NEW))
     assert t.schema_version == "1.1" and t.description == "a task"
     assert (t.memory_mb, t.storage_mb, t.build_timeout_s) == (4096, 8192, 900.0)
-    assert t.allow_internet is False and t.verifier_env == {"MODE": "strict"} and t.environment_env == {"DEBUG": "1"}
+    assert (
+        t.allow_internet is False
+        and t.verifier_env == {"MODE": "strict"}
+        and t.environment_env == {"DEBUG": "1"}
+    )
     assert t.sandbox_spec().env == {"DEBUG": "1"} and t.sandbox_spec().allow_network is False
     assert t.expected_status == "scored" and t.expected_reward == 1.0 and not t.adversarial
 
@@ -177,7 +185,9 @@ def test_reward_json(text, reward):
     assert parse_reward_json(text) == reward
 
 
-@pytest.mark.parametrize("text", ["", "{}", "[1]", '{"reward": NaN}', '{"reward": true}', '{"reward": "1"}', "nope"])
+@pytest.mark.parametrize(
+    "text", ["", "{}", "[1]", '{"reward": NaN}', '{"reward": true}', '{"reward": "1"}', "nope"]
+)
 def test_reward_json_rejects(text):
     with pytest.raises(ValueError):
         parse_reward_json(text)

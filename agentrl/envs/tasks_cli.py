@@ -22,8 +22,12 @@ app = typer.Typer(no_args_is_help=True, add_completion=False)
 def check(
     tasks_dir: Annotated[Path, typer.Argument(help="A folder of task folders, or one task folder.")],
     backend: Annotated[str, typer.Option(help="Sandbox backend: local or daytona.")] = "local",
-    as_json: Annotated[bool, typer.Option("--json", help="Print the results as a JSON list on stdout.")] = False,
-    task: Annotated[list[str] | None, typer.Option("--task", help="Check only this task (repeatable).")] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the results as a JSON list on stdout.")
+    ] = False,
+    task: Annotated[
+        list[str] | None, typer.Option("--task", help="Check only this task (repeatable).")
+    ] = None,
     jobs: Annotated[int, typer.Option(min=1, help="Tasks checked at once.")] = 1,
 ) -> None:
     """Validate each task, score its oracle (solution/solve.sh) and an empty attempt, each in a
@@ -48,7 +52,8 @@ def check(
         mark = "ok  " if result.ok else "FAIL"
         detail = (
             f"oracle {result.status} {_num(result.reward)}, empty {result.empty_status or '-'} {_num(result.empty_reward)}"
-            if result.status != "invalid" else "invalid task.toml / layout"
+            if result.status != "invalid"
+            else "invalid task.toml / layout"
         )
         line = f"[{done}/{total}] {mark} {result.task}: {detail} ({result.elapsed_s:.1f} s)"
         if result.error:
@@ -68,12 +73,26 @@ def check(
         typer.echo(f"cannot check tasks on the {backend} backend: {err}", err=True)
         raise typer.Exit(2) from None
     if as_json:
-        keys = ("task", "status", "reward", "empty_reward", "unsupported", "error", "ok", "empty_status",
-                "expected_status", "solve_timed_out", "elapsed_s")
+        keys = (
+            "task",
+            "status",
+            "reward",
+            "empty_reward",
+            "unsupported",
+            "error",
+            "ok",
+            "empty_status",
+            "expected_status",
+            "solve_timed_out",
+            "elapsed_s",
+        )
         print(json.dumps([{k: r.to_json()[k] for k in keys} for r in results], indent=2))
     failed = [r.task for r in results if not r.ok]
-    print(f"{len(results) - len(failed)}/{len(results)} tasks passed" + (f"; failed: {', '.join(failed)}" if failed else ""),
-          file=sys.stderr)
+    print(
+        f"{len(results) - len(failed)}/{len(results)} tasks passed"
+        + (f"; failed: {', '.join(failed)}" if failed else ""),
+        file=sys.stderr,
+    )
     raise typer.Exit(1 if failed else 0)
 
 

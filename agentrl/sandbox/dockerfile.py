@@ -19,7 +19,9 @@ from pathlib import Path, PurePosixPath
 # The PATH a Debian/Ubuntu base image sets; `$PATH` in an ENV line expands against it.
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
-_VAR = re.compile(r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
+_VAR = re.compile(
+    r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))"
+)
 
 
 class DockerfileError(ValueError):
@@ -72,8 +74,14 @@ def parse_dockerfile(text: str, *, source: str = "Dockerfile") -> DockerfilePlan
     return plan
 
 
-def apply_copies(plan: DockerfilePlan, context_dir: Path, root_dir: Path, *, source: str = "Dockerfile",
-                 read_only: tuple[str, ...] = ()) -> list[str]:
+def apply_copies(
+    plan: DockerfilePlan,
+    context_dir: Path,
+    root_dir: Path,
+    *,
+    source: str = "Dockerfile",
+    read_only: tuple[str, ...] = (),
+) -> list[str]:
     """Copy the plan's files from the build context into a sandbox root on the host. Symlinks are
     copied as links (never followed), so a task file cannot pull in host files. Steps whose
     destination lies under a `read_only` prefix (system folders the sandbox binds from the host)
@@ -89,9 +97,13 @@ def apply_copies(plan: DockerfilePlan, context_dir: Path, root_dir: Path, *, sou
             found = sorted(context.glob(pattern)) if any(c in pattern for c in "*?[") else [context / pattern]
             for p in found:
                 if not _inside(p, context):
-                    raise DockerfileError(f"{source}:{step.line}: COPY source {pattern!r} is outside the build context")
+                    raise DockerfileError(
+                        f"{source}:{step.line}: COPY source {pattern!r} is outside the build context"
+                    )
                 if not p.exists() and not p.is_symlink():
-                    raise DockerfileError(f"{source}:{step.line}: COPY source {pattern!r} not found in {context_dir}")
+                    raise DockerfileError(
+                        f"{source}:{step.line}: COPY source {pattern!r} not found in {context_dir}"
+                    )
                 matches.append(p)
         if not matches:
             raise DockerfileError(f"{source}:{step.line}: COPY sources {list(step.sources)} match no file")
@@ -219,7 +231,9 @@ def _parse_copy(instr: str, rest: str, workdir: str, lineno: int, where: str) ->
     if len(items) < 2:
         raise DockerfileError(f"{where}: {instr} needs at least one source and a destination")
     *sources, dest = items
-    if instr == "ADD" and any(s.startswith(("http://", "https://", "git@")) or s.endswith(_ARCHIVE_SUFFIXES) for s in sources):
+    if instr == "ADD" and any(
+        s.startswith(("http://", "https://", "git@")) or s.endswith(_ARCHIVE_SUFFIXES) for s in sources
+    ):
         return None
     dest_is_dir = dest.endswith("/") or len(sources) > 1
     dest_abs = dest if dest.startswith("/") else str(PurePosixPath(workdir) / dest)

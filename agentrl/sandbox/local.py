@@ -19,66 +19,41 @@ Limits are rlimits (prlimit), per process: address space (memory), CPU seconds, 
 no core dumps. cgroup v2 would give aggregate memory/cpu/pids limits and an exact kill, but the
 machines this backend targets (CI containers, dev boxes) mostly run hybrid cgroup v1 without
 delegated v2 controllers (here: only `hugetlb` in the unified tree), so rlimits are what works
-everywhere. `spec.cpus` is not enforced locally.
+everywhere. `spec.cpus` is not enforced locally, and there is no process-count limit: RLIMIT_NPROC
+does not apply to processes that map to the host's root (measured: 80 forks pass `--nproc=50`), so a
+fork bomb in a local sandbox reaches the host; a pids cgroup is the fix where one is delegated.
+
+Network: none (a private net namespace with only loopback) unless the task allows it and
+`sandbox.local_allow_network` is true. The host's /etc/shadow and /etc/gshadow are masked.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
-import logging
 import os
 import re
 import shutil
-import signal
 import tempfile
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 from agentrl.config.schema import SandboxConfig
-from agentrl.sandbox.base import ExecResult, SandboxError, SandboxSpec
+from agentrl.sandbox.base import SandboxError, SandboxSpec
 from agentrl.sandbox.dockerfile import (
-    DEFAULT_PATH,
     DockerfileError,
     DockerfilePlan,
     apply_copies,
     host_path,
     parse_dockerfile,
 )
-from agentrl.sandbox.local_procs import (
-    kill_exec_tree,
-    open_capped_pipe,
-    pid_namespace,
-    wait_namespace_empty,
-)
+from agentrl.sandbox.local_box import LocalLimits, LocalSandbox, kill_pid
 
-log = logging.getLogger(__name__)
+__all__ = ["LocalLimits", "LocalSandbox", "LocalSandboxProvider"]
 
 _TOOLS = ("bwrap", "nsenter", "setpriv", "prlimit", "setsid", "env", "bash")
-_NS_FLAGS = {"user": "-U", "mnt": "-m", "uts": "-u", "ipc": "-i", "net": "-n", "pid": "-p", "cgroup": "-C"}
-_DRAIN_GRACE_S = 0.5  # after the command exits, how long background children may hold its pipe
-_MAX_DOWNLOAD_BYTES = 256 << 20
-_READY_TIMEOUT_S = 30.0
 # Bound from the host (read-only) or private mounts: a COPY into them cannot be honoured.
 _READ_ONLY = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/dev")
-# Write to a temp file and rename over the target, so a symlink the agent planted at the target
-# is replaced rather than followed.
-_UPLOAD_SCRIPT = (
-    'd=$(dirname -- "$1") && mkdir -p -- "$d" && t=$(mktemp -p "$d" .upload.XXXXXX) && '
-    'cat > "$t" && chmod 644 -- "$t" && mv -fT -- "$t" "$1"'
-)
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-
-@dataclass(frozen=True)
-class LocalLimits:
-    """Per-process rlimits applied to every exec."""
-
-    memory_bytes: int
-    cpu_seconds: int
-    file_bytes: int
 
 
 def _tool(name: str) -> str:
@@ -89,261 +64,21 @@ def _tool(name: str) -> str:
             return p
     pkg = {"bwrap": "bubblewrap", "nsenter": "util-linux", "setpriv": "util-linux", "prlimit": "util-linux"}
     raise SandboxError(
-        "create", f"local sandbox needs `{name}`; install it (apt-get install -y {pkg.get(name, 'coreutils')})"
+        "create",
+        f"local sandbox needs `{name}`; install it (apt-get install -y {pkg.get(name, 'coreutils')})",
     )
-
-
-class LocalSandbox:
-    """One bubblewrap sandbox. Created by LocalSandboxProvider.create; see the module docstring."""
-
-    def __init__(self, sid: str, host_dir: Path, spec: SandboxSpec, plan: DockerfilePlan | None,
-                 limits: LocalLimits, tools: dict[str, str], allow_network: bool):
-        self.id = sid
-        self.host_dir = host_dir
-        self.root = host_dir / "root"
-        self.spec = spec
-        self.limits = limits
-        self.allow_network = allow_network
-        # The Dockerfile's WORKDIR wins over spec.workdir: it is what the image would have used.
-        self.workdir = (plan.workdir if plan and plan.workdir else spec.workdir) or "/"
-        self.unsupported: list[str] = list(plan.unsupported) if plan else []
-        self.base_env = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": "sandbox", **(plan.env if plan else {}), **spec.env}
-        self._tools = tools
-        self._bwrap: asyncio.subprocess.Process | None = None
-        self._init_pid = 0
-        self._ns = ""
-        self._ns_flags: list[str] = []
-        self._closed = False
-        self._on_close = None
-
-    def __repr__(self) -> str:
-        return f"LocalSandbox(id={self.id!r}, workdir={self.workdir!r}, closed={self._closed})"
-
-    # --- lifecycle -------------------------------------------------------------------------------
-
-    async def _start(self) -> None:
-        argv = [self._tools["bwrap"], "--unshare-all", "--die-with-parent", "--new-session"]
-        if self.allow_network:
-            argv.append("--share-net")
-        argv += ["--bind", str(self.root), "/"]
-        for name in ("usr", "etc", "bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-            host = Path("/") / name
-            if host.is_dir() and not host.is_symlink():
-                argv += ["--ro-bind", str(host), f"/{name}"]
-        argv += ["--proc", "/proc", "--dev", "/dev", "--hostname", "sandbox", "--chdir", "/"]
-        r, w = os.pipe()
-        argv += ["--info-fd", str(w), "--", self._tools["bash"], "-c", "echo ready; exec sleep infinity"]
-        log_fd = os.open(self.host_dir / "bwrap.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            self._bwrap = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=log_fd,
-                pass_fds=(w,), env={"PATH": DEFAULT_PATH},
-            )
-        finally:
-            os.close(w)
-            os.close(log_fd)
-        try:
-            info = await asyncio.wait_for(asyncio.to_thread(_read_json, r), _READY_TIMEOUT_S)
-            line = await asyncio.wait_for(self._bwrap.stdout.readline(), _READY_TIMEOUT_S)
-        except (TimeoutError, ValueError) as err:
-            raise SandboxError("create", f"bwrap did not start: {err}; {self._bwrap_log()}") from err
-        finally:
-            os.close(r)
-        if line.strip() != b"ready":
-            raise SandboxError("create", f"bwrap init did not come up; {self._bwrap_log()}")
-        self._init_pid = int(info["child-pid"])
-        (self.host_dir / "init.pid").write_text(f"{self._bwrap.pid} {self._init_pid}\n")
-        self._ns = pid_namespace(self._init_pid) or ""
-        for kind, flag in _NS_FLAGS.items():
-            try:
-                if os.readlink(f"/proc/{self._init_pid}/ns/{kind}") != os.readlink(f"/proc/self/ns/{kind}"):
-                    self._ns_flags.append(flag)
-            except OSError:
-                continue
-        if "-p" not in self._ns_flags or "-m" not in self._ns_flags:
-            raise SandboxError("create", "bwrap did not create private pid and mount namespaces")
-
-    def _bwrap_log(self) -> str:
-        try:
-            text = (self.host_dir / "bwrap.log").read_text(errors="replace").strip()
-        except OSError:
-            text = ""
-        return f"bwrap said: {text[-2000:]}" if text else "bwrap printed nothing"
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self._init_pid:
-                _kill(self._init_pid)  # pid 1 of the namespace: the kernel kills all the others
-            if self._bwrap is not None:
-                # bwrap's monitor reaps the init and exits by itself; kill it only if it lingers
-                # (killing it first would leave the init a zombie for the host's pid 1 to reap).
-                try:
-                    await asyncio.wait_for(self._bwrap.wait(), 2)
-                except TimeoutError:
-                    _kill(self._bwrap.pid)
-                    await asyncio.wait_for(self._bwrap.wait(), 10)
-            if self._ns and not await asyncio.to_thread(wait_namespace_empty, self._ns, 10.0):
-                log.warning("sandbox %s: processes still alive 10 s after close", self.id)
-            await asyncio.to_thread(shutil.rmtree, self.host_dir, True)
-        except Exception as err:  # noqa: BLE001 - close never raises: log and move on, sweep() retries the files
-            log.warning("sandbox %s: close failed: %s", self.id, err)
-        finally:
-            if self._on_close is not None:
-                self._on_close(self)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def alive(self) -> bool:
-        return not self._closed and self._bwrap is not None and self._bwrap.returncode is None
-
-    # --- commands --------------------------------------------------------------------------------
-
-    def _argv(self, script: str, args: list[str], cwd: str) -> list[str]:
-        t = self._tools
-        lim = self.limits
-        return [
-            t["nsenter"], "-t", str(self._init_pid), *self._ns_flags, "-r", "--",
-            t["setpriv"], "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs", "--",
-            t["prlimit"], f"--as={lim.memory_bytes}", f"--cpu={lim.cpu_seconds}",
-            f"--fsize={lim.file_bytes}", "--core=0", "--",
-            t["env"], "-C", cwd, "--", t["setsid"], "-w", t["bash"], "-c", script, "bash", *args,
-        ]  # fmt: skip
-
-    def _env(self, extra: dict[str, str] | None, marker: str) -> dict[str, str]:
-        # A clean environment: nothing of the host process (its keys!) leaks in. Passed as the
-        # process environment, never on a command line.
-        return {**self.base_env, **(extra or {}), "AGENTRL_EXEC_ID": marker}
-
-    def _check_alive(self) -> None:
-        if self._closed:
-            raise SandboxError("lost", f"sandbox {self.id} is closed")
-        if not self.alive():
-            raise SandboxError("lost", f"sandbox {self.id} died; {self._bwrap_log()}")
-
-    async def exec(self, command: str, *, cwd: str | None = None, env: dict[str, str] | None = None,
-                   timeout_s: float = 60.0, max_output_bytes: int = 1 << 20) -> ExecResult:
-        return await self._run(command, [], cwd=cwd, env=env, timeout_s=timeout_s, max_output_bytes=max_output_bytes)
-
-    async def _run(self, script: str, args: list[str], *, cwd: str | None, env: dict[str, str] | None,
-                   timeout_s: float, max_output_bytes: int, stdin: bytes | None = None) -> ExecResult:
-        self._check_alive()
-        marker = uuid.uuid4().hex
-        w, reader, transport = await open_capped_pipe(max_output_bytes)
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *self._argv(script, args, cwd or self.workdir),
-                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-                stdout=w, stderr=w, env=self._env(env, marker),
-            )
-        except OSError as err:
-            transport.close()
-            raise SandboxError("exec", f"cannot start a command in sandbox {self.id}: {err}") from err
-        finally:
-            os.close(w)
-        timed_out = False
-        try:
-            async with asyncio.timeout(timeout_s):
-                if stdin is not None:
-                    await _feed(proc, stdin)
-                await proc.wait()
-        except TimeoutError:
-            timed_out = True
-        except BaseException:  # cancelled: the command must not outlive its caller
-            await self._kill_exec(marker, proc)
-            transport.close()
-            raise
-        if timed_out:
-            await self._kill_exec(marker, proc)
-        # Background children may still hold the pipe open; give them a moment, then stop reading
-        # (they get SIGPIPE on their next write) rather than wait for them.
-        try:
-            await asyncio.wait_for(asyncio.shield(reader.eof), _DRAIN_GRACE_S)
-        except TimeoutError:
-            pass
-        transport.close()
-        if timed_out:
-            return ExecResult(-1, reader.text(), timed_out=True, truncated=reader.truncated)
-        rc = proc.returncode
-        if rc is not None and rc < 0:
-            rc = 128 - rc  # killed by a signal: the shell's convention
-        if not self.alive():
-            raise SandboxError("lost", f"sandbox {self.id} died during a command; {self._bwrap_log()}")
-        return ExecResult(rc if rc is not None else -1, reader.text(), truncated=reader.truncated)
-
-    async def _kill_exec(self, marker: str, proc: asyncio.subprocess.Process) -> None:
-        await asyncio.to_thread(kill_exec_tree, self._ns, f"AGENTRL_EXEC_ID={marker}".encode())
-        _kill(proc.pid)
-        try:
-            await asyncio.wait_for(proc.wait(), 5)
-        except TimeoutError:
-            log.warning("sandbox %s: nsenter %d did not exit after SIGKILL", self.id, proc.pid)
-
-    # --- files -----------------------------------------------------------------------------------
-    # Files move through a process inside the sandbox, so paths (and symlinks the agent planted)
-    # resolve in the sandbox's own mount namespace and can never reach a host file.
-
-    async def upload(self, data: bytes, path: str) -> None:
-        path = self._abs(path)
-        res = await self._run(_UPLOAD_SCRIPT, [path], cwd="/", env=None,
-                              timeout_s=120.0, max_output_bytes=4096, stdin=data)
-        if res.exit_code != 0:
-            raise SandboxError("exec", f"upload to {path} in sandbox {self.id} failed: {res.output.strip()[:500]}")
-
-    async def download(self, path: str) -> bytes:
-        path = self._abs(path)
-        res = await self._run('test -f "$1" || { echo "no such file: $1" >&2; exit 44; }; '
-                              'test "$(stat -c %s -- "$1")" -le "$2" || { echo "larger than $2 bytes" >&2; exit 45; }; '
-                              'base64 -w0 -- "$1"', [path, str(_MAX_DOWNLOAD_BYTES)], cwd="/", env=None,
-                              timeout_s=120.0, max_output_bytes=_MAX_DOWNLOAD_BYTES * 4 // 3 + 4096)
-        if res.exit_code == 44:
-            raise FileNotFoundError(f"sandbox {self.id}: {path}")
-        if res.exit_code != 0 or res.truncated:
-            raise SandboxError("exec", f"download of {path} from sandbox {self.id} failed: {res.output.strip()[:500]}")
-        return base64.b64decode(res.output)
-
-    def _abs(self, path: str) -> str:
-        return path if path.startswith("/") else f"{self.workdir.rstrip('/')}/{path}"
-
-
-async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
-    try:
-        proc.stdin.write(data)
-        await proc.stdin.drain()
-        proc.stdin.close()
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # the command exited without reading all of it; its exit code says why
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _read_json(fd: int) -> dict:
-    buf = b""
-    while True:
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            raise ValueError(f"bwrap closed its info pipe before reporting ({buf[:200]!r})")
-        buf += chunk
-        try:
-            return json.loads(buf)
-        except json.JSONDecodeError:
-            continue
 
 
 class LocalSandboxProvider:
     """Creates LocalSandboxes under `<root_dir>/agentrl-sandboxes/<run_id>/<sandbox id>/`."""
 
-    def __init__(self, config: SandboxConfig | None = None, run_id: str | None = None, *,
-                 root_dir: str | Path | None = None):
+    def __init__(
+        self,
+        config: SandboxConfig | None = None,
+        run_id: str | None = None,
+        *,
+        root_dir: str | Path | None = None,
+    ):
         self.config = config or SandboxConfig()
         self.run_id = run_id or uuid.uuid4().hex[:12]
         if not _SAFE_ID.match(self.run_id):
@@ -402,8 +137,13 @@ class LocalSandboxProvider:
                 (root / name).mkdir()
         host_path(root, box.workdir).mkdir(parents=True, exist_ok=True)
         if plan is not None and spec.files_dir:
-            box.unsupported += apply_copies(plan, Path(spec.files_dir), root, read_only=_READ_ONLY,
-                                            source=str(Path(spec.files_dir) / "Dockerfile"))
+            box.unsupported += apply_copies(
+                plan,
+                Path(spec.files_dir),
+                root,
+                read_only=_READ_ONLY,
+                source=str(Path(spec.files_dir) / "Dockerfile"),
+            )
 
     async def sweep(self) -> int:
         """Remove sandbox folders of this run that no live sandbox owns (a crashed process left
@@ -417,7 +157,7 @@ class LocalSandboxProvider:
             try:
                 for pid in (d / "init.pid").read_text().split():
                     if _cmdline_mentions(int(pid), str(d)):
-                        _kill(int(pid))
+                        kill_pid(int(pid))
             except (OSError, ValueError):
                 pass
             await asyncio.to_thread(shutil.rmtree, d, True)
@@ -439,4 +179,3 @@ def _cmdline_mentions(pid: int, text: str) -> bool:
             return text.encode() in f.read()
     except OSError:
         return False
-

@@ -60,8 +60,10 @@ class CappedOutput(asyncio.Protocol):
             return (bytes(self.head) + bytes(self.tail)).decode("utf-8", errors="replace")
         omitted = self.total - len(self.head) - len(self.tail)
         marker = f"\n[... {omitted} bytes of output omitted ...]\n"
-        return bytes(self.head).decode("utf-8", errors="replace") + marker + bytes(self.tail).decode(
-            "utf-8", errors="replace"
+        return (
+            bytes(self.head).decode("utf-8", errors="replace")
+            + marker
+            + bytes(self.tail).decode("utf-8", errors="replace")
         )
 
 

@@ -63,8 +63,12 @@ async def run_oracle(provider: SandboxProvider, task: TaskSpec) -> tuple[ScoreRe
     sandbox = await provider.create(task.sandbox_spec(labels={"purpose": "oracle"}))
     try:
         await upload_tree(sandbox, task.path / "solution", "/solution")
-        run = await sandbox.exec("bash /solution/solve.sh", cwd=task.workdir, timeout_s=task.agent_timeout_s,
-                                 max_output_bytes=_ORACLE_OUTPUT_BYTES)
+        run = await sandbox.exec(
+            "bash /solution/solve.sh",
+            cwd=task.workdir,
+            timeout_s=task.agent_timeout_s,
+            max_output_bytes=_ORACLE_OUTPUT_BYTES,
+        )
         return await score_task(sandbox, task), run.timed_out
     finally:
         await sandbox.close()
@@ -86,14 +90,34 @@ async def check_task(provider: SandboxProvider, task_dir: Path) -> TaskCheck:
     except TaskFormatError as err:
         ok = want_error is not None and want_error in str(err)
         why = str(err) if ok or want_error is None else f"{err} (expected an error containing {want_error!r})"
-        return TaskCheck(task_dir.name, "invalid", None, None, error=why, ok=ok, expected_status="invalid",
-                         elapsed_s=time.monotonic() - start)
-    check = TaskCheck(task.name, "", None, None, unsupported=list(task.unsupported_locally),
-                      expected_status=task.expected_status)
+        return TaskCheck(
+            task_dir.name,
+            "invalid",
+            None,
+            None,
+            error=why,
+            ok=ok,
+            expected_status="invalid",
+            elapsed_s=time.monotonic() - start,
+        )
+    check = TaskCheck(
+        task.name,
+        "",
+        None,
+        None,
+        unsupported=list(task.unsupported_locally),
+        expected_status=task.expected_status,
+    )
     if want_error is not None:
-        check.status, check.error = "scored", f"expected validation to fail with {want_error!r}, but the task loads"
+        check.status, check.error = (
+            "scored",
+            f"expected validation to fail with {want_error!r}, but the task loads",
+        )
     elif task.solution_path is None:
-        check.status, check.error = "invalid", "solution/solve.sh is missing: nothing to check the tests against"
+        check.status, check.error = (
+            "invalid",
+            "solution/solve.sh is missing: nothing to check the tests against",
+        )
     else:
         try:
             oracle, check.solve_timed_out = await run_oracle(provider, task)
@@ -113,17 +137,26 @@ def _judge(task: TaskSpec, oracle: ScoreResult, empty: ScoreResult) -> str | Non
     problems = []
     if oracle.status != task.expected_status:
         problems.append(f"oracle ended {oracle.status} ({oracle.detail}), expected {task.expected_status}")
-    elif oracle.status == SCORED and task.expected_reward is not None and oracle.reward != task.expected_reward:
+    elif (
+        oracle.status == SCORED and task.expected_reward is not None and oracle.reward != task.expected_reward
+    ):
         problems.append(f"oracle scored {oracle.reward}, expected {task.expected_reward} ({oracle.detail})")
     if empty.status != task.expected_empty_status:
-        problems.append(f"empty attempt ended {empty.status} ({empty.detail}), expected {task.expected_empty_status}")
+        problems.append(
+            f"empty attempt ended {empty.status} ({empty.detail}), expected {task.expected_empty_status}"
+        )
     elif empty.status == SCORED and empty.reward != 0.0:
         problems.append(f"empty attempt scored {empty.reward}, expected 0.0 ({empty.detail})")
     return "; ".join(problems) or None
 
 
-async def check_tasks(provider: SandboxProvider, task_dirs: list[Path], *, jobs: int = 1,
-                      progress: Callable[[int, int, TaskCheck], None] | None = None) -> list[TaskCheck]:
+async def check_tasks(
+    provider: SandboxProvider,
+    task_dirs: list[Path],
+    *,
+    jobs: int = 1,
+    progress: Callable[[int, int, TaskCheck], None] | None = None,
+) -> list[TaskCheck]:
     slots = asyncio.Semaphore(max(1, jobs))
     results: list[TaskCheck | None] = [None] * len(task_dirs)
     finished = 0

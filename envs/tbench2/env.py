@@ -43,7 +43,9 @@ class TB2Env:
         """`provider` is shared and not closed by this env; without one, the env makes its own
         from `sandbox` (a SandboxConfig or its dict) and closes it in close()."""
         self.tasks_dir = Path(tasks_dir) if tasks_dir is not None else DEFAULT_TASKS_DIR
-        self.sandbox_config = sandbox if isinstance(sandbox, SandboxConfig) else SandboxConfig(**(sandbox or {}))
+        self.sandbox_config = (
+            sandbox if isinstance(sandbox, SandboxConfig) else SandboxConfig(**(sandbox or {}))
+        )
         self.run_id = run_id or f"tb2-{uuid.uuid4().hex[:8]}"
         self.observation_max_chars = observation_max_chars
         self.command_timeout_s = command_timeout_s
@@ -67,8 +69,11 @@ class TB2Env:
         """Build from the run's config tree (env.tasks_dir, env.kwargs, agent, sandbox)."""
         agent: AgentConfig = cfg.agent
         kwargs: dict[str, Any] = {
-            "tasks_dir": cfg.env.tasks_dir, "provider": provider, "sandbox": cfg.sandbox,
-            "observation_max_chars": agent.observation_max_chars, "command_timeout_s": agent.command_timeout_s,
+            "tasks_dir": cfg.env.tasks_dir,
+            "provider": provider,
+            "sandbox": cfg.sandbox,
+            "observation_max_chars": agent.observation_max_chars,
+            "command_timeout_s": agent.command_timeout_s,
         }
         kwargs.update(cfg.env.kwargs)
         kwargs.update(overrides)
@@ -101,7 +106,9 @@ class TB2Env:
     def state(self) -> State:
         return self._state
 
-    async def reset(self, task_id: str, *, episode_id: str | None = None, seed: int | None = None) -> Observation:
+    async def reset(
+        self, task_id: str, *, episode_id: str | None = None, seed: int | None = None
+    ) -> Observation:
         await self._drop_sandbox()
         task = self.task(task_id)
         episode_id = episode_id or uuid.uuid4().hex[:12]
@@ -111,8 +118,12 @@ class TB2Env:
         self._sandbox = await self._provider.create(task.sandbox_spec(labels={"episode": episode_id}))
         screen, terminal_error = "", None
         if self.use_terminal:
-            terminal = TmuxTerminal(self._sandbox, cwd=task.workdir, max_output_bytes=self.terminal_max_bytes,
-                                    max_duration_s=self.max_keystroke_wait_s)
+            terminal = TmuxTerminal(
+                self._sandbox,
+                cwd=task.workdir,
+                max_output_bytes=self.terminal_max_bytes,
+                max_duration_s=self.max_keystroke_wait_s,
+            )
             try:
                 screen = await terminal.start()
                 self._terminal = terminal
@@ -121,14 +132,29 @@ class TB2Env:
                     raise
                 terminal_error = str(err)
         self._deadline = time.monotonic() + task.agent_timeout_s
-        self._state = State(episode_id=episode_id, task_id=task_id, step_count=0,
-                            sandbox_id=self._sandbox.id, agent_timeout_s=task.agent_timeout_s)
-        text = task.instruction if not screen.strip() else f"{task.instruction}\n\nCurrent terminal screen:\n{screen}"
-        return Observation(text=text, metadata={
-            "instruction": task.instruction, "screen": screen, "workdir": task.workdir,
-            "agent_timeout_s": task.agent_timeout_s, "unsupported_locally": task.unsupported_locally,
-            "terminal_error": terminal_error,
-        })
+        self._state = State(
+            episode_id=episode_id,
+            task_id=task_id,
+            step_count=0,
+            sandbox_id=self._sandbox.id,
+            agent_timeout_s=task.agent_timeout_s,
+        )
+        text = (
+            task.instruction
+            if not screen.strip()
+            else f"{task.instruction}\n\nCurrent terminal screen:\n{screen}"
+        )
+        return Observation(
+            text=text,
+            metadata={
+                "instruction": task.instruction,
+                "screen": screen,
+                "workdir": task.workdir,
+                "agent_timeout_s": task.agent_timeout_s,
+                "unsupported_locally": task.unsupported_locally,
+                "terminal_error": terminal_error,
+            },
+        )
 
     async def step(self, action: Action) -> Observation:
         if self._sandbox is None or self._task is None:
@@ -136,24 +162,36 @@ class TB2Env:
         self._state.step_count += 1
         remaining = self._deadline - time.monotonic()
         if remaining <= 0:
-            return Observation(text=f"[agent time limit of {self._task.agent_timeout_s:g} s reached]", done=True,
-                               metadata={"agent_timeout": True})
+            return Observation(
+                text=f"[agent time limit of {self._task.agent_timeout_s:g} s reached]",
+                done=True,
+                metadata={"agent_timeout": True},
+            )
         if action.command is not None:
             timeout = min(action.duration_s or self.command_timeout_s, remaining)
-            res = await self._sandbox.exec(action.command, timeout_s=timeout,
-                                           max_output_bytes=4 * self.observation_max_chars)
+            res = await self._sandbox.exec(
+                action.command, timeout_s=timeout, max_output_bytes=4 * self.observation_max_chars
+            )
             text = res.output
             if res.timed_out:
                 text += f"\n[command timed out after {timeout:g} s and was killed]"
             elif res.exit_code != 0:
                 text += f"\n[exit code {res.exit_code}]"
-            return Observation(text=_cap_chars(text, self.observation_max_chars), metadata={
-                "exit_code": res.exit_code, "timed_out": res.timed_out, "truncated": res.truncated,
-            })
+            return Observation(
+                text=_cap_chars(text, self.observation_max_chars),
+                metadata={
+                    "exit_code": res.exit_code,
+                    "timed_out": res.timed_out,
+                    "truncated": res.truncated,
+                },
+            )
         if action.keystrokes is not None:
             if self._terminal is None:
-                raise SandboxError("terminal", "no terminal in this episode (use_terminal=False or tmux failed to "
-                                   "start; see reset's metadata.terminal_error); send commands instead")
+                raise SandboxError(
+                    "terminal",
+                    "no terminal in this episode (use_terminal=False or tmux failed to "
+                    "start; see reset's metadata.terminal_error); send commands instead",
+                )
             wait = min(action.duration_s if action.duration_s is not None else 1.0, remaining)
             text = await self._terminal.send(action.keystrokes, wait)
             return Observation(text=_cap_chars(text, self.observation_max_chars))
@@ -167,11 +205,17 @@ class TB2Env:
         self._scored = True
         result = await score_task(self._sandbox, self._task, timeout_s=self.verifier_timeout_s)
         text = f"{result.status}: {result.detail}"
-        return Observation(text=text, done=True, reward=result.reward if result.status == SCORED else None,
-                           status=result.status, metadata={
-                               "detail": result.detail, "elapsed_s": result.elapsed_s,
-                               "verifier_output": cap_text(result.output, 8192),
-                           })
+        return Observation(
+            text=text,
+            done=True,
+            reward=result.reward if result.status == SCORED else None,
+            status=result.status,
+            metadata={
+                "detail": result.detail,
+                "elapsed_s": result.elapsed_s,
+                "verifier_output": cap_text(result.output, 8192),
+            },
+        )
 
     async def close(self) -> None:
         """Delete the sandbox (always) and the provider this env made itself."""
@@ -192,4 +236,4 @@ def _cap_chars(text: str, max_chars: int) -> str:
     if len(text) <= max_chars:
         return text
     head = max_chars // 2
-    return f"{text[:head]}\n[... {len(text) - max_chars} characters omitted ...]\n{text[len(text) - (max_chars - head):]}"
+    return f"{text[:head]}\n[... {len(text) - max_chars} characters omitted ...]\n{text[len(text) - (max_chars - head) :]}"

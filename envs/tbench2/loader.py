@@ -70,7 +70,9 @@ class TaskSpec(BaseModel):
     verifier_env: dict[str, str] = Field(default_factory=dict)
     environment_env: dict[str, str] = Field(default_factory=dict)
     workdir: str = DEFAULT_WORKDIR
-    unsupported_locally: list[str] = Field(default_factory=list, description="Dockerfile steps a local sandbox skips.")
+    unsupported_locally: list[str] = Field(
+        default_factory=list, description="Dockerfile steps a local sandbox skips."
+    )
     expected_status: str = "scored"
     expected_reward: float | None = 1.0
     expected_empty_status: str = "scored"
@@ -109,7 +111,9 @@ class TaskSpec(BaseModel):
 def list_task_dirs(tasks_dir: Path) -> list[Path]:
     """Folders of `tasks_dir` that contain a task.toml, sorted by name."""
     if not tasks_dir.is_dir():
-        raise FileNotFoundError(f"tasks dir {tasks_dir} does not exist (set env.tasks_dir to a folder of task folders)")
+        raise FileNotFoundError(
+            f"tasks dir {tasks_dir} does not exist (set env.tasks_dir to a folder of task folders)"
+        )
     return sorted(p for p in tasks_dir.iterdir() if p.is_dir() and (p / "task.toml").is_file())
 
 
@@ -119,7 +123,11 @@ def load_task(task_dir: str | Path) -> TaskSpec:
         raise TaskFormatError(d, ".", "is not a folder")
     for rel in ("instruction.md", "task.toml", "environment/Dockerfile", "tests/test.sh"):
         if not (d / rel).is_file():
-            raise TaskFormatError(d, rel, "missing (every task needs instruction.md, task.toml, environment/Dockerfile, tests/test.sh)")
+            raise TaskFormatError(
+                d,
+                rel,
+                "missing (every task needs instruction.md, task.toml, environment/Dockerfile, tests/test.sh)",
+            )
     instruction = (d / "instruction.md").read_text(encoding="utf-8", errors="replace").strip()
     if not instruction:
         raise TaskFormatError(d, "instruction.md", "is empty")
@@ -165,7 +173,9 @@ def load_task(task_dir: str | Path) -> TaskSpec:
         raise TaskFormatError(d, "task.toml", f"[metadata].expected_reward = {reward!r}: must be a number")
     spec["expected_reward"] = None if reward is None else float(reward)
     if not spec["expected_empty_status"]:  # an infra error of the verifier hits empty attempts too
-        spec["expected_empty_status"] = spec["expected_status"] if spec["expected_status"] != "scored" else "scored"
+        spec["expected_empty_status"] = (
+            spec["expected_status"] if spec["expected_status"] != "scored" else "scored"
+        )
     return TaskSpec(**spec)
 
 
@@ -181,8 +191,12 @@ def load_splits(tasks_dir: Path) -> dict[str, list[str]]:
     if not p.is_file():
         return {}
     data = json.loads(p.read_text())
-    if not isinstance(data, dict) or not all(isinstance(v, list) for k, v in data.items() if not k.startswith("_")):
-        raise ValueError(f"{p}: expected an object of task-name lists, e.g. {{\"train\": [...], \"eval\": [...]}}")
+    if not isinstance(data, dict) or not all(
+        isinstance(v, list) for k, v in data.items() if not k.startswith("_")
+    ):
+        raise ValueError(
+            f'{p}: expected an object of task-name lists, e.g. {{"train": [...], "eval": [...]}}'
+        )
     return {k: [str(x) for x in v] for k, v in data.items() if not k.startswith("_")}
 
 
@@ -263,7 +277,7 @@ class _TomlFields:
             v = env[legacy_key]
             m = _SIZE.match(str(v)) if isinstance(v, str | int) and not isinstance(v, bool) else None
             if m is None:
-                raise self._fail(f"[environment].{legacy_key}", f"{v!r} is not a size like \"2G\" or \"512M\"")
+                raise self._fail(f"[environment].{legacy_key}", f'{v!r} is not a size like "2G" or "512M"')
             mb = float(m.group(1)) * _UNIT_MB[m.group(2).upper()]
             if mb <= 0:
                 raise self._fail(f"[environment].{legacy_key}", f"{v!r} must be positive")
@@ -272,6 +286,8 @@ class _TomlFields:
 
     def env(self, table: str) -> dict[str, str]:
         v = self.table(table).get("env", {})
-        if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(x, str | int | float | bool) for k, x in v.items()):
-            raise self._fail(f"[{table}.env]", "must be a table of KEY = \"value\" strings")
+        if not isinstance(v, dict) or not all(
+            isinstance(k, str) and isinstance(x, str | int | float | bool) for k, x in v.items()
+        ):
+            raise self._fail(f"[{table}.env]", 'must be a table of KEY = "value" strings')
         return {k: str(x).lower() if isinstance(x, bool) else str(x) for k, x in v.items()}

@@ -89,8 +89,9 @@ async def upload_tree(sandbox: Sandbox, src: Path, dest: str) -> int:
     return len(files)
 
 
-async def score_task(sandbox: Sandbox, task: TaskSpec, *, timeout_s: float | None = None,
-                     max_output_bytes: int = 64 * 1024) -> ScoreResult:
+async def score_task(
+    sandbox: Sandbox, task: TaskSpec, *, timeout_s: float | None = None, max_output_bytes: int = 64 * 1024
+) -> ScoreResult:
     """Run the task's verifier in `sandbox` and read its verdict. Never raises for a sandbox or
     verifier failure: those come back as an `infra_error:<kind>` status."""
     start = time.monotonic()
@@ -104,30 +105,47 @@ async def score_task(sandbox: Sandbox, task: TaskSpec, *, timeout_s: float | Non
         reset = await sandbox.exec(
             f"rm -rf {VERIFIER_DIR}/reward.* {TESTS_DIR} && mkdir -p {VERIFIER_DIR} {TESTS_DIR} "
             f"{shlex.quote(task.workdir)}",
-            cwd="/", timeout_s=_SETUP_TIMEOUT_S,
+            cwd="/",
+            timeout_s=_SETUP_TIMEOUT_S,
         )
         if reset.exit_code != 0:
             return done(VERIFIER_ERROR, None, f"cannot prepare {VERIFIER_DIR}: {reset.output.strip()[:300]}")
         await upload_tree(sandbox, task.tests_dir, TESTS_DIR)
         run = await sandbox.exec(
-            f"bash {TESTS_DIR}/test.sh", cwd=task.workdir, env=dict(task.verifier_env),
-            timeout_s=timeout, max_output_bytes=max_output_bytes,
+            f"bash {TESTS_DIR}/test.sh",
+            cwd=task.workdir,
+            env=dict(task.verifier_env),
+            timeout_s=timeout,
+            max_output_bytes=max_output_bytes,
         )
         if run.timed_out:
-            return done(VERIFIER_TIMEOUT, None, f"tests/test.sh ran past the verifier timeout of {timeout:g} s", run.output)
+            return done(
+                VERIFIER_TIMEOUT,
+                None,
+                f"tests/test.sh ran past the verifier timeout of {timeout:g} s",
+                run.output,
+            )
         verdict = await sandbox.exec(
             f"for f in reward.json reward.txt; do if [ -f {VERIFIER_DIR}/$f ]; then echo $f; "
             f"head -c {_MAX_REWARD_FILE_BYTES} {VERIFIER_DIR}/$f; exit 0; fi; done; exit 3",
-            cwd="/", timeout_s=_SETUP_TIMEOUT_S, max_output_bytes=_MAX_REWARD_FILE_BYTES + 64,
+            cwd="/",
+            timeout_s=_SETUP_TIMEOUT_S,
+            max_output_bytes=_MAX_REWARD_FILE_BYTES + 64,
         )
     except SandboxError as err:
         return done(f"infra_error:{err.kind}", None, f"sandbox failed while scoring: {err}")
     if verdict.exit_code == 3:
-        return done(VERIFIER_ERROR, None, f"tests/test.sh (exit {run.exit_code}) wrote no {VERIFIER_DIR}/reward.json "
-                    "or reward.txt", run.output)
+        return done(
+            VERIFIER_ERROR,
+            None,
+            f"tests/test.sh (exit {run.exit_code}) wrote no {VERIFIER_DIR}/reward.json or reward.txt",
+            run.output,
+        )
     name, _, content = verdict.output.partition("\n")
     if verdict.exit_code != 0 or name not in ("reward.json", "reward.txt"):
-        return done(VERIFIER_ERROR, None, f"cannot read the reward file: {verdict.output.strip()[:300]}", run.output)
+        return done(
+            VERIFIER_ERROR, None, f"cannot read the reward file: {verdict.output.strip()[:300]}", run.output
+        )
     try:
         reward = parse_reward_json(content) if name == "reward.json" else parse_reward_txt(content)
     except ValueError as err:

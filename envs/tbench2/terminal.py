@@ -42,9 +42,18 @@ def cap_text(text: str, max_bytes: int) -> str:
 
 
 class TmuxTerminal:
-    def __init__(self, sandbox: Sandbox, *, cwd: str = "/app", session: str = "agent", width: int = 160,
-                 height: int = 40, history_lines: int = 50_000, max_output_bytes: int = 10_000,
-                 max_duration_s: float = 60.0):
+    def __init__(
+        self,
+        sandbox: Sandbox,
+        *,
+        cwd: str = "/app",
+        session: str = "agent",
+        width: int = 160,
+        height: int = 40,
+        history_lines: int = 50_000,
+        max_output_bytes: int = 10_000,
+        max_duration_s: float = 60.0,
+    ):
         self.sandbox = sandbox
         self.cwd = cwd
         self.session = session
@@ -56,9 +65,13 @@ class TmuxTerminal:
         self._target = f"-t {shlex.quote(session)}"
 
     async def _sh(self, script: str, what: str, *, max_output_bytes: int = 1 << 20) -> str:
-        res = await self.sandbox.exec(script, cwd="/", timeout_s=_TMUX_TIMEOUT_S, max_output_bytes=max_output_bytes)
+        res = await self.sandbox.exec(
+            script, cwd="/", timeout_s=_TMUX_TIMEOUT_S, max_output_bytes=max_output_bytes
+        )
         if res.timed_out or res.exit_code != 0:
-            raise SandboxError("terminal", f"tmux {what} failed (exit {res.exit_code}): {res.output.strip()[:300]}")
+            raise SandboxError(
+                "terminal", f"tmux {what} failed (exit {res.exit_code}): {res.output.strip()[:300]}"
+            )
         return res.output
 
     async def start(self) -> str:
@@ -76,7 +89,9 @@ class TmuxTerminal:
         return await self.read()
 
     async def alive(self) -> bool:
-        res = await self.sandbox.exec(f"{self._tmux} has-session {self._target}", cwd="/", timeout_s=_TMUX_TIMEOUT_S)
+        res = await self.sandbox.exec(
+            f"{self._tmux} has-session {self._target}", cwd="/", timeout_s=_TMUX_TIMEOUT_S
+        )
         return res.exit_code == 0 and not res.timed_out
 
     async def send(self, keystrokes: str, duration_s: float | None = None) -> str:
@@ -91,8 +106,11 @@ class TmuxTerminal:
             path = f"/tmp/.agentrl-paste-{self.session}"
             await self.sandbox.upload(keystrokes.encode(), path)
             # paste-buffer turns each LF into CR, i.e. Enter, as typing would.
-            await self._sh(f"{self._tmux} load-buffer -b agentrl {path} && rm -f {path} && "
-                           f"{self._tmux} paste-buffer -d -b agentrl {self._target}", "paste")
+            await self._sh(
+                f"{self._tmux} load-buffer -b agentrl {path} && rm -f {path} && "
+                f"{self._tmux} paste-buffer -d -b agentrl {self._target}",
+                "paste",
+            )
         elif keystrokes:
             steps = []
             for i, chunk in enumerate(keystrokes.split("\n")):
@@ -126,4 +144,6 @@ class TmuxTerminal:
 
     async def screen(self) -> str:
         """The visible screen as it is now."""
-        return (await self._sh(f"{self._tmux} capture-pane -p -J {self._target}", "capture-pane")).rstrip("\n")
+        return (await self._sh(f"{self._tmux} capture-pane -p -J {self._target}", "capture-pane")).rstrip(
+            "\n"
+        )
