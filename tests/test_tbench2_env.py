@@ -142,6 +142,7 @@ async def test_task_ids_skip_invalid_and_unknown_task_errors(env):
 async def test_registry_and_config_construction(tmp_path):
     env = make_env("tbench2", tasks_dir=str(DEFAULT_TASKS_DIR), sandbox={"backend": "local"})
     assert isinstance(env, TB2Env) and "sort-names" in env.task_ids()
+    assert set(env.splits()["eval"]) <= set(env.task_ids())
     cfg = RunConfig()
     cfg.agent.observation_max_chars = 123
     env2 = TB2Env.from_config(cfg)

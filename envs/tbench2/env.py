@@ -20,7 +20,14 @@ from agentrl.config.schema import AgentConfig, RunConfig, SandboxConfig
 from agentrl.envs.base import Action, Observation, State
 from agentrl.sandbox.base import Sandbox, SandboxError, SandboxProvider
 from agentrl.sandbox.factory import make_provider
-from envs.tbench2.loader import DEFAULT_TASKS_DIR, TaskFormatError, TaskSpec, list_task_dirs, load_task
+from envs.tbench2.loader import (
+    DEFAULT_TASKS_DIR,
+    TaskFormatError,
+    TaskSpec,
+    list_task_dirs,
+    load_splits,
+    load_task,
+)
 from envs.tbench2.scorer import SCORED, score_task
 from envs.tbench2.terminal import TmuxTerminal, cap_text
 
@@ -91,6 +98,10 @@ class TB2Env:
             except TaskFormatError as err:
                 self.invalid_tasks[d.name] = str(err)
         return ids
+
+    def splits(self) -> dict[str, list[str]]:
+        """The tasks dir's SPLITS.json ({"train": [...], "eval": [...], ...}); {} without one."""
+        return load_splits(self.tasks_dir)
 
     def task(self, task_id: str) -> TaskSpec:
         if task_id not in self._tasks:
