@@ -146,7 +146,25 @@ def train(model_name: ModelName = "GLM-5.2", num_nodes: NumNodes = None, gpus_pe
     cfg, plan = resolve(model_name, num_nodes, gpus_per_node, hardware, config, set_, sandbox, run_dir)
     if dry_run:
         return _show(cfg, plan, as_json)
-    _not_built("the training loop", "[A]")
+    _train(cfg, plan)
+
+
+def _train(cfg, plan) -> None:
+    import asyncio
+    import json
+
+    if plan.backend != "torch":
+        _not_built(f"the {plan.backend} trainer backend in the run loop", "[T]")
+    if plan.engine_kind != "embedded":
+        _not_built(f"the {plan.engine_kind} engine actor in the run loop", "[R]")
+    from agentrl.orchestrator import Orchestrator
+
+    try:
+        summary = asyncio.run(Orchestrator(cfg, plan).run())
+    except KeyboardInterrupt:
+        _fail("interrupted; engines, workers and sandboxes were stopped", code=130)
+    typer.echo(json.dumps({"run_dir": str(cfg.logging.run_dir), "steps": summary["steps"],
+                           "wall_s": round(summary["wall_s"], 1), "evals": summary["evals"]}))
 
 
 @app.command("full-train")

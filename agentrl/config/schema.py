@@ -33,7 +33,9 @@ class ClusterConfig(Section):
     ray_address: str | None = Field(None, description="Attach to this Ray cluster; None starts a local one.")
     host: str = Field("127.0.0.1", description="Bind address of the dashboard, engines and servers.")
     dashboard_port: int = Field(8265, ge=1, le=65535)
-    num_cpus: int | None = Field(None, ge=1, description="CPUs a local Ray may use; default: all.")
+    num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of a local Ray; default: max(4, cores).")
+    dashboard: bool = Field(True, description="Start Ray's dashboard (local Ray only).")
+    episode_workers: int = Field(1, ge=1, description="EpisodeWorker actors; each runs many episodes at once.")
 
 
 class ParallelConfig(Section):

@@ -1,0 +1,83 @@
+"""Weight sync from a trainer to engines over the engines' HTTP API (the local tensor path).
+
+Engines are paused first (in the configured mode: `retract` by default, so no request continues
+on KV computed with the old weights), then every bucket goes to every engine, the last one
+carrying the new weight_version, then engines continue. At scale the same sequence runs with
+NCCL broadcast buckets (update_weights_from_distributed) instead of files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from agentrl.rollout.client import EngineClient
+
+
+def bucket_named_tensors(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Group tensors in order into buckets of about `bucket_bytes` (a tensor larger than that
+    gets a bucket of its own). Tensors are copied to contiguous CPU memory: tied weights share
+    storage, which safetensors refuses."""
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = t.detach().to("cpu", copy=True).contiguous()
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+async def push_weights(
+    urls: list[str],
+    named: Iterable[tuple[str, torch.Tensor]],
+    version: int,
+    *,
+    pause_mode: str = "retract",
+    bucket_bytes: int = 256 << 20,
+    scratch_dir: str | None = None,
+    timeout_s: float = 600.0,
+) -> dict[str, float]:
+    """Send `named` to every engine at `urls` as weight version `version`. Returns timings."""
+    from safetensors.torch import save_file
+
+    t0 = time.perf_counter()
+    base = scratch_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    tmp = Path(tempfile.mkdtemp(prefix="agentrl-weights-", dir=base))
+    clients = [EngineClient(u, timeout_s=timeout_s) for u in urls]
+    total_bytes = 0
+    buckets = 0
+    try:
+        await asyncio.gather(*(c.pause_generation(pause_mode) for c in clients))
+        t_paused = time.perf_counter()
+        paths = []
+        for i, bucket in enumerate(bucket_named_tensors(named, bucket_bytes)):
+            p = tmp / f"bucket_{i:04d}.safetensors"
+            save_file(bucket, str(p))
+            total_bytes += sum(t.numel() * t.element_size() for t in bucket.values())
+            paths.append(p)
+        buckets = len(paths)
+        for i, p in enumerate(paths):
+            last = i == len(paths) - 1
+            await asyncio.gather(*(c.update_weights_from_tensor(
+                [str(p)], load_format="safetensors_path", flush_cache=last,
+                weight_version=version if last else None) for c in clients))
+    finally:
+        try:
+            await asyncio.gather(*(c.continue_generation() for c in clients), return_exceptions=True)
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+    t1 = time.perf_counter()
+    return {"sync_s": t1 - t0, "sync_paused_s": t1 - t_paused, "sync_bytes": total_bytes, "sync_buckets": buckets,
+            "sync_gbps": total_bytes / max(t1 - t0, 1e-9) / 1e9}
