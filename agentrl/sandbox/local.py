@@ -146,8 +146,10 @@ class LocalSandboxProvider:
             )
 
     async def sweep(self) -> int:
-        """Remove sandbox folders of this run that no live sandbox owns (a crashed process left
-        them), killing their bwrap if it still runs. Returns how many were removed."""
+        """Remove sandbox folders of this run that this provider does not own, killing their
+        bwrap if it still runs: what a crashed process left behind. Like the Daytona sweep, call
+        it at run start and end: it also removes sandboxes other workers of the run still use.
+        Returns how many were removed."""
         if not self.base_dir.is_dir():
             return 0
         removed = 0
@@ -165,8 +167,9 @@ class LocalSandboxProvider:
         return removed
 
     async def aclose(self) -> None:
+        """Close this provider's sandboxes. Other providers of the same run (other workers) are
+        left alone; sweep() at run start and end removes what crashed processes left."""
         await asyncio.gather(*(box.close() for box in list(self._live.values())))
-        await self.sweep()
         try:
             self.base_dir.rmdir()
         except OSError:

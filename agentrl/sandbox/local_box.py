@@ -71,6 +71,8 @@ class LocalSandbox:
         # The Dockerfile's WORKDIR wins over spec.workdir: it is what the image would have used.
         self.workdir = (plan.workdir if plan and plan.workdir else spec.workdir) or "/"
         self.unsupported: list[str] = list(plan.unsupported) if plan else []
+        if spec.image and plan is None:
+            self.unsupported.append(f"image {spec.image} (local runs use the host's /usr and /etc)")
         self.base_env = {
             "PATH": DEFAULT_PATH,
             "HOME": "/root",
@@ -202,7 +204,7 @@ class LocalSandbox:
 
     def _check_alive(self) -> None:
         if self._closed:
-            raise SandboxError("lost", f"sandbox {self.id} is closed")
+            raise SandboxError("closed", f"sandbox {self.id} is closed")
         if not self.alive():
             raise SandboxError("lost", f"sandbox {self.id} died; {self._bwrap_log()}")
 
