@@ -118,6 +118,9 @@ class LocalSandbox:
                 pass_fds=(w,),
                 env={"PATH": DEFAULT_PATH},
             )
+        except OSError as err:
+            os.close(r)
+            raise SandboxError("create", f"cannot start bwrap: {err}") from err
         finally:
             os.close(w)
             os.close(log_fd)
