@@ -67,7 +67,9 @@ def test_wrong_architectures(tmp_path, found):
     else:
         config["architectures"] = found
     folder = _write(tmp_path, config)
-    with pytest.raises(CheckpointError, match=r"'architectures' is .*expected \['GlmMoeDsaForCausalLM'\]; set"):
+    with pytest.raises(
+        CheckpointError, match=r"'architectures' is .*expected \['GlmMoeDsaForCausalLM'\]; set"
+    ):
         validate_glm_checkpoint(folder)
 
 
@@ -93,3 +95,19 @@ def test_non_glm_model_name_is_rejected(tmp_path):
         validate_glm_checkpoint(tmp_path, "smollm2-135m")
     with pytest.raises(ValueError, match="unknown model name"):
         validate_glm_checkpoint(tmp_path, "GLM-6")
+
+
+def test_validate_and_hf_config_commands(tmp_path):
+    from typer.testing import CliRunner
+
+    from agentrl.models.cli import app
+
+    runner = CliRunner()
+    good = _write(tmp_path / "good", _glm_config())
+    result = runner.invoke(app, ["validate", str(good)])
+    assert result.exit_code == 0 and "78 layers" in result.output
+    bad = _write(tmp_path / "bad", _glm_config(num_hidden_layers=77))
+    result = runner.invoke(app, ["validate", str(bad)])
+    assert result.exit_code == 1 and "expected 78" in result.output
+    result = runner.invoke(app, ["hf-config", "GLM-5.2_5layer"])
+    assert result.exit_code == 0 and json.loads(result.output)["num_hidden_layers"] == 5

@@ -43,8 +43,13 @@ def tiny_ckpt(tmp_path_factory):
 def test_init_tiny_writes_a_complete_offline_checkpoint(tiny_ckpt):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json"):
+    for name in (
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         assert (tiny_ckpt / name).is_file(), name
     config = validate_glm_checkpoint(tiny_ckpt, "tiny")
     assert config["index_topk_freq"] == 2 and "auto_map" not in config
@@ -54,8 +59,9 @@ def test_init_tiny_writes_a_complete_offline_checkpoint(tiny_ckpt):
     assert len(tok) == TINY.vocab_size and tok.chat_template
     gen = json.loads((tiny_ckpt / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [2, 4, 6] and gen["pad_token_id"] == 0
-    prompt = tok.apply_chat_template([{"role": "user", "content": "ls"}], add_generation_prompt=True,
-                                     return_tensors="pt", return_dict=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "ls"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     out = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     assert out.shape[1] > prompt["input_ids"].shape[1]
 
@@ -82,11 +88,17 @@ def test_init_tiny_with_mtp_layer(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 5
     with safe_open(str(out / "model.safetensors"), "pt") as f:
-        mtp = {k: f.get_tensor(k) for k in f.keys() if k.startswith("model.layers.5.")}
+        mtp = {k: f.get_tensor(k) for k in f.keys() if k.startswith("model.layers.5.")}  # noqa: SIM118
     hidden = TINY.hidden_size
     assert mtp["model.layers.5.eh_proj.weight"].shape == (hidden, 2 * hidden)
-    for key in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight", "self_attn.indexer.wk.weight",
-                "mlp.gate.e_score_correction_bias", "mlp.experts.gate_up_proj"):
+    for key in (
+        "enorm.weight",
+        "hnorm.weight",
+        "shared_head.norm.weight",
+        "self_attn.indexer.wk.weight",
+        "mlp.gate.e_score_correction_bias",
+        "mlp.experts.gate_up_proj",
+    ):
         assert f"model.layers.5.{key}" in mtp, key
     assert mtp["model.layers.5.mlp.experts.gate_up_proj"].std() > 0
     # transformers has no MTP module: the main model still loads, with the MTP weights left aside.
@@ -99,8 +111,15 @@ def test_load_policy_generic_hf_folder(tmp_path):
 
     from agentrl.models.tokenizer import build_tiny_tokenizer
 
-    config = LlamaConfig(vocab_size=TINY.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = LlamaConfig(
+        vocab_size=TINY.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(str(tmp_path))
     build_tiny_tokenizer(tmp_path)
@@ -117,7 +136,9 @@ def test_load_policy_errors(tmp_path):
         load_policy(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="config.json not found"):
         load_policy(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "auto_map": {"AutoModel": "x.Y"}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "auto_map": {"AutoModel": "x.Y"}})
+    )
     with pytest.raises(ValueError, match="auto_map.*never runs remote code"):
         load_policy(tmp_path)
 
@@ -134,10 +155,14 @@ def test_load_policy_smollm2_and_cache_in_run_dir(tmp_path):
     model, tok = load_policy("smollm2-135m", cache_dir=tmp_path)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Say hello."}], add_generation_prompt=True,
-                                     return_tensors="pt", return_dict=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Say hello."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
-    assert tok.decode(out[0, prompt["input_ids"].shape[1]:]).strip()
+    assert tok.decode(out[0, prompt["input_ids"].shape[1] :]).strip()
     assert (tmp_path / "smollm2-135m" / "model.safetensors").is_file()
     again, _ = load_policy("smollm2-135m", cache_dir=tmp_path)  # from the exported folder, no GGUF
     assert _same_weights(model, again)

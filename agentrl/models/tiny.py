@@ -73,7 +73,9 @@ def tiny_mtp_state_dict(config: GlmMoeDsaConfig, seed: int) -> dict[str, torch.T
     depth = config.num_hidden_layers
     # A config one layer deeper gives the MTP block transformers' own decoder layer at index `depth`;
     # the MTP block has no earlier layer to borrow a top-k from, so its indexer always computes.
-    deeper = hf_config_for(TINY.name, num_hidden_layers=depth + 1, indexer_types=[*config.indexer_types, "full"])
+    deeper = hf_config_for(
+        TINY.name, num_hidden_layers=depth + 1, indexer_types=[*config.indexer_types, "full"]
+    )
     hidden = config.hidden_size
     generator = torch.Generator().manual_seed(seed + 1)
     std = config.initializer_range
@@ -110,7 +112,9 @@ def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0, *, mtp: bool = Fal
 
     out = Path(out_dir).expanduser()
     if (out / "config.json").exists():
-        raise FileExistsError(f"{out / 'config.json'} exists; choose an empty or new folder for the tiny checkpoint")
+        raise FileExistsError(
+            f"{out / 'config.json'} exists; choose an empty or new folder for the tiny checkpoint"
+        )
     out.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model(seed, mtp=mtp)
     tokenizer = build_tiny_tokenizer(out)
