@@ -115,7 +115,7 @@ class WeightUpdateGroup:
                 raise WeightUpdateError("flattened_bucket needs one dtype for all tensors")
             numels = [int(torch.Size(s).numel()) for s in shapes]
             flat = torch.empty(sum(numels), dtype=parse_dtype(dtypes[0]))
-            self._pg.broadcast([flat], 0).wait()
+            self._pg.broadcast(flat, 0).wait()
             parts = flat.split(numels)
             return {n: p.view(*s) for n, p, s in zip(names, parts, shapes)}
         if load_format not in (None, "direct"):
@@ -123,7 +123,7 @@ class WeightUpdateGroup:
         out = {}
         for name, dtype, shape in zip(names, dtypes, shapes):
             t = torch.empty(*shape, dtype=parse_dtype(dtype))
-            self._pg.broadcast([t], 0).wait()
+            self._pg.broadcast(t, 0).wait()
             out[name] = t
         return out
 
