@@ -130,7 +130,7 @@ def join_tensors(pieces: list[torch.Tensor], kind: TpKind, name: str) -> torch.T
     return torch.cat(pieces, dim=1 if kind == "row" else 0)
 
 
-def _check_layout(config: Any, layout: ShardLayout) -> list[range]:
+def check_layout(config: Any, layout: ShardLayout) -> list[range]:
     if layout.etp not in (1, layout.tp):
         raise ValueError(f"expert tensor parallel size {layout.etp} must be 1 or tp={layout.tp}")
     if config.n_routed_experts % layout.ep:
@@ -197,7 +197,7 @@ def _place(name: str, stages: list[range], n_experts: int, layout: ShardLayout, 
 def shard_state_dict(state_dict: dict[str, torch.Tensor], config: Any,
                      layout: ShardLayout) -> dict[RankCoord, dict[str, torch.Tensor]]:
     """Full Megatron state dict -> one state dict per (pp, tp, ep) rank coordinate."""
-    stages = _check_layout(config, layout)
+    stages = check_layout(config, layout)
     has_mtp = num_mtp_layers(config) > 0
     shards: dict[RankCoord, dict[str, torch.Tensor]] = {c: {} for c in layout.coords(config.num_hidden_layers)}
     for name, tensor in state_dict.items():
@@ -233,7 +233,7 @@ def _global_name(local: str, stage: int, ep_rank: int, stages: list[range], per_
 def unshard_state_dict(shards: dict[RankCoord, dict[str, torch.Tensor]], config: Any,
                        layout: ShardLayout) -> dict[str, torch.Tensor]:
     """Inverse of shard_state_dict; replicated copies must agree bitwise."""
-    stages = _check_layout(config, layout)
+    stages = check_layout(config, layout)
     expected = set(layout.coords(config.num_hidden_layers))
     if set(shards) != expected:
         raise ValueError(f"shards cover ranks {sorted(shards)}, the layout needs {sorted(expected)}")
