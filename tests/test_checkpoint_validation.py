@@ -78,10 +78,16 @@ def test_wrong_depth_names_both_numbers_and_the_fix(tmp_path):
     with pytest.raises(CheckpointError) as err:
         validate_glm_checkpoint(folder, "GLM-5.2")
     msg = str(err.value)
-    assert "'num_hidden_layers' is 5, expected 78" in msg and "GLM-5.2_5layer (5)" in msg
+    assert "'num_hidden_layers' is 5, expected 78" in msg
+    assert "it matches model.name GLM-5.2_5layer or tiny" in msg
     full = _write(tmp_path / "full", _glm_config())
-    with pytest.raises(CheckpointError, match="'num_hidden_layers' is 78, expected 5"):
+    with pytest.raises(
+        CheckpointError, match="'num_hidden_layers' is 78, expected 5.*matches model.name GLM-5.2\\)"
+    ):
         validate_glm_checkpoint(full, "GLM-5.2_5layer")
+    odd = _write(tmp_path / "odd", _glm_config(num_hidden_layers=12))
+    with pytest.raises(CheckpointError, match=r"GLM names and depths: GLM-5.2 \(78\), GLM-5.2_5layer \(5\)"):
+        validate_glm_checkpoint(odd, "tiny")
 
 
 def test_auto_map_is_refused(tmp_path):

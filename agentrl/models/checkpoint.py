@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from agentrl.models.arch import get_arch
+from agentrl.models.arch import NAMED_ARCHS, get_arch
 from agentrl.models.hf_config import ARCHITECTURE, MODEL_TYPE
 
 
@@ -77,15 +77,19 @@ def validate_glm_checkpoint(path: str | Path, model_name: str = "GLM-5.2") -> di
         )
     found = config.get("num_hidden_layers")
     if found != arch.num_layers:
-        names = ", ".join(
-            f"{n} ({get_arch(n).num_layers})" for n in ("GLM-5.2", "GLM-5.2_5layer") if n != model_name
+        glm = [a for a in NAMED_ARCHS.values() if a.has_dsa and a.name != model_name]
+        matching = [a.name for a in glm if a.num_layers == found]
+        hint = (
+            f"it matches model.name {' or '.join(matching)}"
+            if matching
+            else "GLM names and depths: " + ", ".join(f"{a.name} ({a.num_layers})" for a in glm)
         )
         raise _mismatch(
             config_file,
             "num_hidden_layers",
             found,
             arch.num_layers,
-            f"the checkpoint is not {model_name}: pick the matching model.name (e.g. {names}) or the right folder",
+            f"the checkpoint is not {model_name}: set the matching model.name or point at the right folder ({hint})",
         )
     if "auto_map" in config:
         raise CheckpointError(
