@@ -4,7 +4,7 @@ Never writes the full [T, S] score matrix: rows are processed in chunks of ``chu
 For each chunk, (1) a GEMM-shaped kernel writes the causal part of the chunk's scores (fp32),
 k tile loaded once per program and reused by all indexer heads; tiles wholly above the diagonal
 exit at once; (2) one program per row selects the top-k with a radix select on the scores'
-order-preserving uint32 keys (three histogram passes of 11/11/10 bits find the exact k-th key,
+order-preserving uint32 keys (ceil(32 / RADIX_BITS) histogram passes find the exact k-th key,
 then one pass emits indices in ascending order). Each row's scores (<= 512 KB at 128K context)
 stay in L2 across the four passes, so HBM sees them about once.
 
@@ -25,11 +25,15 @@ SCORE_CONFIGS = [
     KernelConfig.make(BLOCK_T=128, BLOCK_S=64, num_warps=4, num_stages=4),
     KernelConfig.make(BLOCK_T=64, BLOCK_S=256, num_warps=8, num_stages=3),
 ]
+# RADIX_BITS trades passes (ceil(32 / bits) + 1 over the row) against histogram cost per element.
 TOPK_CONFIGS = [
-    KernelConfig.make(BLOCK=1024, num_warps=4, num_stages=1),
-    KernelConfig.make(BLOCK=4096, num_warps=8, num_stages=1),
-    KernelConfig.make(BLOCK=2048, num_warps=8, num_stages=1),
-    KernelConfig.make(BLOCK=4096, num_warps=16, num_stages=1),
+    KernelConfig.make(BLOCK=1024, RADIX_BITS=8, num_warps=4, num_stages=1),
+    KernelConfig.make(BLOCK=1024, RADIX_BITS=11, num_warps=4, num_stages=1),
+    KernelConfig.make(BLOCK=2048, RADIX_BITS=8, num_warps=8, num_stages=1),
+    KernelConfig.make(BLOCK=1024, RADIX_BITS=6, num_warps=4, num_stages=1),
+    KernelConfig.make(BLOCK=1024, RADIX_BITS=4, num_warps=4, num_stages=1),
+    KernelConfig.make(BLOCK=512, RADIX_BITS=8, num_warps=4, num_stages=1),
+    KernelConfig.make(BLOCK=1024, RADIX_BITS=8, num_warps=4, num_stages=3),
 ]
 SCORE_TUNER = Autotuner("indexer_score", SCORE_CONFIGS)
 TOPK_TUNER = Autotuner("indexer_topk", TOPK_CONFIGS)
@@ -73,30 +77,30 @@ def _ordered_key(x):
 
 
 @triton.jit
-def _radix_pass(row_ptr, n, prefix, prefix_mask, remaining,
-                SHIFT: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr):
+def _radix_pass(row_ptr, n, prefix, prefix_mask, remaining, shift, digit_mask,
+                RADIX_BITS: tl.constexpr, BLOCK: tl.constexpr):
     """Histogram one digit of the keys that match ``prefix``; pick the digit holding the k-th."""
-    NB: tl.constexpr = 1 << NBITS
+    NB: tl.constexpr = 1 << RADIX_BITS
     hist = tl.zeros([NB], tl.int32)
     for start in range(0, n, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         ok = idx < n
         key = _ordered_key(tl.load(row_ptr + idx, mask=ok, other=0.0))
         match = ok & ((key & prefix_mask) == prefix)
-        digit = ((key >> SHIFT) & (NB - 1)).to(tl.int32)
+        digit = ((key >> shift) & digit_mask).to(tl.int32)
         hist += tl.histogram(digit, NB, mask=match)
     bins = tl.arange(0, NB)
     at_or_above = tl.sum(hist) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= bin
     chosen = tl.max(tl.where(at_or_above >= remaining, bins, -1), axis=0)
     above = tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
-    prefix = prefix | (chosen.to(tl.uint32) << SHIFT)
-    prefix_mask = prefix_mask | (tl.full([], NB - 1, tl.uint32) << SHIFT)
+    prefix = prefix | (chosen.to(tl.uint32) << shift)
+    prefix_mask = prefix_mask | (digit_mask << shift)
     return prefix, prefix_mask, remaining - above
 
 
 @triton.jit
-def _topk_rows_kernel(score_ptr, out_ptr, row0, offset, S, stride_s, stride_o,
-                      K: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_rows_kernel(score_ptr, out_ptr, shift_ptr, dmask_ptr, row0, offset, S, stride_s, stride_o,
+                      K: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, N_PASSES: tl.constexpr):
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)  # valid (causal) keys of this row
     row_ptr = score_ptr + r.to(tl.int64) * stride_s
@@ -109,9 +113,11 @@ def _topk_rows_kernel(score_ptr, out_ptr, row0, offset, S, stride_s, stride_o,
         prefix = tl.zeros([], tl.uint32)
         pmask = tl.zeros([], tl.uint32)
         remaining = tl.full([], K, tl.int32)
-        prefix, pmask, remaining = _radix_pass(row_ptr, n, prefix, pmask, remaining, 21, 11, BLOCK)
-        prefix, pmask, remaining = _radix_pass(row_ptr, n, prefix, pmask, remaining, 10, 11, BLOCK)
-        prefix, pmask, remaining = _radix_pass(row_ptr, n, prefix, pmask, remaining, 0, 10, BLOCK)
+        for p in tl.static_range(N_PASSES):  # most significant digit first
+            shift = tl.load(shift_ptr + p)
+            dmask = tl.load(dmask_ptr + p)
+            prefix, pmask, remaining = _radix_pass(row_ptr, n, prefix, pmask, remaining, shift, dmask,
+                                                   RADIX_BITS, BLOCK)
         # prefix is now the k-th largest key; take every key above it and the first
         # `remaining` keys equal to it, in index order.
         written = tl.zeros([], tl.int32)
@@ -128,6 +134,19 @@ def _topk_rows_kernel(score_ptr, out_ptr, row0, offset, S, stride_s, stride_o,
             tl.store(out_row + pos, idx, mask=take)
             written += tl.sum(take_i, axis=0)
             ties += tl.sum(eq.to(tl.int32), axis=0)
+
+
+def _radix_schedule(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-pass shift and digit mask over the 32-bit key, most significant digit first."""
+    shifts, masks = [], []
+    hi = 32
+    while hi > 0:
+        lo = max(hi - bits, 0)
+        shifts.append(lo)
+        masks.append((1 << (hi - lo)) - 1)
+        hi = lo
+    return (torch.tensor(shifts, dtype=torch.int32, device=device),
+            torch.tensor(masks, dtype=torch.int64, device=device).to(torch.uint32))
 
 
 def _check(q, k, w, topk):
@@ -163,14 +182,17 @@ def indexer_scores_chunk(q, k, w, row0, rows, offset, out):
     launch(cfg)
 
 
-def topk_rows_chunk(scores, row0, rows, offset, S, topk, out):
-    """Top-k of each causal row of ``scores`` (chunk rows [row0, row0+rows)) into out[row0:...]."""
-    def launch(cfg: KernelConfig) -> None:
-        _topk_rows_kernel[(rows,)](scores, out, row0, offset, S, scores.stride(0), out.stride(0),
-                                   K=topk, BLOCK=cfg["BLOCK"], num_warps=cfg.num_warps,
-                                   num_stages=cfg.num_stages)
+def topk_rows_chunk(scores, row0, rows, offset, S, topk, out, config: KernelConfig | None = None):
+    """Top-k of each causal row of ``scores`` (chunk rows [row0, row0+rows)) into out[row0:...].
 
-    cfg = TOPK_TUNER.choose((rows, S, topk), scores.device, launch)
+    ``config`` forces one variant (tests); by default the autotuner picks it."""
+    def launch(cfg: KernelConfig) -> None:
+        shifts, masks = _radix_schedule(cfg["RADIX_BITS"], scores.device)
+        _topk_rows_kernel[(rows,)](scores, out, shifts, masks, row0, offset, S, scores.stride(0), out.stride(0),
+                                   K=topk, BLOCK=cfg["BLOCK"], RADIX_BITS=cfg["RADIX_BITS"],
+                                   N_PASSES=shifts.numel(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    cfg = config or TOPK_TUNER.choose((rows, S, topk), scores.device, launch)
     launch(cfg)
 
 
@@ -191,7 +213,8 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int = 
     out = torch.empty((T, topk), device=q.device, dtype=torch.int32)
     chunk_rows = max(1, min(chunk_rows, T))
     scores = torch.empty((chunk_rows, S), device=q.device, dtype=torch.float32)
-    for row0 in range(0, T, chunk_rows):
+    # Last chunk first: its rows are the longest, so that is what the autotuner times.
+    for row0 in reversed(range(0, T, chunk_rows)):
         rows = min(chunk_rows, T - row0)
         indexer_scores_chunk(q, k, w, row0, rows, offset, scores)
         topk_rows_chunk(scores, row0, rows, offset, S, topk, out)

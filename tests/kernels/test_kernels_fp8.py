@@ -64,3 +64,19 @@ def test_gpu_bitwise_large_and_bf16_dequant():
     assert torch.equal(s, rs) and torch.equal(_bits(q), _bits(rq))
     y = fq.fp8_block_dequant(q, s)
     assert torch.equal(y, fq.reference_fp8_block_dequant(rq, rs))
+
+
+@pytest.mark.gpu
+@gpu
+def test_every_gpu_config_is_bitwise(monkeypatch):
+    from kernels._tuning import Autotuner
+    w = (torch.randn(1000, 777, device="cuda") * 0.3).to(torch.bfloat16)
+    rq, rs = fq.reference_fp8_block_quant(w)
+    ry = fq.reference_fp8_block_dequant(rq, rs)
+    for cfg in fq.QUANT_TUNER.configs:
+        monkeypatch.setattr(fq, "QUANT_TUNER", Autotuner("q", [cfg]))
+        q, s = fq.fp8_block_quant(w)
+        assert torch.equal(s, rs) and torch.equal(_bits(q), _bits(rq)), cfg.describe()
+    for cfg in fq.CONFIGS:
+        monkeypatch.setattr(fq, "DEQUANT_TUNER", Autotuner("d", [cfg]))
+        assert torch.equal(fq.fp8_block_dequant(rq, rs), ry), cfg.describe()

@@ -45,12 +45,17 @@ def test_scores_match_reference_on_random_floats(device):
     torch.testing.assert_close(out[causal], want[causal], atol=1e-4, rtol=1e-5)
 
 
-def test_topk_selection_alone_breaks_ties_toward_lower_index(device):
-    # Scores drawn from 5 levels: most of the k-th value's copies fall on the boundary.
-    rows, S, K = 8, 200, 64
+@pytest.mark.parametrize("radix_bits", [4, 8, 11])
+def test_topk_selection_alone_breaks_ties_toward_lower_index(device, radix_bits):
+    # Scores drawn from 5 levels: most of the k-th value's copies fall on the boundary;
+    # plus a few distinct values (negative, tiny, huge) so every radix digit matters.
+    rows, S, K = 6, 200, 64
     scores = torch.randint(0, 5, (rows, S), device=device).float() - 2.0
+    scores[:, ::7] = torch.randn(rows, (S + 6) // 7, device=device) * torch.logspace(-30, 30, (S + 6) // 7,
+                                                                                      device=device)
     out = torch.empty((rows, K), device=device, dtype=torch.int32)
-    ix.topk_rows_chunk(scores, 0, rows, S - 1, S, K, out)  # offset S-1: every key valid
+    cfg = ix.KernelConfig.make(BLOCK=128, RADIX_BITS=radix_bits, num_warps=4, num_stages=1)
+    ix.topk_rows_chunk(scores, 0, rows, S - 1, S, K, out, config=cfg)  # offset S-1: every key valid
     want = select_topk(scores, torch.full((rows,), S, device=device), K, stable=True)
     assert torch.equal(out, want)
 
@@ -86,3 +91,28 @@ def test_indexer_gpu_4k_context_k2048():
     ref = reference_indexer_scores(q[:256], k, w[:256], offset=0)
     ok = torch.isfinite(ref)
     torch.testing.assert_close(scores[:256][ok], ref[ok], atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@gpu
+def test_every_gpu_config_is_correct():
+    T = S = 1024
+    q = torch.randn(T, 32, 128, device="cuda").to(torch.bfloat16)
+    k = torch.randn(S, 128, device="cuda").to(torch.bfloat16)
+    w = torch.randn(T, 32, device="cuda") / 32
+    ref = reference_indexer_scores(q, k, w, offset=0)
+    finite = torch.isfinite(ref)
+    for cfg in ix.SCORE_CONFIGS:
+        out = torch.full((T, S), float("nan"), device="cuda")
+        ix.SCORE_TUNER.records.clear()
+        ix.SCORE_TUNER.configs = [cfg]
+        ix.indexer_scores_chunk(q, k, w, 0, T, 0, out)
+        torch.testing.assert_close(out[finite], ref[finite], atol=1e-3, rtol=1e-4, msg=cfg.describe)
+    ix.SCORE_TUNER.configs = list(ix.SCORE_CONFIGS)
+    ix.SCORE_TUNER.records.clear()
+    n_valid = torch.arange(T, device="cuda") + 1
+    want = select_topk(ref, n_valid, 256, stable=True)
+    for cfg in ix.TOPK_CONFIGS:
+        got = torch.empty((T, 256), device="cuda", dtype=torch.int32)
+        ix.topk_rows_chunk(ref.clone(), 0, T, 0, S, 256, got, config=cfg)
+        assert torch.equal(got, want), cfg.describe()

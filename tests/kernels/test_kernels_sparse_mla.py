@@ -52,3 +52,25 @@ def test_forward_gpu_glm_dims():
     ref_out, ref_lse = sm.reference_sparse_mla(q, kv, idx, sm.default_sm_scale(), chunk_tokens=32)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@gpu
+def test_every_gpu_config_is_correct(monkeypatch):
+    from kernels._tuning import Autotuner
+    T, S, heads, K = 16, 4096, 64, 512
+    q = torch.randn(T, heads, 576, device="cuda").to(torch.bfloat16)
+    kv = torch.randn(S, 576, device="cuda").to(torch.bfloat16)
+    idx = torch.randint(0, S, (T, K), device="cuda", dtype=torch.int32)
+    idx[:4, 100:] = -1
+    ref_out, ref_lse = sm.reference_sparse_mla(q, kv, idx, 0.0625)
+    for cfg in sm.CONFIGS:
+        monkeypatch.setattr(sm, "TUNER", Autotuner("mla", [cfg]))
+        try:
+            out, lse = sm.sparse_mla_forward(q, kv, idx, 0.0625)
+        except Exception as exc:  # a config the device cannot run (shared memory) is skipped by the tuner
+            if "resources" in str(exc).lower() or "shared memory" in str(exc).lower():
+                continue
+            raise
+        torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2, msg=cfg.describe)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-4, msg=cfg.describe)
