@@ -232,6 +232,8 @@ class Orchestrator:
                     metrics = self._training.result()
                     self._training = None
                     last_row = self._record(metrics, started)
+                    if self.step % 5 == 0:
+                        self._plot()
                     if self.cfg.env.eval_every and self.step % self.cfg.env.eval_every == 0:
                         self._start_eval(self.version)
                 if time.monotonic() - last_health > 5.0:
@@ -241,6 +243,7 @@ class Orchestrator:
             if self.cfg.env.eval_every:
                 self._start_eval(self.version)
             await asyncio.gather(*self._eval_tasks)
+            self._plot()
             summary = {"steps": self.step, "wall_s": time.perf_counter() - started, "last": last_row,
                        "evals": sorted(self.eval_results.values(), key=lambda r: r.get("eval_version", 0)),
                        "buffer": await self.buffer.stats.remote()}
@@ -248,6 +251,14 @@ class Orchestrator:
             return summary
         finally:
             await self._shutdown()
+
+    def _plot(self) -> None:
+        from agentrl.plot import plot_run
+
+        try:
+            plot_run(self.run_dir)
+        except Exception as e:  # a plot must never take the run down
+            self.progress.note(f"could not draw curves.png: {e}")
 
     async def _check_engines(self) -> None:
         for i, e in enumerate(self.engines):
