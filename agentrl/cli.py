@@ -20,6 +20,7 @@ def _register() -> None:
     # Sub-apps of other areas are added below, one line each.
     from agentrl.models.cli import app as models_app; app.add_typer(models_app, name="models")  # noqa: E702
     from agentrl.envs.tasks_cli import app as tasks_app; app.add_typer(tasks_app, name="tasks", help="Check task folders end to end.")  # noqa: E702, E501
+    from agentrl.rollout.engine_cli import app as engine_app; app.add_typer(engine_app, name="engine")  # noqa: E702
 
 
 _register()
