@@ -220,11 +220,12 @@ class Orchestrator:
             if self.cfg.env.eval_every:
                 self._start_eval(self.version)
             last_health = time.monotonic()
-            while self.step < self.cfg.train.max_steps:
+            while self.step < self.cfg.train.max_steps or self._training is not None:
                 await self._collect_regenerations()
                 self._ready_cache = await self.buffer.ready_groups.remote()
                 self._admit()
-                if self._training is None and self._ready_cache >= self.cfg.algorithm.prompts_per_step:
+                if (self._training is None and self.step < self.cfg.train.max_steps
+                        and self._ready_cache >= self.cfg.algorithm.prompts_per_step):
                     batch = await self.buffer.take_batch.remote(self.cfg.algorithm.prompts_per_step, self.version)
                     if batch is not None:
                         self._training = asyncio.create_task(self._train(batch))

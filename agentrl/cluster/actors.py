@@ -136,10 +136,6 @@ class EpisodeWorker:
         splits = env.splits() if hasattr(env, "splits") else {}
         return list(env.task_ids()), dict(splits)
 
-    def set_engines(self, urls: list[str]) -> None:
-        self._setup()
-        self.router.set_engines(urls)
-
     async def run_group(self, task_id: str, group_id: str, n: int, evaluate: bool = False) -> list[dict]:
         """Run n episodes of one task concurrently; trajectories go to the buffer unless evaluating.
         Returns one summary per episode."""
