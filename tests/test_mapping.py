@@ -28,8 +28,8 @@ def hf_state(config):
 
 def _assert_same(a: dict, b: dict) -> None:
     assert set(a) == set(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    for k, t in a.items():
+        assert t.dtype == b[k].dtype and torch.equal(t, b[k]), k
 
 
 def test_round_trip_is_bitwise(config, hf_state):

@@ -80,7 +80,11 @@ def test_yarn_rope_and_unsupported_settings():
 def test_megatron_config_and_local_dsa_specs_build_on_cpu():
     from megatron.core.post_training.modelopt.layers import Linear
 
-    from agentrl.models.megatron_builder import local_dsa_backend, local_layer_specs, transformer_config_from_hf
+    from agentrl.models.megatron_builder import (
+        local_dsa_backend,
+        local_layer_specs,
+        transformer_config_from_hf,
+    )
 
     parallel = ParallelConfig(pp=2, ep=2, pp_layer_split=[3, 2])
     config = transformer_config_from_hf(tiny_config(mtp=1), parallel, bf16=False)

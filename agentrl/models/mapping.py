@@ -33,7 +33,7 @@ and re-emitted on the way out.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -269,7 +269,8 @@ def hf_to_megatron(state_dict: dict[str, torch.Tensor], config: Any,
     rules = mapping_rules(config, naming, detect_hf_expert_format(state_dict))
     required = {k for r in rules if r.kind != "alias" for k in r.hf}
     optional = {k for r in rules if r.kind == "alias" for k in r.hf}
-    _check_keys(set(state_dict) - (optional - set(state_dict)), required | (optional & set(state_dict)),
+    have = set(state_dict)
+    _check_keys(have, required | (optional & have),
                 "HF", "is the checkpoint the model named in the config (layers, experts, MTP, tie)?")
     out: dict[str, torch.Tensor] = {}
     for rule in rules:
@@ -278,12 +279,12 @@ def hf_to_megatron(state_dict: dict[str, torch.Tensor], config: Any,
         for name, t in zip(rule.mg, rule_to_megatron(rule, [state_dict[k] for k in rule.hf]), strict=True):
             out[name] = t
     for rule in rules:
-        if rule.kind == "alias" and rule.hf[0] in state_dict:
-            if not torch.equal(state_dict[rule.hf[0]], out[rule.mg[0]]):
-                raise ValueError(
-                    f"{rule.hf[0]} differs from the tensor Megatron shares it with ({rule.mg[0]}); "
-                    "Megatron cannot hold a separate copy, so the conversion would lose it"
-                )
+        copy = state_dict.get(rule.hf[0]) if rule.kind == "alias" else None
+        if copy is not None and not torch.equal(copy, out[rule.mg[0]]):
+            raise ValueError(
+                f"{rule.hf[0]} differs from the tensor Megatron shares it with ({rule.mg[0]}); "
+                "Megatron cannot hold a separate copy, so the conversion would lose it"
+            )
     return out
 
 
@@ -301,9 +302,3 @@ def megatron_to_hf(state_dict: dict[str, torch.Tensor], config: Any,
         for name, t in zip(rule.hf, rule_to_hf(rule, [weights[k] for k in rule.mg]), strict=True):
             out[name] = t
     return out
-
-
-def hf_names_needed(rules: list[Rule]) -> Callable[[str], bool]:
-    """Predicate: is an HF tensor name used by these rules (for streaming a sharded checkpoint)."""
-    names = {k for r in rules for k in r.hf}
-    return names.__contains__

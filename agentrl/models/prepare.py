@@ -66,7 +66,7 @@ def read_hf_index(hf_dir: Path) -> dict[str, Path]:
     from safetensors import safe_open
 
     with safe_open(str(single), framework="pt") as f:
-        return {name: single for name in f.keys()}
+        return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is no mapping)
 
 
 def load_hf_config(hf_dir: Path) -> Any:
@@ -235,10 +235,9 @@ def copy_checkpoint_to_local(src: str | Path, dst: str | Path, *, verify_existin
             rel = path.relative_to(src).as_posix()
             st = path.stat()
             entry, target = files.get(rel), dst / rel
-            if entry and entry["size"] == st.st_size and entry["mtime_ns"] == st.st_mtime_ns and target.exists():
-                if target.stat().st_size == st.st_size and (not verify_existing or sha256_file(target) == entry["sha256"]):
-                    report.skipped.append(rel)
-                    continue
+            if entry and _still_valid(entry, st, target, verify_existing):
+                report.skipped.append(rel)
+                continue
             files.pop(rel, None)  # not verified any more until the new copy lands
             digest = _copy_one(path, target)
             files[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
@@ -250,6 +249,13 @@ def copy_checkpoint_to_local(src: str | Path, dst: str | Path, *, verify_existin
         manifest["complete"] = True
         _write_manifest(dst, manifest)
     return report
+
+
+def _still_valid(entry: dict, st: os.stat_result, target: Path, verify: bool) -> bool:
+    """The recorded copy is of this very source file and the local file still holds it."""
+    if entry["size"] != st.st_size or entry["mtime_ns"] != st.st_mtime_ns or not target.exists():
+        return False
+    return target.stat().st_size == st.st_size and (not verify or sha256_file(target) == entry["sha256"])
 
 
 def _copy_one(src: Path, target: Path) -> str:

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, from anywhere
 
-from agentrl.models.mapping import hf_to_megatron, megatron_to_hf  # noqa: E402
+from agentrl.models.mapping import hf_to_megatron, megatron_to_hf
 
 HEADLINE_KEYS = ("fp32_max_abs_logit_diff", "bf16_max_abs_logit_diff")
 
@@ -155,7 +155,7 @@ class Report:
         try:
             yield rec
             rec["ok"] = True
-        except Exception as e:  # recorded, and the run continues with the next stage
+        except Exception as e:  # noqa: BLE001 - recorded with its traceback; the next stage still runs
             rec["error"] = f"{type(e).__name__}: {e}"
             rec["traceback"] = traceback.format_exc()
             print(rec["traceback"], file=sys.stderr, flush=True)
@@ -184,7 +184,7 @@ def machine_info() -> dict[str, Any]:
         from megatron.core import package_info
 
         info["megatron_core"] = package_info.__version__
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - reported in the JSON; later stages fail on it loudly
         info["megatron_core"] = f"not importable: {e}"
     try:
         import triton
@@ -302,7 +302,7 @@ def mtp_load_stage(rec: dict, config: Any, seed: int, workdir: Path) -> None:
     try:
         per_token = mg_forward(mg.train(), ids, labels=ids)  # main loss with the MTP loss hooked in
         rec["mtp_forward_loss"] = per_token.float().mean().item()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - recorded, then the stage fails below
         rec["mtp_forward_error"] = f"{type(e).__name__}: {e}"
         rec["mtp_forward_traceback"] = traceback.format_exc()
     if rec["mismatched"] or rec["missing_in_model"] or "mtp_forward_error" in rec:
