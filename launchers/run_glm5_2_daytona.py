@@ -124,7 +124,24 @@ def prepare(model_name: ModelName = "GLM-5.2", num_nodes: NumNodes = None, gpus_
     cfg, plan = resolve(model_name, num_nodes, gpus_per_node, hardware, config, set_)
     if dry_run:
         return _show(cfg, plan, as_json)
-    _not_built("prepare (checkpoint conversion)", "[M]")
+    _prepare(cfg)
+
+
+def _prepare(cfg) -> None:
+    from agentrl.models.checkpoint import CheckpointError, validate_glm_checkpoint
+    from agentrl.models.prepare import convert_hf_to_megatron
+
+    m = cfg.model
+    if m.path is None or m.megatron_dir is None:
+        _fail("prepare needs model.path (the HF checkpoint folder) and model.megatron_dir (where the "
+              "torch_dist checkpoint goes): --set model.path=/data/GLM-5.2 --set model.megatron_dir=/data/GLM-5.2_torch_dist")
+    try:
+        validate_glm_checkpoint(m.path, m.name)
+    except CheckpointError as e:
+        _fail(str(e))
+    typer.echo(f"prepare: {m.path} is a valid {m.name} checkpoint; converting to {m.megatron_dir}", err=True)
+    out = convert_hf_to_megatron(m.path, m.megatron_dir, cfg.train.parallel)
+    typer.echo(f"prepare: wrote {out}", err=True)
 
 
 @app.command("prepare-cp")
@@ -135,7 +152,18 @@ def prepare_cp(model_name: ModelName = "GLM-5.2", num_nodes: NumNodes = None, gp
     cfg, plan = resolve(model_name, num_nodes, gpus_per_node, hardware, config, set_)
     if dry_run:
         return _show(cfg, plan, as_json)
-    _not_built("prepare-cp (checkpoint copy)", "[M]")
+    from agentrl.models.prepare import copy_checkpoint_to_local
+
+    m = cfg.model
+    if m.megatron_dir is None or m.local_dir is None:
+        _fail("prepare-cp needs model.megatron_dir (the converted checkpoint on shared storage) and "
+              "model.local_dir (node-local destination)")
+    try:
+        report = copy_checkpoint_to_local(m.megatron_dir, m.local_dir)
+    except (FileNotFoundError, OSError) as e:
+        _fail(str(e))
+    typer.echo(f"prepare-cp: {len(report.copied)} copied, {len(report.skipped)} already verified, "
+               f"{len(report.recopied)} re-copied (corrupt or stale), {report.bytes_copied / 1e9:.2f} GB", err=True)
 
 
 @app.command()
@@ -176,7 +204,9 @@ def full_train(model_name: ModelName = "GLM-5.2", num_nodes: NumNodes = None, gp
     cfg, plan = resolve(model_name, num_nodes, gpus_per_node, hardware, config, set_, sandbox, run_dir)
     if dry_run:
         return _show(cfg, plan, as_json)
-    _not_built("full-train (prepare + train)", "[M] and [A]")
+    if plan.backend == "megatron":
+        _prepare(cfg)
+    _train(cfg, plan)
 
 
 def main() -> None:

@@ -69,3 +69,23 @@ def test_unknown_model_name():
 def test_help_explains(sub):
     r = subprocess.run([sys.executable, str(LAUNCHER), sub, "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--dry-run" in r.stdout and "--num-nodes" in r.stdout
+
+
+def test_prepare_and_prepare_cp_on_tiny_checkpoint(tmp_path):
+    hf, md, local = tmp_path / "hf", tmp_path / "md", tmp_path / "local"
+    from agentrl.models.tiny import write_tiny_checkpoint
+
+    write_tiny_checkpoint(hf)
+    r = run("prepare", "--model-name", "tiny", "--set", f"model.path={hf}", "--set", f"model.megatron_dir={md}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (md / ".metadata").exists() or any(md.iterdir())
+    r1 = run("prepare-cp", "--model-name", "tiny", "--set", f"model.megatron_dir={md}", "--set", f"model.local_dir={local}")
+    r2 = run("prepare-cp", "--model-name", "tiny", "--set", f"model.megatron_dir={md}", "--set", f"model.local_dir={local}")
+    assert r1.returncode == r2.returncode == 0
+    assert "0 already verified" in r1.stderr and "0 copied" in r2.stderr
+
+
+def test_prepare_rejects_wrong_architecture(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+    r = run("prepare", "--model-name", "GLM-5.2", "--set", f"model.path={tmp_path}", "--set", "model.megatron_dir=/tmp/x")
+    assert r.returncode == 2 and "model_type" in r.stderr and "glm_moe_dsa" in r.stderr
