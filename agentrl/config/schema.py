@@ -142,6 +142,9 @@ class EmbeddedEngineConfig(Section):
     base_port: int = Field(31000, ge=0, le=65535, description="0 picks free ports.")
     max_batch_size: int = Field(32, ge=1)
     torch_threads: int | None = Field(None, ge=1)
+    prefix_cache_tokens: int = Field(
+        262144, ge=0, description="Tokens of finished requests' KV kept for prefix reuse (embedded engine)."
+    )
 
 
 class RolloutConfig(Section):
