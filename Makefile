@@ -5,13 +5,13 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	.venv/bin/python launchers/run_glm5_2_daytona.py train --num-nodes 1 --model-name tiny --sandbox local --dry-run
+	.venv/bin/python launchers/run_glm5_2_daytona.py train --num-nodes 1 --model-name tiny --sandbox local --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: setup
 	.venv/bin/python -m pytest
 
 test-slow: setup
-	.venv/bin/python -m pytest -m slow
+	.venv/bin/python -m pytest -m slow -p no:cacheprovider
 
 lint: setup
 	.venv/bin/ruff check agentrl envs launchers kernels tests
