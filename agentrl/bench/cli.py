@@ -1,0 +1,32 @@
+"""`agentrl bench ...`: every benchmark writes JSON under bench/results/ with machine and versions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(no_args_is_help=True)
+RESULTS = Path("bench/results")
+
+
+@app.command("engine")
+def engine(out: Path = typer.Option(RESULTS / "engine.json", help="Where the JSON report goes."),
+           models: list[str] = typer.Option(["tiny", "smollm2-135m"], "--model", help="Models (repeatable)."),
+           concurrency: list[int] = typer.Option([1, 8, 32], help="Concurrent requests (repeatable)."),
+           new_tokens: int = typer.Option(64, help="Tokens generated per request.")) -> None:
+    """Embedded engine throughput at several concurrencies, and the client's per-request overhead."""
+    from agentrl.bench.engine import run_engine_bench
+
+    report = run_engine_bench(out, tuple(models), tuple(concurrency), new_tokens=new_tokens)
+    typer.echo(f"wrote {out} (batching_speedup_32 = {report.get('batching_speedup_32')})")
+
+
+@app.command("kernels")
+def kernels(out: Path = typer.Option(RESULTS / "kernels.json", help="Where the JSON report goes."),
+            only: list[str] = typer.Option([], help="Kernel families to run (default: all).")) -> None:
+    """Triton kernels at GLM-5.2 dimensions (needs a CUDA GPU for meaningful numbers)."""
+    from agentrl.bench.kernels import run_kernel_bench
+
+    run_kernel_bench(out, only=set(only) or None)
+    typer.echo(f"wrote {out}")
