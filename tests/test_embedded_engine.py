@@ -153,7 +153,7 @@ async def test_concurrent_requests_batch_and_match_solo(engine):
         assert max_err(solo.logprobs, batched.logprobs) < engine.atol
 
 
-async def _update_mid_generation(engine: Engine, mode: str):
+async def _update_mid_generation(engine: Engine, mode: str | None):
     from agentrl.rollout.embedded.weights import encode_safetensors_b64
 
     srv = engine.require_embedded()
@@ -163,10 +163,12 @@ async def _update_mid_generation(engine: Engine, mode: str):
     task = asyncio.create_task(engine.client.generate(p, SamplingParams(max_new_tokens=120, temperature=0.9),
                                                       session_id="u"))
     await wait_generated(engine, 15)
-    await engine.client.pause_generation(mode)
+    if mode:
+        await engine.client.pause_generation(mode)
     blob = encode_safetensors_b64(new_model.state_dict())
     await engine.client.update_weights_from_tensor([blob], load_format="safetensors_b64", weight_version=1)
-    await engine.client.continue_generation()
+    if mode:
+        await engine.client.continue_generation()
     res = await task
     assert srv.scheduler.stats()["weight_version"] == "1"
     n_old = res.weight_versions.count(0)
@@ -177,8 +179,10 @@ async def _update_mid_generation(engine: Engine, mode: str):
     return max_err(res.logprobs[:n_old], old_ref), max_err(res.logprobs[n_old:], new_ref)
 
 
-async def test_retract_update_never_uses_pre_update_kv(engine):
-    err_old, err_new = await _update_mid_generation(engine, "retract")
+@pytest.mark.parametrize("mode", ["retract", None])
+async def test_retract_update_never_uses_pre_update_kv(engine, mode):
+    # None: an update that arrives without a pause retracts running requests too.
+    err_old, err_new = await _update_mid_generation(engine, mode)
     assert err_old < engine.atol  # tokens before the update: old weights
     assert err_new < engine.atol  # tokens after: the whole sequence recomputed under new weights
 

@@ -9,8 +9,14 @@ import pytest
 import torch
 from aiohttp import web
 
-from agentrl.rollout.client import (EngineClient, EngineError, EngineTimeout, EngineUnavailable,
-                                    parse_generate_response, parse_version)
+from agentrl.rollout.client import (
+    EngineClient,
+    EngineError,
+    EngineTimeout,
+    EngineUnavailable,
+    parse_generate_response,
+    parse_version,
+)
 from agentrl.rollout.router import Router
 from agentrl.rollout.types import Generator, SamplingParams
 

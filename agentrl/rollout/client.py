@@ -10,6 +10,7 @@ An aborted request is not an error: it returns its partial tokens with finish_re
 from __future__ import annotations
 
 import uuid
+from typing import Self
 
 import httpx
 
@@ -88,7 +89,7 @@ class EngineClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def __aenter__(self) -> "EngineClient":
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc) -> None:

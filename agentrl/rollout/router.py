@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import hashlib
-from typing import Callable
+from collections.abc import Callable
 
 from agentrl.rollout.client import EngineClient, EngineUnavailable
 from agentrl.rollout.types import GenerateResult, SamplingParams

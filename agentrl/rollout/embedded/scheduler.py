@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -37,7 +37,7 @@ class GenRequest:
     input_ids: list[int]
     max_new_tokens: int
     params: RowParams
-    on_done: Callable[["GenOutput"], None]  # called on the scheduler thread; must not block
+    on_done: Callable[[GenOutput], None]  # called on the scheduler thread; must not block
     stop_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -217,7 +217,7 @@ class Scheduler:
                 for fn, fut in commands:
                     try:
                         fut.set_result(fn())
-                    except Exception as exc:  # reported to the caller, the loop lives on
+                    except Exception as exc:  # noqa: BLE001 - reported to the caller; the loop lives on
                         fut.set_exception(exc)
                 if abort_all or rids:
                     self._abort(rids, abort_all)
@@ -392,7 +392,7 @@ class Scheduler:
         self._running, self._cache, self._width = [], None, 0
 
     def _abort(self, rids: set[str], abort_all: bool) -> None:
-        hit = lambda s: abort_all or s.req.rid in rids  # noqa: E731
+        hit = lambda s: abort_all or s.req.rid in rids
         for seq in [s for s in self._waiting if hit(s)]:
             self._waiting.remove(seq)
             self._finish(seq, {"type": "abort", "message": "aborted by request"})

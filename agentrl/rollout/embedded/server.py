@@ -190,7 +190,7 @@ class EmbeddedEngineServer:
             raise BadRequest(f"rid must be one string or a list of {count} distinct strings")
         busy = self._inflight.intersection(rids)
         if busy:
-            raise BadRequest(f"rid {sorted(busy)[0]!r} is already running")
+            raise BadRequest(f"rid {min(busy)!r} is already running")
         if n > 1:
             body["_batched"] = True
         params = RowParams(temperature, top_p, top_k)

@@ -41,6 +41,7 @@ def encode_safetensors_b64(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def decode_named_tensors(serialized: list[str], load_format: str | None) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load, load_file
 
     if load_format not in LOAD_FORMATS:
@@ -52,7 +53,7 @@ def decode_named_tensors(serialized: list[str], load_format: str | None) -> dict
     if load_format == "safetensors_b64":
         try:
             return load(base64.b64decode(serialized[0], validate=True))
-        except Exception as exc:  # bad base64 or bad safetensors header
+        except (ValueError, SafetensorError) as exc:  # bad base64 or bad safetensors header
             raise WeightUpdateError(f"serialized_named_tensors[0] is not base64 safetensors: {exc}") from None
     path = Path(serialized[0])
     if not path.is_file():
