@@ -217,7 +217,10 @@ def _point_absorbed_mla_at_local_linear() -> None:
 def local_layer_specs(config: Any, backend: Any, pp_rank: int | None = None, vp_stage: int | None = None):
     """TransformerBlockSubmodules of one pipeline stage, built through `backend` (no TE needed)."""
     from megatron.core.models.gpt import experimental_attention_variant_module_specs as eav
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     specs = eav.get_transformer_layer_with_experimental_attention_variant_spec(config=config, backend=backend)
@@ -238,7 +241,10 @@ def build_gpt_model(hf_config: Any, parallel: Any = None, use_te: bool | None = 
     transformer_config_from_hf (bf16, mtp_loss_scale, or any TransformerConfig field)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec, get_gpt_mtp_block_spec_for_backend
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_mtp_block_spec,
+        get_gpt_mtp_block_spec_for_backend,
+    )
 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("initialise torch.distributed and megatron parallel_state before build_gpt_model")
@@ -271,3 +277,16 @@ def build_gpt_model(hf_config: Any, parallel: Any = None, use_te: bool | None = 
         mtp_block_spec=mtp_spec,
         parallel_output=True,
     )
+
+
+def to_bf16_keeping_fp32_router_bias(model: torch.nn.Module) -> torch.nn.Module:
+    """Cast a built model to bf16 as megatron's Float16Module does (without its `module.` wrapper,
+    so parameter names stay those of mapping.py), keeping router.expert_bias in fp32 as the router
+    itself does. Needed without TE: megatron's torch norms are created in fp32 regardless of
+    params_dtype (seen on the H200: the DSA indexer k_norm rejected bf16 input)."""
+    biases = {name: buf.detach().float().clone() for name, buf in model.named_buffers() if name.endswith("expert_bias")}
+    model.bfloat16()
+    for name, buf in model.named_buffers():
+        if name in biases:
+            buf.data = biases[name]
+    return model

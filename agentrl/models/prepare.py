@@ -153,6 +153,22 @@ def _convert_rules(rules: list, index: dict[str, Path], dtype: torch.dtype | Non
     return state
 
 
+def load_megatron_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
+    """Load a checkpoint written by convert_hf_to_megatron into a built GPTModel (any stage/layout).
+
+    The conversion stores weights only: module `_extra_state` (None for megatron's own linears,
+    FP8 metadata for TE ones) is left out of the request, as it is not in the files."""
+    from megatron.core import dist_checkpointing
+
+    sharded = {k: v for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
+    loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
+    result = model.load_state_dict(loaded, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"{ckpt_dir} does not fit the model: missing {missing[:8]}, "
+                         f"unexpected {result.unexpected_keys[:8]}")
+
+
 def read_dist_checkpoint(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a torch_dist checkpoint, whole, on CPU (inspection and tests)."""
     import torch.distributed.checkpoint as dcp

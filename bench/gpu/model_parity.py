@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from contextlib import contextmanager
@@ -155,7 +156,10 @@ class Report:
         try:
             yield rec
             rec["ok"] = True
-        except Exception as e:  # noqa: BLE001 - recorded with its traceback; the next stage still runs
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - recorded; the next stage still runs (torch's
+            # CheckpointException derives from BaseException, seen on the H200)
             rec["error"] = f"{type(e).__name__}: {e}"
             rec["traceback"] = traceback.format_exc()
             print(rec["traceback"], file=sys.stderr, flush=True)
@@ -226,9 +230,11 @@ def hf_model(config: Any, dtype: torch.dtype, state: dict[str, torch.Tensor] | N
 
 
 def megatron_model(config: Any, bf16: bool, state: dict[str, torch.Tensor] | None, **kw: Any):
-    from agentrl.models.megatron_builder import build_gpt_model
+    from agentrl.models.megatron_builder import build_gpt_model, to_bf16_keeping_fp32_router_bias
 
     model = build_gpt_model(config, use_te=False, qk_norm_eps=1e-6, bf16=bf16, **kw).cuda()
+    if bf16:
+        to_bf16_keeping_fp32_router_bias(model)
     if state is not None:
         load_into_megatron(model, state)
     return model
@@ -244,6 +250,9 @@ def logits_stage(rec: dict, config: Any, dtype: torch.dtype, ids: torch.Tensor, 
     ref = hf_model(config, torch.float32, None, seed)
     state = {k: v.detach().cpu() for k, v in ref.state_dict().items()}
     hf = ref.to(dtype).eval()
+    for name, buf in hf.named_buffers():  # Megatron keeps the expert bias in fp32 (router.py); match it
+        if name.endswith("e_score_correction_bias"):
+            buf.data = state[name].to(buf.device)
     mg = megatron_model(config, dtype == torch.bfloat16, hf_to_megatron(state, config)).eval()
     with torch.no_grad():
         a, b = mg_forward(mg, ids).float(), hf(ids).logits.float()
@@ -278,10 +287,9 @@ def train_step_stage(rec: dict, config: Any, ids: torch.Tensor, seed: int, lr: f
 
 def mtp_load_stage(rec: dict, config: Any, seed: int, workdir: Path) -> None:
     """HF safetensors (with an MTP layer) -> torch_dist via prepare.py -> megatron's own loader."""
-    from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
-    from agentrl.models.prepare import convert_hf_to_megatron
+    from agentrl.models.prepare import convert_hf_to_megatron, load_megatron_checkpoint
 
     ref = hf_model(config, torch.float32, None, seed)
     state = {k: v.detach().cpu().contiguous() for k, v in ref.state_dict().items()}
@@ -292,8 +300,7 @@ def mtp_load_stage(rec: dict, config: Any, seed: int, workdir: Path) -> None:
     save_file(full, str(hf_dir / "model.safetensors"))
     ckpt = convert_hf_to_megatron(hf_dir, workdir / "mg_tiny_mtp")
     mg = megatron_model(config, False, None)
-    loaded = dist_checkpointing.load(mg.sharded_state_dict(), str(ckpt))
-    mg.load_state_dict(loaded, strict=False)
+    load_megatron_checkpoint(mg, ckpt)
     got, want = megatron_tensors(mg), hf_to_megatron(full, config)
     rec["tensors"] = len(want)
     rec["mismatched"] = [k for k in want if k not in got or not torch.equal(got[k], want[k].float())]
@@ -309,9 +316,10 @@ def mtp_load_stage(rec: dict, config: Any, seed: int, workdir: Path) -> None:
         raise AssertionError(f"{len(rec['mismatched'])} tensors differ after dist_checkpointing.load: {rec['mismatched'][:6]}")
 
 
-def five_layer_stage(rec: dict, config: Any, seq: int, iters: int, seed: int) -> None:
+def five_layer_stage(rec: dict, config: Any, seq: int, iters: int, seed: int, recompute: bool) -> None:
     torch.cuda.reset_peak_memory_stats()
-    mg = megatron_model(config, True, None).train()
+    kw = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} if recompute else {}
+    mg = megatron_model(config, True, None, **kw).train()
     rec["params_b"] = sum(p.numel() for p in mg.parameters()) / 1e9
     rec["weights_gib"] = torch.cuda.memory_allocated() / 2**30
     gen = torch.Generator("cuda").manual_seed(seed)
@@ -339,12 +347,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=64, help="tiny-model sequence length (> index_topk: sparse)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--five-layer-experts", type=int, default=8)
-    p.add_argument("--five-layer-seqs", default="2048,4096,8192")
+    p.add_argument("--five-layer-seqs", default="2048,4096", help="without recompute")
+    p.add_argument("--five-layer-recompute-seqs", default="8192",
+                   help="with full recompute (without TE, DSA attention materialises [heads, s, s] scores: "
+                        "8192 without recompute ran out of the H200's memory)")
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--workdir", type=Path, default=Path("/tmp/agentrl_parity"))
+    p.add_argument("--workdir", type=Path, default=None, help="scratch folder; default: a new temp folder")
     args = p.parse_args(argv)
     from agentrl.models.hf_config import hf_config_for
 
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="agentrl_parity_"))
     report = Report(args.out)
     with report.stage("env") as rec:
         rec.update(machine_info())
@@ -366,12 +378,14 @@ def main(argv: list[str] | None = None) -> int:
         train_step_stage(rec, tiny, ids, args.seed, args.lr)
         report.data["train_step_loss_after_abs_diff"] = rec["loss_after"]["abs_diff"]
     with report.stage("tiny_mtp_load") as rec:
-        mtp_load_stage(rec, hf_config_for("tiny", index_n_heads=16, num_nextn_predict_layers=1), args.seed, args.workdir)
+        mtp_load_stage(rec, hf_config_for("tiny", index_n_heads=16, num_nextn_predict_layers=1), args.seed, workdir)
     five = hf_config_for("GLM-5.2_5layer", n_routed_experts=args.five_layer_experts)
-    for seq in (int(s) for s in args.five_layer_seqs.split(",") if s):
-        with report.stage(f"five_layer_seq{seq}") as rec:
+    runs = [(int(s), False) for s in args.five_layer_seqs.split(",") if s]
+    runs += [(int(s), True) for s in args.five_layer_recompute_seqs.split(",") if s]
+    for seq, recompute in runs:
+        with report.stage(f"five_layer_seq{seq}" + ("_recompute" if recompute else "")) as rec:
             rec["experts"] = args.five_layer_experts
-            five_layer_stage(rec, five, seq, args.iters, args.seed)
+            five_layer_stage(rec, five, seq, args.iters, args.seed, recompute)
     report.data["finished_unix"] = time.time()
     failed = [n for n, r in report.data["stages"].items() if not r["ok"]]
     missing = [k for k in HEADLINE_KEYS if k not in report.data]
