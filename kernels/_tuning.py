@@ -8,8 +8,9 @@ shape key on CUDA, failures are skipped and remembered, and the winner is inspec
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ class KernelConfig:
     num_stages: int = 3
 
     @staticmethod
-    def make(num_warps: int = 4, num_stages: int = 3, **params: int) -> "KernelConfig":
+    def make(num_warps: int = 4, num_stages: int = 3, **params: int) -> KernelConfig:
         return KernelConfig(tuple(sorted(params.items())), num_warps, num_stages)
 
     def __getitem__(self, name: str) -> int:
@@ -79,7 +80,7 @@ class Autotuner:
                 stop.record()
                 stop.synchronize()
                 ms = start.elapsed_time(stop) / self.reps
-            except Exception as exc:  # a config the compiler or the device rejects: skip it
+            except Exception as exc:  # noqa: BLE001 -- a config the compiler or device rejects: skip it
                 errors[cfg.describe()] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 continue
             timings[cfg.describe()] = ms

@@ -7,7 +7,8 @@ and ceiling fractions are computed from.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from agentrl.bench.kernels import make_entry
 
@@ -97,51 +98,69 @@ def _indexer_phase_ms(torch, dev, q, k, w, sh, timer):
 
 
 def bench_indexer(torch, dev, sh, timer) -> Iterator[dict]:
+    for i, ctx in enumerate(sh.idx_contexts):
+        yield _bench_indexer_one(torch, dev, sh, timer, ctx, with_reference=(i == 0))
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _bench_indexer_one(torch, dev, sh, timer, ctx, with_reference) -> dict:
     from kernels.indexer import indexer_topk
     from kernels.indexer_torch import reference_indexer_topk
 
-    for i, ctx in enumerate(sh.idx_contexts):
-        T = S = ctx
-        shape = {"tokens": T, "context": S, "heads": sh.idx_heads, "dim": sh.idx_dim, "topk": sh.topk}
-        q, k, w = _indexer_inputs(torch, dev, sh, ctx)
-        out = indexer_topk(q, k, w, sh.topk, chunk_rows=sh.idx_chunk_rows)
-        ms = timer(lambda: indexer_topk(q, k, w, sh.topk, chunk_rows=sh.idx_chunk_rows), min_iters=2)
-        score_ms, topk_ms = _indexer_phase_ms(torch, dev, q, k, w, sh, timer)
-        # correctness: the longest rows and the first rows past the k boundary, vs the fp32 reference
-        n = min(sh.check_rows, T)
-        picks = [(T - n, n), (sh.topk - 8, min(16, T - sh.topk + 8))] if T > sh.topk else [(0, T)]
-        exact = total = 0
-        worst = 0
-        for r0, cnt in picks:
-            ref = reference_indexer_topk(q[r0:r0 + cnt], k, w[r0:r0 + cnt], sh.topk, offset=r0, chunk_rows=32)
-            for a, b in zip(out[r0:r0 + cnt].tolist(), ref.tolist()):
-                diff = len(set(a) ^ set(b))
-                exact += diff == 0
-                worst = max(worst, diff)
-                total += 1
-        causal_pairs = T * (T + 1) / 2
-        valid = torch.arange(1, T + 1, dtype=torch.float64).clamp(max=S)
-        read_bytes = float(4 * valid[valid > sh.topk].sum())  # rows with <= k keys read nothing
-        ref_ms = None
-        if i == 0:
-            ref_ms = timer(lambda: reference_indexer_topk(q, k, w, sh.topk, chunk_rows=256, stable=False,
-                                                          fast=True), warmup=1, min_iters=1, max_iters=1)
-        yield make_entry(
-            "indexer_topk", shape, ms, flops=2.0 * sh.idx_heads * sh.idx_dim * causal_pairs, reference_ms=ref_ms,
-            correct=(exact / total >= 0.9 and worst <= 4), rows_checked=total, rows_exact=exact,
-            worst_row_set_difference=worst, score_ms=round(score_ms, 3), topk_ms=round(topk_ms, 3),
-            score_tflops=round(2.0 * sh.idx_heads * sh.idx_dim * causal_pairs / score_ms / 1e9, 2),
-            topk_read_gbps=round(read_bytes / topk_ms / 1e6, 1),
-            topk_read_fraction_of_copy=round(read_bytes / topk_ms / 1e6 / 4240.0, 4),
-            reference=None if ref_ms is None else "torch: bf16 GEMM scores per 256-row chunk + torch.topk",
-            note="tflops counts causal scoring FLOPs over the whole pipeline time")
-        del q, k, w, out
+    T = S = ctx
+    shape = {"tokens": T, "context": S, "heads": sh.idx_heads, "dim": sh.idx_dim, "topk": sh.topk}
+    q, k, w = _indexer_inputs(torch, dev, sh, ctx)
+    out = indexer_topk(q, k, w, sh.topk, chunk_rows=sh.idx_chunk_rows)
+    ms = timer(lambda: indexer_topk(q, k, w, sh.topk, chunk_rows=sh.idx_chunk_rows), min_iters=2)
+    score_ms, topk_ms = _indexer_phase_ms(torch, dev, q, k, w, sh, timer)
+    # correctness: the longest rows and the first rows past the k boundary, vs the fp32 reference
+    n = min(sh.check_rows, T)
+    picks = [(T - n, n), (sh.topk - 8, min(16, T - sh.topk + 8))] if T > sh.topk else [(0, T)]
+    exact = total = 0
+    worst = 0
+    for r0, cnt in picks:
+        ref = reference_indexer_topk(q[r0:r0 + cnt], k, w[r0:r0 + cnt], sh.topk, offset=r0, chunk_rows=32)
+        for a, b in zip(out[r0:r0 + cnt].tolist(), ref.tolist()):
+            diff = len(set(a) ^ set(b))
+            exact += diff == 0
+            worst = max(worst, diff)
+            total += 1
+    causal_pairs = T * (T + 1) / 2
+    valid = torch.arange(1, T + 1, dtype=torch.float64).clamp(max=S)
+    read_bytes = float(4 * valid[valid > sh.topk].sum())  # rows with <= k keys read nothing
+    ref_ms = None
+    if with_reference:
+        ref_ms = timer(lambda: reference_indexer_topk(q, k, w, sh.topk, chunk_rows=256, stable=False,
+                                                      fast=True), warmup=1, min_iters=1, max_iters=1)
+    return make_entry(
+        "indexer_topk", shape, ms, flops=2.0 * sh.idx_heads * sh.idx_dim * causal_pairs, reference_ms=ref_ms,
+        correct=(exact / total >= 0.9 and worst <= 4), rows_checked=total, rows_exact=exact,
+        worst_row_set_difference=worst, score_ms=round(score_ms, 3), topk_ms=round(topk_ms, 3),
+        score_tflops=round(2.0 * sh.idx_heads * sh.idx_dim * causal_pairs / score_ms / 1e9, 2),
+        topk_read_gbps=round(read_bytes / topk_ms / 1e6, 1),
+        topk_read_fraction_of_copy=round(read_bytes / topk_ms / 1e6 / 4240.0, 4),
+        reference=None if ref_ms is None else "torch: bf16 GEMM scores per 256-row chunk + torch.topk",
+        note="tflops counts causal scoring FLOPs over the whole pipeline time")
 
 
 def bench_sparse_mla(torch, dev, sh, timer) -> Iterator[dict]:
-    from kernels.sparse_mla import default_sm_scale, reference_sparse_mla, sparse_mla_flops, sparse_mla_forward
+    # the long context gathers from HBM (75 MB of latents); the short one is L2-resident (9.4 MB)
+    for S in (sh.mla_context, min(sh.mla_context, 8192)):
+        yield _bench_sparse_mla_one(torch, dev, sh, timer, S)
+        if S <= 8192:
+            break
 
-    T, S, Hh, dv, dr, K = sh.mla_tokens, sh.mla_context, sh.mla_heads, sh.mla_dv, sh.mla_dr, sh.topk
+
+def _bench_sparse_mla_one(torch, dev, sh, timer, S) -> dict:
+    from kernels.sparse_mla import (
+        default_sm_scale,
+        reference_sparse_mla,
+        sparse_mla_flops,
+        sparse_mla_forward,
+    )
+
+    T, Hh, dv, dr, K = sh.mla_tokens, sh.mla_heads, sh.mla_dv, sh.mla_dr, sh.topk
     shape = {"tokens": T, "context": S, "heads": Hh, "d_qk": dv + dr, "d_v": dv, "topk": K}
     q = torch.randn(T, Hh, dv + dr, device=dev).to(torch.bfloat16)
     kv = torch.randn(S, dv + dr, device=dev).to(torch.bfloat16)
@@ -155,10 +174,11 @@ def bench_sparse_mla(torch, dev, sh, timer) -> Iterator[dict]:
     ms = timer(lambda: sparse_mla_forward(q, kv, idx, scale, d_v=dv))
     ref_ms = timer(lambda: reference_sparse_mla(q, kv, idx, scale, d_v=dv, chunk_tokens=256), min_iters=1,
                    max_iters=2)
-    yield make_entry("sparse_mla_fwd", shape, ms, flops=sparse_mla_flops(T, Hh, K, dv, dr), reference_ms=ref_ms,
+    return make_entry("sparse_mla_fwd", shape, ms, flops=sparse_mla_flops(T, Hh, K, dv, dr), reference_ms=ref_ms,
                      correct=err_out < 3e-2 and err_lse < 1e-2, max_abs_err_out=err_out, max_abs_err_lse=err_lse,
                      flop_formula="2 * tokens * heads * topk * (d_qk + d_v)",
-                     reference="torch gather + fp32 einsum softmax, 256-token chunks")
+                     reference="torch gather + fp32 einsum softmax, 256-token chunks",
+                     gathered_gbps=round(T * K * (dv + dr) * 2 / ms / 1e6, 1))
 
 
 def bench_fp8(torch, dev, sh, timer) -> Iterator[dict]:

@@ -20,14 +20,19 @@ from kernels._tuning import Autotuner, KernelConfig
 FP8_MAX = 448.0
 QBLOCK = 128
 # ROWS: rows of the 128x128 block handled per loop step (dequant only; quant loads the block once)
+# NATIVE: hardware fp8 conversion. First H200 run (154880 x 6144) with the integer conversion:
+# quant 1.32 ms (16 warps best, 51% of copy bandwidth: instruction-bound), dequant 0.88 ms (70%).
+# Run 3, NATIVE=1: quant 0.93-0.97 ms (70%), dequant 0.83-0.85 ms (79%).
 CONFIGS = [
-    KernelConfig.make(ROWS=32, num_warps=4, num_stages=1),
-    KernelConfig.make(ROWS=64, num_warps=4, num_stages=1),
-    KernelConfig.make(ROWS=128, num_warps=8, num_stages=1),
-    KernelConfig.make(ROWS=64, num_warps=8, num_stages=1),
-    KernelConfig.make(ROWS=32, num_warps=2, num_stages=1),
+    KernelConfig.make(ROWS=32, NATIVE=0, num_warps=4, num_stages=1),
+    KernelConfig.make(ROWS=64, NATIVE=1, num_warps=4, num_stages=1),
+    KernelConfig.make(ROWS=32, NATIVE=1, num_warps=2, num_stages=1),
+    KernelConfig.make(ROWS=32, NATIVE=0, num_warps=2, num_stages=1),
+    KernelConfig.make(ROWS=128, NATIVE=1, num_warps=8, num_stages=1),
+    KernelConfig.make(ROWS=32, NATIVE=1, num_warps=4, num_stages=1),
 ]
-QUANT_TUNER = Autotuner("fp8_quant", [KernelConfig.make(ROWS=128, num_warps=w, num_stages=1) for w in (4, 8, 16)])
+QUANT_TUNER = Autotuner("fp8_quant", [KernelConfig.make(ROWS=128, NATIVE=n, num_warps=w, num_stages=1)
+                                      for n in (1, 0) for w in (8, 16, 32)])
 DEQUANT_TUNER = Autotuner("fp8_dequant", CONFIGS[1:])
 
 
@@ -59,7 +64,8 @@ def _e4m3_value(code):
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, M, N, stride_x, stride_q, stride_s, BLOCK: tl.constexpr):
+def _quant_kernel(x_ptr, q_ptr, s_ptr, M, N, stride_x, stride_q, stride_s, BLOCK: tl.constexpr,
+                  NATIVE: tl.constexpr):
     # One 128x128 block per program, loaded once (32 KB of bf16 in registers): one HBM read.
     bm = tl.program_id(0)
     bn = tl.program_id(1)
@@ -73,12 +79,16 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, M, N, stride_x, stride_q, stride_s, BLOCK
     tl.store(s_ptr + bm * stride_s + bn, scale)
     y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :], _e4m3_bits(y), mask=mask)
+    if NATIVE:  # one cvt.rn.satfinite per pair on sm_89+; same bits as _e4m3_bits (tests check both)
+        code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        code = _e4m3_bits(y)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :], code, mask=mask)
 
 
 @triton.jit
 def _dequant_kernel(q_ptr, s_ptr, y_ptr, M, N, stride_q, stride_s, stride_y,
-                    ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                    ROWS: tl.constexpr, BLOCK: tl.constexpr, NATIVE: tl.constexpr):
     bm = tl.program_id(0)
     bn = tl.program_id(1)
     cols = bn * BLOCK + tl.arange(0, BLOCK)
@@ -88,9 +98,18 @@ def _dequant_kernel(q_ptr, s_ptr, y_ptr, M, N, stride_q, stride_s, stride_y,
         rows = bm * BLOCK + r + tl.arange(0, ROWS)
         mask = (rows < M)[:, None] & col_ok[None, :]
         code = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :], mask=mask, other=0)
-        y = _e4m3_value(code) * scale
+        if NATIVE:
+            y = code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+        else:
+            y = _e4m3_value(code) * scale
         tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :],
                  y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _native(cfg: KernelConfig, t: torch.Tensor) -> bool:
+    """Hardware fp8 conversion: CUDA sm_89+ only (the interpreter's fp8 cast does not round to
+    nearest-even, so the CPU path always uses the integer version)."""
+    return bool(dict(cfg.params).get("NATIVE", 0)) and t.is_cuda and torch.cuda.get_device_capability(t.device) >= (8, 9)
 
 
 def _check_2d(name: str, t: torch.Tensor) -> None:
@@ -112,7 +131,8 @@ def fp8_block_quant(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     def launch(cfg: KernelConfig) -> None:
         _quant_kernel[scales.shape](w, q_bits, scales, M, N, w.stride(0), q_bits.stride(0), scales.stride(0),
-                                    BLOCK=QBLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                    BLOCK=QBLOCK, NATIVE=_native(cfg, w), num_warps=cfg.num_warps,
+                                    num_stages=cfg.num_stages)
 
     launch(QUANT_TUNER.choose((M, N, w.dtype), w.device, launch) if w.is_cuda else CONFIGS[0])
     return q, scales
@@ -136,7 +156,7 @@ def fp8_block_dequant(q: torch.Tensor, scales: torch.Tensor,
 
     def launch(cfg: KernelConfig) -> None:
         _dequant_kernel[want](q_bits, scales, y, M, N, q_bits.stride(0), scales.stride(0), y.stride(0),
-                              ROWS=cfg["ROWS"], BLOCK=QBLOCK, num_warps=cfg.num_warps,
+                              ROWS=cfg["ROWS"], BLOCK=QBLOCK, NATIVE=_native(cfg, q), num_warps=cfg.num_warps,
                               num_stages=cfg.num_stages)
 
     launch(DEQUANT_TUNER.choose((M, N, out_dtype), q.device, launch) if q.is_cuda else CONFIGS[0])

@@ -26,17 +26,23 @@ from kernels._tuning import Autotuner, KernelConfig
 from kernels.logprobs_torch import LogprobsOut, check_logprobs_inputs
 
 # Hopper-friendly tiles; the first entry is also the CPU (interpreter) choice.
-# First H200 run (T=16K, V=154880, H=6144): 128x256x64, 8 warps, 3 stages won both (fwd 56 ms =
-# 548 TFLOP/s; bwd tile kernel 11.3 ms per 4096 tokens = 690 TFLOP/s); 128x128 tiles were 25-40%
-# slower. TMA=1 variants use Hopper bulk tensor copies for the operand tiles.
+# H200, T=16K, V=154880, H=6144. Run 1 (plain loads): 128x256x64, 8 warps, 3 stages won both
+# (fwd 56 ms = 548 TFLOP/s; bwd tile kernel 690 TFLOP/s); 128x128 tiles were 25-40% slower.
+# Run 2 (TMA=1: Hopper bulk tensor copies): fwd 256x128 TMA 49.5 ms (630 TFLOP/s, entropy too),
+# bwd 128x256 TMA 21.7 ms per 8192 tokens (720 TFLOP/s). Run 3: 256x256 (16 warps) crashes the
+# compiler; 128x128-H tiles 50% slower. FLAT (loop-nest flattening) and WS (warp specialisation)
+# are Triton 3.6 scheduling options, tried as variants.
 FWD_CONFIGS = [
     KernelConfig.make(BLOCK_T=128, BLOCK_V=128, BLOCK_H=64, TMA=0, num_warps=8, num_stages=3),
     KernelConfig.make(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, TMA=0, num_warps=8, num_stages=3),
     KernelConfig.make(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, TMA=1, num_warps=8, num_stages=3),
     KernelConfig.make(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, TMA=1, num_warps=8, num_stages=4),
-    KernelConfig.make(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, TMA=0, num_warps=8, num_stages=4),
     KernelConfig.make(BLOCK_T=256, BLOCK_V=128, BLOCK_H=64, TMA=1, num_warps=8, num_stages=3),
-    KernelConfig.make(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, TMA=1, num_warps=16, num_stages=3),
+    KernelConfig.make(BLOCK_T=256, BLOCK_V=128, BLOCK_H=64, TMA=1, num_warps=8, num_stages=4),
+    KernelConfig.make(BLOCK_T=256, BLOCK_V=128, BLOCK_H=64, TMA=1, num_warps=16, num_stages=3),
+    KernelConfig.make(BLOCK_T=256, BLOCK_V=128, BLOCK_H=64, TMA=1, FLAT=1, num_warps=8, num_stages=3),
+    KernelConfig.make(BLOCK_T=256, BLOCK_V=128, BLOCK_H=64, TMA=1, WS=1, num_warps=8, num_stages=3),
+    KernelConfig.make(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, TMA=1, FLAT=1, num_warps=8, num_stages=3),
 ]
 BWD_CONFIGS = [
     KernelConfig.make(BLOCK_T=128, BLOCK_V=128, BLOCK_H=64, TMA=0, num_warps=8, num_stages=3),
@@ -44,6 +50,8 @@ BWD_CONFIGS = [
     KernelConfig.make(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, TMA=1, num_warps=8, num_stages=3),
     KernelConfig.make(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, TMA=1, num_warps=8, num_stages=4),
     KernelConfig.make(BLOCK_T=256, BLOCK_V=128, BLOCK_H=64, TMA=1, num_warps=8, num_stages=3),
+    KernelConfig.make(BLOCK_T=256, BLOCK_V=128, BLOCK_H=64, TMA=1, num_warps=8, num_stages=4),
+    KernelConfig.make(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, TMA=1, WS=1, num_warps=8, num_stages=4),
 ]
 FWD_TUNER = Autotuner("logprobs_fwd", FWD_CONFIGS)
 BWD_TUNER = Autotuner("logprobs_bwd", BWD_CONFIGS)
@@ -73,7 +81,8 @@ def _dot_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, offs_h, H, stride_h, str
 def _logprobs_fwd_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, T, V, H, stride_h, stride_w, inv_temp,
                          tiles_per_split, n_splits,
                          BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-                         WITH_ENT: tl.constexpr, EVEN_H: tl.constexpr, TMA: tl.constexpr):
+                         WITH_ENT: tl.constexpr, EVEN_H: tl.constexpr, TMA: tl.constexpr,
+                         FLAT: tl.constexpr, WS: tl.constexpr):
     pid = tl.program_id(0)
     split = pid % n_splits
     row_start = (pid // n_splits) * BLOCK_T
@@ -91,13 +100,14 @@ def _logprobs_fwd_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, T, V, H, stride_h, str
                                            block_shape=[BLOCK_T, BLOCK_H])
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[V, H], strides=[stride_w, 1],
                                            block_shape=[BLOCK_V, BLOCK_H])
-    for i in range(0, tiles_per_split):
+    # FLAT: let the compiler flatten the tile x K loop nest so the pipeline does not drain per tile
+    for i in tl.range(0, tiles_per_split, flatten=FLAT):
         col_start = (split * tiles_per_split + i) * BLOCK_V
         cols = col_start + tl.arange(0, BLOCK_V)
         col_ok = cols < V
         acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
         if TMA:
-            for k in range(0, H, BLOCK_H):
+            for k in tl.range(0, H, BLOCK_H, warp_specialize=WS):
                 acc = tl.dot(h_desc.load([row_start, k]), tl.trans(w_desc.load([col_start, k])), acc)
         else:
             acc = _dot_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, offs_h, H, stride_h, stride_w, acc,
@@ -124,7 +134,7 @@ def _logprobs_bwd_kernel(h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_
                          T, V, H, stride_h, stride_w, stride_g, inv_temp,
                          BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
                          GROUP_T: tl.constexpr, WITH_ENT: tl.constexpr, EVEN_H: tl.constexpr,
-                         TMA: tl.constexpr):
+                         TMA: tl.constexpr, WS: tl.constexpr):
     # Grouped ordering: GROUP_T token blocks sweep the vocabulary together (L2 reuse of W tiles).
     pid = tl.program_id(0)
     n_t = tl.cdiv(T, BLOCK_T)
@@ -145,7 +155,7 @@ def _logprobs_bwd_kernel(h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_
                                            block_shape=[BLOCK_T, BLOCK_H])
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[V, H], strides=[stride_w, 1],
                                            block_shape=[BLOCK_V, BLOCK_H])
-        for k in range(0, H, BLOCK_H):
+        for k in tl.range(0, H, BLOCK_H, warp_specialize=WS):
             acc = tl.dot(h_desc.load([pid_t * BLOCK_T, k]), tl.trans(w_desc.load([pid_v * BLOCK_V, k])), acc)
     else:
         acc = _dot_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, offs_h, H, stride_h, stride_w, acc,
@@ -182,6 +192,11 @@ def _use_tma(cfg: KernelConfig, *tensors: torch.Tensor) -> bool:
     return True
 
 
+def _flag(cfg: KernelConfig, name: str, t: torch.Tensor) -> bool:
+    """Compiler-scheduling options (loop flattening, warp specialisation): CUDA only."""
+    return bool(dict(cfg.params).get(name, 0)) and t.is_cuda
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -205,7 +220,7 @@ def _forward_partials(hidden, weight, targets, inv_temp, with_ent):
             hidden, weight, targets, part, T, V, H, hidden.stride(0), weight.stride(0), inv_temp,
             tiles_per_split, n_splits, BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=cfg["BLOCK_H"],
             WITH_ENT=with_ent, EVEN_H=(H % cfg["BLOCK_H"] == 0), TMA=_use_tma(cfg, hidden, weight),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            FLAT=_flag(cfg, "FLAT", hidden), WS=_flag(cfg, "WS", hidden), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         holder["part"] = part
 
     key = (T, V, H, hidden.dtype, with_ent)
@@ -236,7 +251,7 @@ def _grad_logits_chunk(h, weight, tgt, lse, ent, glp, gent, inv_temp, with_ent):
         _logprobs_bwd_kernel[grid](
             h, weight, tgt, lse, ent, glp, gent, g, T, V, H, h.stride(0), weight.stride(0), g.stride(0),
             inv_temp, BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=cfg["BLOCK_H"], GROUP_T=8, WITH_ENT=with_ent,
-            EVEN_H=(H % cfg["BLOCK_H"] == 0), TMA=_use_tma(cfg, h, weight),
+            EVEN_H=(H % cfg["BLOCK_H"] == 0), TMA=_use_tma(cfg, h, weight), WS=_flag(cfg, "WS", h),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     cfg = BWD_TUNER.choose((T, V, H, h.dtype, with_ent), h.device, launch)

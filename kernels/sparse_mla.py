@@ -109,7 +109,7 @@ def sparse_mla_forward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_
             HEADS=heads, D_V=d_v, D_R=d_r, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"],
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    cfg = TUNER.choose((T, heads, dim, idx.shape[1], q.dtype), q.device, launch)
+    cfg = TUNER.choose((T, kv.shape[0], heads, dim, idx.shape[1], q.dtype), q.device, launch)
     launch(cfg)
     return out, lse
 

@@ -20,9 +20,10 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 CEILINGS = {"bf16_tflops": 799.0, "fp8_tflops": 1458.0, "copy_gbps": 4240.0}
 
@@ -137,7 +138,7 @@ def run_kernel_bench(out_path: str | Path, shapes: BenchShapes = GLM52, only: se
             for entry in case(torch, dev, shapes, timer):
                 report["kernels"].append(entry)
                 print(f"[bench]   {json.dumps(entry)}", flush=True)
-        except Exception as exc:  # record and go on: one GPU call should yield everything it can
+        except Exception as exc:  # noqa: BLE001 -- record and go on: one GPU call should yield all it can
             report["kernels"].append({"name": family, "error": f"{type(exc).__name__}: {exc}",
                                       "traceback": traceback.format_exc()[-4000:]})
             print(f"[bench]   {family} FAILED: {type(exc).__name__}: {exc}", flush=True)

@@ -9,6 +9,7 @@ into other test files. Inside the child, two fixes for Triton 3.6's interpreter 
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -81,7 +82,7 @@ class ChildRun:
             env = {**os.environ, "TRITON_INTERPRET": "1"}
             cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                    f"--junitxml={xml_path}", *self.nodeids]
-            proc = subprocess.run(cmd, cwd=self.rootdir, env=env, capture_output=True, text=True,
+            proc = subprocess.run(cmd, check=False, cwd=self.rootdir, env=env, capture_output=True, text=True,
                                   timeout=CHILD_TIMEOUT_S)
             if not xml_path.exists():
                 raise RuntimeError(f"child pytest wrote no report (rc={proc.returncode}):\n"
@@ -118,7 +119,7 @@ def pytest_collection_modifyitems(session, config, items):
         return
     child = ChildRun([it.nodeid for it in mine], Path(str(config.rootpath)))
     for it in mine:
-        it.runtest = (lambda nodeid: lambda: child.check(nodeid))(it.nodeid)
+        it.runtest = functools.partial(child.check, it.nodeid)
 
 
 @pytest.fixture(scope="package", autouse=True)
