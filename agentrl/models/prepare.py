@@ -162,7 +162,8 @@ def load_megatron_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path) -> No
 
     sharded = {k: v for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
     loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
-    result = model.load_state_dict(loaded, strict=False)
+    # load() also returns the checkpoint's common (non-tensor) entries, e.g. our provenance record
+    result = model.load_state_dict({k: v for k, v in loaded.items() if k in sharded}, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
         raise ValueError(f"{ckpt_dir} does not fit the model: missing {missing[:8]}, "

@@ -240,13 +240,27 @@ def megatron_model(config: Any, bf16: bool, state: dict[str, torch.Tensor] | Non
     return model
 
 
-def mg_forward(model: Any, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+def mg_forward(model: Any, ids: torch.Tensor, labels: torch.Tensor | None = None, carrier: str = "mask") -> torch.Tensor:
+    """Megatron forward of [b, s] rows. DSA keeps each forward's shared top-k on an object: the
+    attention mask ("mask"), the shared config ("none"), or PackedSeqParams ("packed": the rows are
+    packed into one THD sequence, and the output is unpacked to [b, s, ...] again)."""
     b, s = ids.shape
     pos = torch.arange(s, device=ids.device)[None].expand(b, s)
-    return model(input_ids=ids, position_ids=pos, attention_mask=causal_mask(b, s, ids.device), labels=labels)
+    if carrier == "mask":
+        return model(input_ids=ids, position_ids=pos, attention_mask=causal_mask(b, s, ids.device), labels=labels)
+    if carrier == "none":
+        return model(input_ids=ids, position_ids=pos, attention_mask=None, labels=labels)
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=ids.device)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s, max_seqlen_kv=s)
+    out = model(input_ids=ids.reshape(1, -1), position_ids=pos.reshape(1, -1), attention_mask=None,
+                labels=None if labels is None else labels.reshape(1, -1), packed_seq_params=packed)
+    return out.reshape(b, s, *out.shape[2:])
 
 
-def logits_stage(rec: dict, config: Any, dtype: torch.dtype, ids: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
+def logits_stage(rec: dict, config: Any, dtype: torch.dtype, ids: torch.Tensor, seed: int,
+                 carrier: str = "mask") -> dict[str, torch.Tensor]:
     ref = hf_model(config, torch.float32, None, seed)
     state = {k: v.detach().cpu() for k, v in ref.state_dict().items()}
     hf = ref.to(dtype).eval()
@@ -255,7 +269,7 @@ def logits_stage(rec: dict, config: Any, dtype: torch.dtype, ids: torch.Tensor, 
             buf.data = state[name].to(buf.device)
     mg = megatron_model(config, dtype == torch.bfloat16, hf_to_megatron(state, config)).eval()
     with torch.no_grad():
-        a, b = mg_forward(mg, ids).float(), hf(ids).logits.float()
+        a, b = mg_forward(mg, ids, carrier=carrier).float(), hf(ids).logits.float()
     rec["megatron_vs_hf"] = diff_stats(a, b)
     rec["logits_shape"] = list(a.shape)
     if dtype != torch.float32:
@@ -316,7 +330,8 @@ def mtp_load_stage(rec: dict, config: Any, seed: int, workdir: Path) -> None:
         raise AssertionError(f"{len(rec['mismatched'])} tensors differ after dist_checkpointing.load: {rec['mismatched'][:6]}")
 
 
-def five_layer_stage(rec: dict, config: Any, seq: int, iters: int, seed: int, recompute: bool) -> None:
+def five_layer_stage(rec: dict, config: Any, seq: int, iters: int, seed: int, recompute: bool,
+                     carrier: str = "mask") -> None:
     torch.cuda.reset_peak_memory_stats()
     kw = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} if recompute else {}
     mg = megatron_model(config, True, None, **kw).train()
@@ -328,7 +343,7 @@ def five_layer_stage(rec: dict, config: Any, seq: int, iters: int, seed: int, re
     for i in range(iters + 1):  # the first iteration warms up kernels and allocator
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = mg_forward(mg, ids, labels=ids).float().mean()
+        loss = mg_forward(mg, ids, labels=ids, carrier=carrier).float().mean()
         loss.backward()
         torch.cuda.synchronize()
         if i:
@@ -351,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--five-layer-recompute-seqs", default="8192",
                    help="with full recompute (without TE, DSA attention materialises [heads, s, s] scores: "
                         "8192 without recompute ran out of the H200's memory)")
+    p.add_argument("--recompute-carriers", default="packed,none,mask",
+                   help="where DSA keeps the shared top-k under recompute (see mg_forward); on the H200 "
+                        "'mask' failed: recompute detaches the mask and drops the top-k with it")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--workdir", type=Path, default=None, help="scratch folder; default: a new temp folder")
     args = p.parse_args(argv)
@@ -374,18 +392,21 @@ def main(argv: list[str] | None = None) -> int:
             logits_stage(rec, tiny, dtype, ids, args.seed)
             report.data[key] = rec["megatron_vs_hf"]["max_abs"]
             report.data[key.replace("max", "mean")] = rec["megatron_vs_hf"]["mean_abs"]
+    with report.stage("tiny_fp32_packed") as rec:  # THD packing: the trainer's layout
+        logits_stage(rec, tiny, torch.float32, ids, args.seed, carrier="packed")
     with report.stage("tiny_train_step") as rec:
         train_step_stage(rec, tiny, ids, args.seed, args.lr)
         report.data["train_step_loss_after_abs_diff"] = rec["loss_after"]["abs_diff"]
     with report.stage("tiny_mtp_load") as rec:
         mtp_load_stage(rec, hf_config_for("tiny", index_n_heads=16, num_nextn_predict_layers=1), args.seed, workdir)
     five = hf_config_for("GLM-5.2_5layer", n_routed_experts=args.five_layer_experts)
-    runs = [(int(s), False) for s in args.five_layer_seqs.split(",") if s]
-    runs += [(int(s), True) for s in args.five_layer_recompute_seqs.split(",") if s]
-    for seq, recompute in runs:
-        with report.stage(f"five_layer_seq{seq}" + ("_recompute" if recompute else "")) as rec:
+    runs = [(int(s), False, "mask") for s in args.five_layer_seqs.split(",") if s]
+    runs += [(int(s), True, c) for s in args.five_layer_recompute_seqs.split(",") if s
+             for c in args.recompute_carriers.split(",")]
+    for seq, recompute, carrier in runs:
+        with report.stage(f"five_layer_seq{seq}" + (f"_recompute_{carrier}" if recompute else "")) as rec:
             rec["experts"] = args.five_layer_experts
-            five_layer_stage(rec, five, seq, args.iters, args.seed, recompute)
+            five_layer_stage(rec, five, seq, args.iters, args.seed, recompute, carrier)
     report.data["finished_unix"] = time.time()
     failed = [n for n, r in report.data["stages"].items() if not r["ok"]]
     missing = [k for k in HEADLINE_KEYS if k not in report.data]
