@@ -317,3 +317,21 @@ async def test_weights_from_distributed_gloo_group(engine):
     for name, t in named.items():
         assert torch.equal(engine.model.state_dict()[name], t), name
     assert await engine.client.weight_version() == 2
+
+
+def test_sampler_draws_from_the_filtered_distribution():
+    from agentrl.rollout.embedded.sampling import RowParams, sample_rows
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(20000, 1)
+    gen = torch.Generator().manual_seed(0)
+    plain, lps = sample_rows(logits, [RowParams(1.0, 1.0, -1)] * 20000, gen)
+    freq = torch.bincount(torch.tensor(plain), minlength=4) / 20000
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.015)
+    assert abs(lps[0] - torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))[plain[0]].item()) < 1e-6
+    nucleus, lps = sample_rows(logits[:4000], [RowParams(1.0, 0.7, -1)] * 4000, gen)  # keeps {0, 1}
+    freq = torch.bincount(torch.tensor(nucleus), minlength=4) / 4000
+    assert freq[2:].sum() == 0 and abs(freq[0] - 0.625) < 0.03
+    ln = torch.log(torch.tensor([0.5, 0.3])).tolist()
+    assert all(min(abs(lp - ln[0]), abs(lp - ln[1])) < 1e-6 for lp in lps)  # full-vocab logprobs
+    top1, _ = sample_rows(logits[:100], [RowParams(2.0, 1.0, 1)] * 100, gen)
+    assert set(top1) == {0}

@@ -27,8 +27,10 @@ def effective_temperature(t: float) -> float:
 
 def scaled_logprobs(logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
     """log_softmax(logits / T) per row, fp32. logits: [B, V] or [B, S, V] with one T per row."""
-    t = torch.tensor([effective_temperature(x) for x in temperatures], dtype=torch.float32)
-    t = t.view(-1, *([1] * (logits.dim() - 1)))
+    temps = [effective_temperature(x) for x in temperatures]
+    if all(x == 1.0 for x in temps):  # skip a [B, V] division, the common RL setting
+        return torch.log_softmax(logits.float(), dim=-1)
+    t = torch.tensor(temps, dtype=torch.float32).view(-1, *([1] * (logits.dim() - 1)))
     return torch.log_softmax(logits.float() / t, dim=-1)
 
 
@@ -37,28 +39,34 @@ def sample_rows(
 ) -> tuple[list[int], list[float]]:
     """One token per row of `logits` [B, V]; returns (token ids, their full-vocabulary logprobs)."""
     logp = scaled_logprobs(logits, [p.temperature for p in params])
-    greedy = torch.tensor([p.temperature < GREEDY_EPS for p in params])
     vocab = logp.shape[-1]
-    if all(p.top_k <= 0 and p.top_p >= 1.0 for p in params):
-        probs = logp.exp()
-    else:
-        probs = _filtered_probs(logp, params, vocab)
-    sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    tokens = torch.where(greedy, logp.argmax(dim=-1), sampled)
+    tokens = logp.argmax(dim=-1)  # greedy rows keep this
+    plain = [i for i, p in enumerate(params) if p.temperature >= GREEDY_EPS and p.top_k <= 0 and p.top_p >= 1.0]
+    if len(plain) == len(params):
+        tokens = _inverse_cdf(logp.exp(), generator)
+    elif plain:
+        tokens[plain] = _inverse_cdf(logp[plain].exp(), generator)
+    for i, p in enumerate(params):
+        if p.temperature >= GREEDY_EPS and i not in plain:
+            # top-k via topk (cheap for small k); top-p over the sorted candidates. Without top_k
+            # this sorts the whole vocabulary, the slow path (~10x the plain one at V=49k).
+            k = p.top_k if 0 < p.top_k < vocab else vocab
+            vals, idx = logp[i].topk(k)
+            probs = vals.exp()
+            keep = (probs.cumsum(0) - probs) < p.top_p  # mass strictly before a token < top_p
+            keep[0] = True
+            tokens[i] = idx[_inverse_cdf((probs * keep)[None], generator)[0]]
     chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
     return tokens.tolist(), chosen.tolist()
 
 
-def _filtered_probs(logp: torch.Tensor, params: list[RowParams], vocab: int) -> torch.Tensor:
-    sorted_lp, order = logp.sort(dim=-1, descending=True)
-    sorted_p = sorted_lp.exp()
-    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-    ps = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    rank = torch.arange(vocab)[None, :]
-    # Keep a token if it is within top-k and the mass strictly before it is < top_p (the first
-    # token is always kept).
-    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-    keep = (rank < ks[:, None]) & (mass_before < ps[:, None])
-    keep[:, 0] = True
-    filtered = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-    return torch.zeros_like(filtered).scatter(-1, order, filtered)
+def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row drawn with probability proportional to probs [R, V] (unnormalised).
+
+    A cumulative sum and a binary search: measured 10-20x cheaper than torch.multinomial or an
+    exponential race on [32, 49152] (those draw a random number per vocabulary entry)."""
+    # fp32: a float64 cumsum measured 11x slower; the rounding error (~1e-6 of the mass) only
+    # perturbs which token a uniform draw lands on, never the reported logprob.
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
