@@ -195,6 +195,7 @@ def test_series_reach_the_prometheus_endpoint(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # restored (or removed) after the test
     port = _free_port()
     ray.init(
+        address="local",  # a new instance even when another `ray start` cluster runs on this machine
         num_cpus=1,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
