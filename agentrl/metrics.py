@@ -9,6 +9,10 @@ that runs sharing a cluster stay apart.
 Each update is one method, cheap (a few dict look-ups and Cython calls) and never raises into
 the caller: metrics must not take a run down. A failed update is logged once per method.
 `snapshot()` returns the values this process last recorded, for tests and debugging.
+Measured with Ray 2.60: series recorded in an actor or in the driver reach the metrics export
+port within ~1 s at metrics_report_interval_ms=500. Ray exports a histogram's `_sum` from
+bucket midpoints, not the observed values (7.3 s and 100 s observed -> `_sum` 97.5): use its
+buckets and `_count`; `snapshot()` keeps the exact sums.
 """
 
 from __future__ import annotations
