@@ -45,16 +45,27 @@ def test_scores_match_reference_on_random_floats(device):
     torch.testing.assert_close(out[causal], want[causal], atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("radix_bits", [4, 8, 11])
-def test_topk_selection_alone_breaks_ties_toward_lower_index(device, radix_bits):
+VARIANTS = {
+    "full_4bit": dict(RADIX_BITS=4, COMPACT=0),
+    "full_8bit": dict(RADIX_BITS=8, COMPACT=0),
+    "full_11bit": dict(RADIX_BITS=11, COMPACT=0),
+    "compact_8bit": dict(RADIX_BITS=8, COMPACT=1, FULL_PASSES=2, CAP=128),
+    "compact_6bit": dict(RADIX_BITS=6, COMPACT=1, FULL_PASSES=3, CAP=128),
+    "compact_fallback": dict(RADIX_BITS=8, COMPACT=1, FULL_PASSES=2, CAP=4),  # bins overflow CAP
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
+def test_topk_selection_alone_breaks_ties_toward_lower_index(device, variant):
     # Scores drawn from 5 levels: most of the k-th value's copies fall on the boundary;
     # plus a few distinct values (negative, tiny, huge) so every radix digit matters.
     rows, S, K = 6, 200, 64
     scores = torch.randint(0, 5, (rows, S), device=device).float() - 2.0
+    scores[3:] = torch.randn(rows - 3, S, device=device)  # distinct values: few keys share a prefix
     scores[:, ::7] = torch.randn(rows, (S + 6) // 7, device=device) * torch.logspace(-30, 30, (S + 6) // 7,
                                                                                       device=device)
     out = torch.empty((rows, K), device=device, dtype=torch.int32)
-    cfg = ix.KernelConfig.make(BLOCK=128, RADIX_BITS=radix_bits, num_warps=4, num_stages=1)
+    cfg = ix.KernelConfig.make(BLOCK=128, num_warps=4, num_stages=1, **VARIANTS[variant])
     ix.topk_rows_chunk(scores, 0, rows, S - 1, S, K, out, config=cfg)  # offset S-1: every key valid
     want = select_topk(scores, torch.full((rows,), S, device=device), K, stable=True)
     assert torch.equal(out, want)
