@@ -4,7 +4,9 @@ Every running sequence owns its KV as plain tensors (`SeqKV`: one dict per layer
 step runs all sequences together on a transformers `DynamicCache` whose rows are right-aligned:
 row i has `pad_i = width - len_i` unused columns on the left that the 4-D mask hides. The batch
 cache is rebuilt only when the set of sequences changes (admission, finish, retract); a plain
-decode step just appends one column. That works for any model whose cache layers are
+decode step writes one column in place into preallocated headroom (`_GrowingLayer`), where
+transformers' DynamicLayer would torch.cat the whole cache (measured with SmolLM2-135M dims,
+8 layers, B=32, T=1024, one core: ~300 ms per step in place vs ~800-1100 ms with cat). That works for any model whose cache layers are
 `DynamicLayer` (Llama-like: keys/values [B, H, T, D]) or `DynamicIndexedLayer` (GLM-MoE-DSA:
 compressed MLA latents [B, 1, T, r] plus the DSA indexer keys [B, T, d]); the DSA indexer adds the
 same mask to its scores, so padded columns are never selected ahead of real ones.
@@ -23,12 +25,64 @@ from transformers.cache_utils import DynamicCache, DynamicIndexedLayer, DynamicL
 SEQ_DIM = {"keys": -2, "values": -2, "indexer_keys": 1}
 
 SeqKV = list[dict[str, torch.Tensor]]  # one {attr: tensor with batch 1} per layer
+BUFFERS = {"keys": "_kbuf", "values": "_vbuf", "indexer_keys": "_ibuf"}
+GROW_FACTOR, GROW_MIN = 1.5, 32
+
+
+def _grow(buf: torch.Tensor | None, view: torch.Tensor, new: torch.Tensor, dim: int):
+    """Append `new` after `view` (a prefix of `buf` along `dim`, or unbuffered when buf is None)
+    in place, reallocating with headroom when full. Returns (buffer, new view)."""
+    dim = dim % new.dim()
+    cur = view.shape[dim] if view.numel() else 0
+    need = cur + new.shape[dim]
+    if buf is None or need > buf.shape[dim]:
+        shape = list(new.shape)
+        shape[dim] = max(need + GROW_MIN, int(need * GROW_FACTOR))
+        fresh = new.new_empty(shape)
+        if cur:
+            fresh.narrow(dim, 0, cur).copy_(view)
+        buf = fresh
+    buf.narrow(dim, cur, new.shape[dim]).copy_(new)
+    return buf, buf.narrow(dim, 0, need)
+
+
+class _GrowingLayer(DynamicLayer):
+    """DynamicLayer that appends into preallocated buffers instead of torch.cat: a decode step then
+    copies one column, not the whole cache (measured: cat of SmolLM2-sized KV at B=32, T=1024 costs
+    ~750 ms per step on one core, more than the forward itself)."""
+
+    _layer_type = None  # never register in transformers' global layer-type mapping
+    _kbuf = _vbuf = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._kbuf, self.keys = _grow(self._kbuf, self.keys, key_states, SEQ_DIM["keys"])
+        self._vbuf, self.values = _grow(self._vbuf, self.values, value_states, SEQ_DIM["values"])
+        return self.keys, self.values
+
+
+class _GrowingIndexedLayer(DynamicIndexedLayer):
+    _layer_type = None
+    _kbuf = _vbuf = _ibuf = None
+    update = _GrowingLayer.update
+
+    def update_indexer(self, indexer_key_states):
+        if not self.is_indexer_initialized:
+            self.lazy_initialization_indexer(indexer_key_states)
+        self._ibuf, self.indexer_keys = _grow(self._ibuf, self.indexer_keys, indexer_key_states,
+                                              SEQ_DIM["indexer_keys"])
+        return self.indexer_keys
 
 
 def new_cache(config) -> DynamicCache:
     cache = DynamicCache(config=config)
     for i, layer in enumerate(cache.layers):
-        if type(layer) not in (DynamicLayer, DynamicIndexedLayer):
+        if type(layer) is DynamicLayer:
+            cache.layers[i] = _GrowingLayer()
+        elif type(layer) is DynamicIndexedLayer:
+            cache.layers[i] = _GrowingIndexedLayer()
+        else:
             raise ValueError(
                 f"embedded engine: cache layer {i} is {type(layer).__name__}; only full-attention "
                 "(DynamicLayer) and DSA (DynamicIndexedLayer) layers are supported"
@@ -48,7 +102,10 @@ def _layer_tensors(layer) -> dict[str, torch.Tensor]:
     return out
 
 
-def _set_layer(layer, tensors: dict[str, torch.Tensor]) -> None:
+def _set_layer(layer, tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor] | None = None) -> None:
+    """Point the layer at `tensors`; `buffers` (same names) are what they are prefixes of, if any."""
+    for name, attr in BUFFERS.items():
+        setattr(layer, attr, (buffers or {}).get(name))
     if not tensors:
         return
     layer.keys, layer.values = tensors["keys"], tensors["values"]
@@ -95,22 +152,22 @@ def stack(config, kvs: list[SeqKV], width: int) -> DynamicCache:
         for layer, tensors in zip(cache.layers, kvs[0]):
             _set_layer(layer, tensors)
         return cache
+    capacity = max(width + GROW_MIN, int(width * GROW_FACTOR))  # headroom for the decode steps
     for li, layer in enumerate(cache.layers):
-        names = kvs[0][li].keys()
-        stacked = {}
-        for name in names:
+        views, buffers = {}, {}
+        for name in kvs[0][li]:
             dim = SEQ_DIM[name]
             first = kvs[0][li][name]
             shape = list(first.shape)
             shape[0] = len(kvs)
-            shape[dim % first.dim()] = width
+            shape[dim % first.dim()] = capacity
             buf = first.new_zeros(shape)
             for row, kv in enumerate(kvs):
                 t = kv[li][name]
                 n = t.shape[dim]
                 _seq_slice(buf[row : row + 1], dim, width - n, width).copy_(t)
-            stacked[name] = buf
-        _set_layer(layer, stacked)
+            buffers[name], views[name] = buf, _seq_slice(buf, dim, 0, width)
+        _set_layer(layer, views, buffers)
     return cache
 
 
@@ -119,12 +176,17 @@ def select_rows(cache: DynamicCache, rows: list[int], drop_left: int) -> None:
     index = torch.tensor(rows, dtype=torch.long)
     for layer in cache.layers:
         tensors = _layer_tensors(layer)
-        kept = {}
+        kept, buffers = {}, {}
         for name, t in tensors.items():
             dim = SEQ_DIM[name]
-            t = t.index_select(0, index)
-            kept[name] = _seq_slice(t, dim, drop_left, t.shape[dim])
-        _set_layer(layer, kept)
+            buf = getattr(layer, BUFFERS[name], None)
+            if drop_left == 0 and buf is not None:  # keep the headroom: select rows of the buffer
+                buffers[name] = buf.index_select(0, index)
+                kept[name] = _seq_slice(buffers[name], dim, 0, t.shape[dim])
+            else:
+                t = t.index_select(0, index)
+                kept[name] = _seq_slice(t, dim, drop_left, t.shape[dim])
+        _set_layer(layer, kept, buffers if len(buffers) == len(kept) else None)
 
 
 def decode_mask(pads: list[int], width: int, *, additive_dtype: torch.dtype | None) -> torch.Tensor:
