@@ -238,7 +238,16 @@ def build_gpt_model(hf_config: Any, parallel: Any = None, use_te: bool | None = 
     initialised with the same sizes as `parallel`, and a CUDA device.
 
     use_te: None picks TransformerEngine when importable. `config_kwargs` go to
-    transformer_config_from_hf (bf16, mtp_loss_scale, or any TransformerConfig field)."""
+    transformer_config_from_hf (bf16, mtp_loss_scale, or any TransformerConfig field).
+
+    Forward with packed_seq_params (THD), one PackedSeqParams object per microbatch. Megatron
+    0.19.2's DSA stores each forward's shared top-k as an attribute of packed_seq_params, else of
+    the attention_mask tensor, else of the shared config. Measured on an H200 with full recompute:
+    a mask tensor fails (recompute detaches it, dropping the top-k: "Holder has layers []"); the
+    config works for one microbatch but, with several forwards before a backward (pipeline
+    schedules), a recomputed layer would read a later microbatch's top-k; packed_seq_params is
+    per microbatch and survives recompute. The model is fp32-normed: see
+    to_bf16_keeping_fp32_router_bias."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (

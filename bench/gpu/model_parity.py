@@ -363,12 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--five-layer-experts", type=int, default=8)
     p.add_argument("--five-layer-seqs", default="2048,4096", help="without recompute")
-    p.add_argument("--five-layer-recompute-seqs", default="8192",
-                   help="with full recompute (without TE, DSA attention materialises [heads, s, s] scores: "
-                        "8192 without recompute ran out of the H200's memory)")
-    p.add_argument("--recompute-carriers", default="packed,none,mask",
-                   help="where DSA keeps the shared top-k under recompute (see mg_forward); on the H200 "
-                        "'mask' failed: recompute detaches the mask and drops the top-k with it")
+    p.add_argument("--five-layer-recompute-seqs", default="4096,6144",
+                   help="with full recompute. Without TE, DSA attention materialises [heads, s, s] fp32 "
+                        "scores: 8192 ran out of the H200's 140 GiB with and without recompute")
+    p.add_argument("--recompute-carriers", default="packed,none",
+                   help="where DSA keeps the shared top-k under recompute (see mg_forward); add 'mask' to "
+                        "reproduce megatron 0.19.2 failing: recompute detaches the mask, dropping the top-k")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--workdir", type=Path, default=None, help="scratch folder; default: a new temp folder")
     args = p.parse_args(argv)
