@@ -55,6 +55,9 @@ class Orchestrator:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(self.cfg.model_dump_json(indent=2))
         self.ray = init_ray(self.cfg)
+        from agentrl.metrics import RunMetrics
+
+        self.metrics = RunMetrics(self.run_id)
         if self.ray.dashboard_url:
             self.progress.note(f"Ray dashboard: {self.ray.dashboard_url}")
         cfg_dict = self.cfg.model_dump(mode="json")
@@ -138,6 +141,7 @@ class Orchestrator:
         except Exception as e:  # the worker actor died: nothing of this group was accepted
             self.progress.note(f"episode worker {w} failed ({type(e).__name__}); re-admitting task {task_id}")
             self.outcomes["infra_error:worker"] += n
+            self.metrics.on_episodes_lost(n)
             for _ in range(n):
                 self.admission.on_episode_end()
             self.admission.on_group_retired()
@@ -146,6 +150,7 @@ class Orchestrator:
         finally:
             self._worker_load[w] -= n
         for s in summaries:
+            self.metrics.on_episode(s)
             self.outcomes[s["outcome"]] += 1
             self.generated_tokens += s["generated"]
             self.admission.on_episode_end(s["tokens"])
@@ -169,6 +174,8 @@ class Orchestrator:
         runs = [self.workers[i % len(self.workers)].run_group.remote(task, f"eval{at_version}-{task}", n, True)
                 for i, task in enumerate(self.eval_tasks)]
         summaries = [s for group in await asyncio.gather(*runs) for s in group]
+        for s in summaries:
+            self.metrics.on_episode(s)
         scored = [s for s in summaries if not s["outcome"].startswith("infra_error")]
         passed = sum(1 for s in scored if (s["reward"] or 0.0) >= 1.0)
         self.eval_results[at_version] = {
@@ -185,6 +192,8 @@ class Orchestrator:
         await self.buffer.mark_trained.remote(step, batch.group_ids)
         sync = await self.trainer.push_weights.remote(self.urls)
         self.version = await self.trainer.version.remote()
+        for i in range(len(self.engines)):
+            self.metrics.set_engine(i, version=self.version)
         self.step = step
         if step % self.cfg.train.checkpoint_every == 0 or step == self.cfg.train.max_steps:
             await self.trainer.save_checkpoint.remote({"step": step, "outcomes": dict(self.outcomes)})
@@ -207,6 +216,7 @@ class Orchestrator:
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         self.progress.step(row)
+        self.metrics.on_step(row)
         return row
 
     # -- the loop ------------------------------------------------------------------------------
@@ -224,6 +234,8 @@ class Orchestrator:
                 await self._collect_regenerations()
                 self._ready_cache = await self.buffer.ready_groups.remote()
                 self._admit()
+                self.metrics.set_in_flight(self.admission.running_episodes, self.admission.tokens_in_flight)
+                self.metrics.set_buffer(self._ready_cache)
                 if (self._training is None and self.step < self.cfg.train.max_steps
                         and self._ready_cache >= self.cfg.algorithm.prompts_per_step):
                     batch = await self.buffer.take_batch.remote(self.cfg.algorithm.prompts_per_step, self.version)
@@ -266,6 +278,10 @@ class Orchestrator:
             if await e.ensure_alive.remote():
                 self.progress.note(f"engine {i} restarted; re-sending weights version {self.version}")
                 await self.trainer.push_weights.remote([self.urls[i]])
+            try:
+                self.metrics.set_engine_from_server_info(i, await e.server_info.remote())
+            except Exception:  # an engine between restarts has no info; the next check retries
+                pass
 
     async def _shutdown(self) -> None:
         import ray

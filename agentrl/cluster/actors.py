@@ -82,6 +82,12 @@ class EngineActor:
     def pid(self) -> int | None:
         return self.proc.pid
 
+    async def server_info(self) -> dict:
+        from agentrl.rollout.client import EngineClient
+
+        async with EngineClient(self.url, timeout_s=5.0) as c:
+            return await c.server_info()
+
     def stop(self) -> None:
         self.proc.stop()
 
@@ -110,7 +116,10 @@ class EpisodeWorker:
 
         self.tokenizer = load_tokenizer(self.cfg.model.path or self.cfg.model.name)
         self.router = Router(self.engine_urls, timeout_s=self.cfg.rollout.request_timeout_s)
-        self.provider = make_provider(self.cfg.sandbox, self.run_id)
+        from agentrl.metrics import RunMetrics
+
+        self.metrics = RunMetrics(self.run_id)
+        self.provider = self.metrics.wrap_provider(make_provider(self.cfg.sandbox, self.run_id))
         eps = available_envs()
         if self.cfg.env.name not in eps:
             raise ValueError(f"env.name={self.cfg.env.name!r} is not installed; known: {', '.join(eps)}")
@@ -149,6 +158,7 @@ class EpisodeWorker:
 
     async def _episode(self, task_id: str, group_id: str, k: int, evaluate: bool) -> dict:
         from agentrl.agent.episode import run_episode
+        from agentrl.view import turn_versions
 
         episode_id = f"{group_id}-{k}"
         t0 = time.time()
@@ -162,7 +172,8 @@ class EpisodeWorker:
                    "duration_s": time.time() - t0}
         if self.transcripts is not None:
             self.transcripts.write(json.dumps({
-                **summary, "timings": traj.timings, "info": traj.info,
+                **summary, "time": time.time(), "timings": traj.timings, "info": traj.info,
+                "turn_versions": turn_versions(traj.loss_mask, traj.weight_versions),
                 "text": self.tokenizer.decode(traj.token_ids[traj.prompt_len:]),
                 "versions": sorted({v for v in traj.weight_versions if v >= 0}),
             }) + "\n")

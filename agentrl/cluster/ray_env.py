@@ -35,6 +35,7 @@ def init_ray(cfg: RunConfig) -> RayHandle:
     # A local Ray bound to 127.0.0.1 only: its dashboard needs no token on this machine.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ctx = ray.init(
+        address="local",  # a new cluster, never another `ray start` cluster on this machine
         num_cpus=cfg.cluster.num_cpus or max(4, os.cpu_count() or 1),
         num_gpus=cfg.cluster.gpus_per_node,
         resources={TRAIN_RESOURCE: ROLE_UNITS, INFER_RESOURCE: ROLE_UNITS},
