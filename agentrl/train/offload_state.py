@@ -7,6 +7,7 @@ attributes DiskOffloadAdamW.__init__ sets (_params, buckets, directory, _commit,
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
 from pathlib import Path
 
 import torch
@@ -57,11 +58,18 @@ class OffloadStateMixin:
             ],
         }
 
-    def _commit_manifest(self, commit: int, steps: list[int]) -> None:
+    def _commit_manifest(self, commit: int, steps: list[int], cleanup: Executor | None = None) -> None:
+        """Commit, then unlink the replaced files, on `cleanup` when given: unlinking 64 MB files cost
+        0.2 s of a 1.3 s step on the dev VM's disk and nothing waits for it (a file left by a crash
+        is removed at the next resume)."""
         manifest = self._manifest(commit, steps)
         write_manifest(self.directory, manifest)
         self._commit, self._steps = commit, steps
-        remove_unreferenced(self.directory, keep={b["file"] for b in manifest["buckets"]})
+        keep = {b["file"] for b in manifest["buckets"]}
+        if cleanup is None:
+            remove_unreferenced(self.directory, keep=keep)
+        else:
+            cleanup.submit(remove_unreferenced, self.directory, keep)
 
     def _write_all(self, fill: Callable[[Bucket, HostBuffer], None], steps: list[int] | None = None) -> None:
         """Write a complete new state (`fill` puts each bucket's master|m|v into the buffer), commit it."""
