@@ -328,9 +328,9 @@ def test_sampler_draws_from_the_filtered_distribution():
     freq = torch.bincount(torch.tensor(plain), minlength=4) / 20000
     assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.015)
     assert abs(lps[0] - torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))[plain[0]].item()) < 1e-6
-    nucleus, lps = sample_rows(logits[:4000], [RowParams(1.0, 0.7, -1)] * 4000, gen)  # keeps {0, 1}
-    freq = torch.bincount(torch.tensor(nucleus), minlength=4) / 4000
-    assert freq[2:].sum() == 0 and abs(freq[0] - 0.625) < 0.03
+    nucleus, lps = sample_rows(logits[:1500], [RowParams(1.0, 0.7, -1)] * 1500, gen)  # keeps {0, 1}
+    freq = torch.bincount(torch.tensor(nucleus), minlength=4) / 1500
+    assert freq[2:].sum() == 0 and abs(freq[0] - 0.625) < 0.05
     ln = torch.log(torch.tensor([0.5, 0.3])).tolist()
     assert all(min(abs(lp - ln[0]), abs(lp - ln[1])) < 1e-6 for lp in lps)  # full-vocab logprobs
     top1, _ = sample_rows(logits[:100], [RowParams(2.0, 1.0, 1)] * 100, gen)
