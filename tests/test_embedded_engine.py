@@ -335,3 +335,22 @@ def test_sampler_draws_from_the_filtered_distribution():
     assert all(min(abs(lp - ln[0]), abs(lp - ln[1])) < 1e-6 for lp in lps)  # full-vocab logprobs
     top1, _ = sample_rows(logits[:100], [RowParams(2.0, 1.0, 1)] * 100, gen)
     assert set(top1) == {0}
+
+
+async def test_chunked_prefill_equals_teacher_forcing():
+    from agentrl.rollout.embedded.server import EmbeddedEngineServer
+
+    model = glm_model()
+    server = EmbeddedEngineServer(model, prefill_chunk_tokens=4)  # 23-token prompt: 6 chunks
+    url = await server.start()
+    try:
+        async with EngineClient(url, timeout_s=60) as client:
+            p = prompt(23, 12)
+            raw = await client.generate_raw({"input_ids": p, "sampling_params": {"max_new_tokens": 8},
+                                             "return_logprob": True, "logprob_start_len": 3})
+            ids = p + raw["output_ids"]
+            got_in = [x[0] for x in raw["meta_info"]["input_token_logprobs"]]
+            got_out = [x[0] for x in raw["meta_info"]["output_token_logprobs"]]
+            assert max_err(got_in + got_out, teacher_logprobs(model, ids, 3, 1.0)) < 1e-4
+    finally:
+        await server.stop()

@@ -79,11 +79,13 @@ class Busy(RuntimeError):
 
 class Scheduler:
     def __init__(self, model, *, max_batch_size: int = 32, prefill_tokens_per_step: int = 8192,
-                 prefix_cache_tokens: int = 262144, eos_token_ids: tuple[int, ...] = (),
+                 prefill_chunk_tokens: int = 1024, prefix_cache_tokens: int = 262144, eos_token_ids: tuple[int, ...] = (),
                  decode: Callable[[list[int]], str] | None = None, seed: int = 0,
                  weight_version: str = "0") -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_batch_size < 1 or prefill_chunk_tokens < 1:
+            raise ValueError(f"max_batch_size ({max_batch_size}) and prefill_chunk_tokens ({prefill_chunk_tokens}) "
+                             "must be >= 1")
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.model = model.eval()
         if model.config._attn_implementation not in ("eager", "sdpa"):
             model.set_attn_implementation("sdpa")
@@ -281,19 +283,26 @@ class Scheduler:
         n_new = len(seqs[0].tokens) - m
         cache = kvlib.stack(self.model.config, [prefix_kv], m) if prefix_kv else kvlib.new_cache(self.model.config)
         want_input = not seqs[0].admitted and seqs[0].req.logprob_start_len >= 0
-        keep = n_new if want_input else 1
-        out = self.model(
-            input_ids=torch.tensor([s.tokens[m:] for s in seqs]),
-            attention_mask=kvlib.prefill_mask(len(seqs), m, n_new, additive_dtype=self._additive),
-            position_ids=torch.arange(m, m + n_new).expand(len(seqs), n_new),
-            cache=cache, use_cache=True, logits_to_keep=keep,
-        )
+        # Chunks bound the activation memory of long prompts (GLM's indexer scores alone are
+        # [S, heads, T] floats); each chunk attends to the cache plus itself.
+        done, kept = m, []
+        while done < m + n_new:
+            c = min(self.prefill_chunk_tokens, m + n_new - done)
+            out = self.model(
+                input_ids=torch.tensor([s.tokens[done : done + c] for s in seqs]),
+                attention_mask=kvlib.prefill_mask(len(seqs), done, c, additive_dtype=self._additive),
+                position_ids=torch.arange(done, done + c).expand(len(seqs), c),
+                cache=cache, use_cache=True, logits_to_keep=c if want_input else 1,
+            )
+            if want_input:
+                kept.append(out.logits[0])
+            done += c
         logits = out.logits[:, -1]
         with self._cv:
             self._stats["prefill_tokens"] += n_new * len(seqs)
             self._stats["cached_tokens"] += m * len(seqs)
         if want_input:
-            self._set_input_logprobs(seqs[0], out.logits[0], m)
+            self._set_input_logprobs(seqs[0], torch.cat(kept), m)
         running = []
         sampling = [s for s in seqs if len(s.out_ids) < s.req.max_new_tokens]
         if sampling:

@@ -40,14 +40,15 @@ class EmbeddedEngineServer:
     """Owns the scheduler and the aiohttp app. `await start()` -> base URL; `await stop()`."""
 
     def __init__(self, model, tokenizer=None, *, model_path: str = "", max_batch_size: int = 32,
-                 prefix_cache_tokens: int = 262144, seed: int = 0, weight_version: str = "0") -> None:
+                 prefix_cache_tokens: int = 262144, prefill_chunk_tokens: int = 1024, seed: int = 0,
+                 weight_version: str = "0") -> None:
         eos = model.config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.scheduler = Scheduler(model, max_batch_size=max_batch_size, prefix_cache_tokens=prefix_cache_tokens,
-                                   eos_token_ids=eos_ids, decode=decode, seed=seed, weight_version=weight_version)
+                                   prefill_chunk_tokens=prefill_chunk_tokens, eos_token_ids=eos_ids, decode=decode, seed=seed, weight_version=weight_version)
         self._groups: dict[str, wlib.WeightUpdateGroup] = {}
         self._inflight: set[str] = set()
         self._runner: web.AppRunner | None = None
