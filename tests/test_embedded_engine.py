@@ -354,3 +354,22 @@ async def test_chunked_prefill_equals_teacher_forcing():
             assert max_err(got_in + got_out, teacher_logprobs(model, ids, 3, 1.0)) < 1e-4
     finally:
         await server.stop()
+
+
+async def test_generation_stops_at_the_context_length():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from agentrl.rollout.embedded.server import EmbeddedEngineServer
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32, eos_token_id=None)
+    server = EmbeddedEngineServer(LlamaForCausalLM._from_config(cfg).eval())
+    url = await server.start()
+    try:
+        async with EngineClient(url, timeout_s=60) as client:
+            res = await client.generate(prompt(29, 13), SamplingParams(max_new_tokens=10), session_id="c")
+            assert res.finish_reason == "length" and len(res.output_ids) == 3
+            with pytest.raises(EngineError, match="context length 32"):
+                await client.generate(prompt(40, 13), SamplingParams(max_new_tokens=1), session_id="c")
+    finally:
+        await server.stop()

@@ -91,6 +91,8 @@ class Scheduler:
             model.set_attn_implementation("sdpa")
         self._additive = model.dtype if model.config._attn_implementation == "eager" else None
         self.max_batch_size = max_batch_size
+        # Positions beyond this are outside what the model was built for: generation stops there.
+        self.context_len = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self.prefill_tokens_per_step = prefill_tokens_per_step
         self.eos = frozenset(eos_token_ids)
         self.decode = decode
@@ -372,8 +374,8 @@ class Scheduler:
             for s in req.stop_strings:
                 if s in tail:
                     return {"type": "stop", "matched": s}
-        if len(seq.out_ids) >= req.max_new_tokens:
-            return {"type": "length", "length": req.max_new_tokens}
+        if len(seq.out_ids) >= req.max_new_tokens or len(seq.tokens) >= self.context_len:
+            return {"type": "length", "length": len(seq.out_ids)}
         return None
 
     def _remove_rows(self, done: list[tuple[int, dict]]) -> None:

@@ -108,6 +108,8 @@ class EmbeddedEngineServer:
     # ---- generation ------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
         t0 = time.perf_counter()
+        if not self.scheduler.alive:
+            return _error(503, "the engine's scheduler thread is not running")
         try:
             body = await _json(request)
             reqs = self._parse_generate(body)
@@ -155,6 +157,9 @@ class EmbeddedEngineServer:
         for seq in ids:
             if not seq or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in seq):
                 raise BadRequest(f"input_ids must be non-empty lists of ints in [0, {self.vocab_size})")
+            if len(seq) >= self.scheduler.context_len:
+                raise BadRequest(f"prompt of {len(seq)} tokens does not fit the context length "
+                                 f"{self.scheduler.context_len}; shorten it")
         sp = body.get("sampling_params") or {}
         if not isinstance(sp, dict):
             raise BadRequest("sampling_params must be an object")
