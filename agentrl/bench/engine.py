@@ -149,4 +149,4 @@ def _versions() -> dict:
     import transformers
 
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "aiohttp": aiohttp.__version__, "torch_threads": torch.get_num_threads()}
+            "aiohttp": aiohttp.__version__}
