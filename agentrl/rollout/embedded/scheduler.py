@@ -19,58 +19,16 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
 from agentrl.rollout.embedded import kv as kvlib
 from agentrl.rollout.embedded.prefix_cache import PrefixCache
-from agentrl.rollout.embedded.sampling import RowParams, sample_rows, scaled_logprobs
+from agentrl.rollout.embedded.request import GenOutput, GenRequest, SeqState
+from agentrl.rollout.embedded.sampling import sample_rows, scaled_logprobs
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-@dataclass
-class GenRequest:
-    rid: str
-    input_ids: list[int]
-    max_new_tokens: int
-    params: RowParams
-    on_done: Callable[[GenOutput], None]  # called on the scheduler thread; must not block
-    stop_token_ids: frozenset[int] = frozenset()
-    stop_strings: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    logprob_start_len: int = -1  # >= 0: also return input logprobs from this position
-
-
-@dataclass
-class GenOutput:
-    rid: str
-    output_ids: list[int]
-    logprobs: list[float]
-    weight_versions: list[str]
-    finish_reason: dict
-    prompt_tokens: int
-    cached_tokens: int
-    weight_version: str
-    input_logprobs: list[float | None] | None = None
-    error: str | None = None
-
-
-@dataclass
-class _Seq:
-    req: GenRequest
-    tokens: list[int]
-    out_ids: list[int] = field(default_factory=list)
-    out_lps: list[float] = field(default_factory=list)
-    out_versions: list[str] = field(default_factory=list)
-    kv: kvlib.SeqKV | None = None  # only between prefill and joining the batch
-    kv_len: int = 0
-    cached_tokens: int = 0
-    admitted: bool = False
-    done: bool = False
-    input_lps: list[float | None] | None = None
 
 
 class Busy(RuntimeError):
@@ -102,14 +60,14 @@ class Scheduler:
         self.epoch = 0  # bumped by every weight load; prefix-cache entries of older epochs are dead
         self.paused, self.pause_mode = False, None
         self._cv = threading.Condition()
-        self._inbox: deque[_Seq] = deque()
+        self._inbox: deque[SeqState] = deque()
         self._commands: deque[tuple[Callable[[], object], Future]] = deque()
         self._abort_rids: set[str] = set()
         self._abort_all = False
         self._stopping = False
-        self._waiting: deque[_Seq] = deque()
-        self._running: list[_Seq] = []
-        self._admitting: list[_Seq] = []
+        self._waiting: deque[SeqState] = deque()
+        self._running: list[SeqState] = []
+        self._admitting: list[SeqState] = []
         self._cache = None
         self._width = 0
         self._stats = {"decode_steps": 0, "max_decode_batch_size": 0, "last_decode_batch_size": 0,
@@ -135,7 +93,7 @@ class Scheduler:
         with self._cv:
             if self._stopping:
                 raise RuntimeError("engine is shutting down")
-            self._inbox.append(_Seq(req, list(req.input_ids)))
+            self._inbox.append(SeqState(req, list(req.input_ids)))
             self._cv.notify()
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
@@ -250,7 +208,7 @@ class Scheduler:
             return
         self._admitting = new  # so a failing prefill still answers every one of them
         # Sequences without a cached prefix and of equal length prefill together.
-        groups: dict[int, list[tuple[_Seq, kvlib.SeqKV | None, int]]] = {}
+        groups: dict[int, list[tuple[SeqState, kvlib.SeqKV | None, int]]] = {}
         singles = []
         for seq in new:
             want_input = not seq.admitted and seq.req.logprob_start_len >= 0
@@ -278,7 +236,7 @@ class Scheduler:
                 s.kv = None
         self._admitting = []
 
-    def _prefill(self, group: list[tuple[_Seq, kvlib.SeqKV | None, int]]) -> list[_Seq]:
+    def _prefill(self, group: list[tuple[SeqState, kvlib.SeqKV | None, int]]) -> list[SeqState]:
         """Prefill a group (one cached-prefix length m, one length); return those that keep running."""
         seqs = [g[0] for g in group]
         prefix_kv, m = group[0][1], group[0][2]
@@ -325,7 +283,7 @@ class Scheduler:
                 running.append(seq)
         return running
 
-    def _set_input_logprobs(self, seq: _Seq, logits: torch.Tensor, m: int) -> None:
+    def _set_input_logprobs(self, seq: SeqState, logits: torch.Tensor, m: int) -> None:
         # logits[j] predicts token m + j + 1.
         start = seq.req.logprob_start_len
         lp = scaled_logprobs(logits[None], [seq.req.params.temperature])[0]
@@ -359,7 +317,7 @@ class Scheduler:
         if done:
             self._remove_rows(done)
 
-    def _append(self, seq: _Seq, tok: int, lp: float) -> dict | None:
+    def _append(self, seq: SeqState, tok: int, lp: float) -> dict | None:
         seq.tokens.append(tok)
         seq.out_ids.append(tok)
         seq.out_lps.append(lp)
@@ -423,7 +381,7 @@ class Scheduler:
             self._finish(seq, {"type": "abort", "message": error}, error=error)
         self._running, self._admitting, self._cache, self._width = [], [], None, 0
 
-    def _finish(self, seq: _Seq, reason: dict, keep_kv: kvlib.SeqKV | None = None, error: str | None = None) -> None:
+    def _finish(self, seq: SeqState, reason: dict, keep_kv: kvlib.SeqKV | None = None, error: str | None = None) -> None:
         if seq.done:
             return
         seq.done = True

@@ -17,8 +17,9 @@ import uuid
 from aiohttp import web
 
 from agentrl.rollout.embedded import weights as wlib
+from agentrl.rollout.embedded.request import GenOutput, GenRequest
 from agentrl.rollout.embedded.sampling import RowParams
-from agentrl.rollout.embedded.scheduler import PAUSE_MODES, Busy, GenOutput, GenRequest, Scheduler
+from agentrl.rollout.embedded.scheduler import PAUSE_MODES, Busy, Scheduler
 
 log = logging.getLogger(__name__)
 
