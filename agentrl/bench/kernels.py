@@ -153,6 +153,11 @@ def run_kernel_bench(out_path: str | Path, shapes: BenchShapes = GLM52, only: se
     return report
 
 
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="path of the JSON report to write")
@@ -160,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test of the harness)")
     args = parser.parse_args(argv)
     only = {x.strip() for x in args.only.split(",") if x.strip()} or None
+    unknown = (only or set()) - {"logprobs", "indexer", "sparse_mla", "fp8"}
+    if unknown:
+        parser.error(f"--only: unknown kernel families {sorted(unknown)}")
+    if not args.tiny and not _has_cuda():
+        print("[bench] no CUDA device: the GLM-5.2 shapes need an H200-class GPU "
+              "(use --tiny for a harness smoke test)", file=sys.stderr)
+        return 2
     report = run_kernel_bench(args.out, TINY if args.tiny else GLM52, only)
     failed = [k["name"] for k in report["kernels"] if "error" in k or k.get("correct") is False]
     print(f"[bench] wrote {args.out}; {len(report['kernels'])} entries; failed/incorrect: {failed or 'none'}")

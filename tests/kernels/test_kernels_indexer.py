@@ -46,12 +46,12 @@ def test_scores_match_reference_on_random_floats(device):
 
 
 VARIANTS = {
-    "full_4bit": dict(RADIX_BITS=4, COMPACT=0),
-    "full_8bit": dict(RADIX_BITS=8, COMPACT=0),
-    "full_11bit": dict(RADIX_BITS=11, COMPACT=0),
-    "compact_8bit": dict(RADIX_BITS=8, COMPACT=1, FULL_PASSES=2, CAP=128),
-    "compact_6bit": dict(RADIX_BITS=6, COMPACT=1, FULL_PASSES=3, CAP=128),
-    "compact_fallback": dict(RADIX_BITS=8, COMPACT=1, FULL_PASSES=2, CAP=4),  # bins overflow CAP
+    "full_4bit": {"RADIX_BITS": 4, "COMPACT": 0},
+    "full_8bit": {"RADIX_BITS": 8, "COMPACT": 0},
+    "full_11bit": {"RADIX_BITS": 11, "COMPACT": 0},
+    "compact_8bit": {"RADIX_BITS": 8, "COMPACT": 1, "FULL_PASSES": 2, "CAP": 128},
+    "compact_6bit": {"RADIX_BITS": 6, "COMPACT": 1, "FULL_PASSES": 3, "CAP": 128},
+    "compact_fallback": {"RADIX_BITS": 8, "COMPACT": 1, "FULL_PASSES": 2, "CAP": 4},  # bins overflow CAP
 }
 
 

@@ -1,0 +1,48 @@
+"""The kernel benchmark harness: entries, error recording, JSON report (kernels stubbed out:
+the real cases need an H200 and run there via `python -m agentrl.bench.kernels`)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from agentrl.bench import kernels as kb
+from kernels import bench_cases
+
+
+def test_make_entry_rates_and_fractions():
+    e = kb.make_entry("gemm", {"n": 1}, 2.0, flops=2 * 799e9, reference_ms=8.0, correct=True)
+    assert e["tflops"] == 799.0 and e["fraction_of_ceiling"] == 1.0 and e["speedup"] == 4.0
+    e = kb.make_entry("copy", {"n": 1}, 1.0, nbytes=2.12e9, correct=None)
+    assert e["gbps"] == 2120.0 and e["fraction_of_ceiling"] == 0.5 and e["speedup"] is None
+
+
+def test_failures_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    def good(torch_mod, dev, shapes, timer):
+        ms = timer(lambda: torch_mod.ones(4).sum(), warmup=1, min_iters=2, max_iters=2)
+        yield kb.make_entry("good", {"n": 4}, ms, nbytes=16.0, correct=True)
+
+    def bad(torch_mod, dev, shapes, timer):
+        raise RuntimeError("out of resource: shared memory")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(bench_cases, "CASES", {"bad": bad, "good": good, "skipped": bad})
+    out = tmp_path / "r" / "kernels.json"
+    report = kb.run_kernel_bench(out, kb.TINY, only={"bad", "good"}, device="cpu")
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(json.dumps(report))
+    names = [k["name"] for k in saved["kernels"]]
+    assert names == ["bad", "good"]
+    assert "out of resource" in saved["kernels"][0]["error"] and "traceback" in saved["kernels"][0]
+    assert saved["kernels"][1]["correct"] is True and saved["kernels"][1]["ms"] >= 0
+    assert {"machine", "versions", "ceilings", "kernels", "tuning"} <= set(saved)
+    assert saved["versions"]["torch"] == torch.__version__
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
+def test_full_shapes_refuse_to_run_without_cuda(tmp_path, capsys):
+    assert kb.main(["--out", str(tmp_path / "x.json")]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        kb.main(["--out", str(tmp_path / "x.json"), "--only", "nonsense"])
