@@ -2,6 +2,7 @@
 compatibility, resume, and crash safety under SIGKILL in a real subprocess."""
 
 import copy
+import errno
 import itertools
 import json
 import os
@@ -209,6 +210,29 @@ def test_resume_adopts_committed_state_and_rejects_a_different_model(tmp_path):
         DiskOffloadAdamW(build_model().parameters(), tmp_path, bucket_mb=2, resume=True, **HYPER)
     with pytest.raises(ValueError, match="other shapes"):
         DiskOffloadAdamW(torch.nn.Linear(3, 3).parameters(), tmp_path, bucket_mb=1, resume=True, **HYPER)
+
+
+def test_failed_write_leaves_the_committed_state_and_refuses_to_go_on(tmp_path, monkeypatch):
+    from agentrl.train import offload_adam
+
+    model = build_model()
+    opt = DiskOffloadAdamW(model.parameters(), tmp_path, bucket_mb=1, **HYPER)
+    train(model, opt, 3)
+    real_write = offload_adam.write_new_file
+
+    def disk_full_at_bucket_1(path, view, direct):
+        if path.name.startswith("bucket_00001."):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_write(path, view, direct)
+
+    monkeypatch.setattr(offload_adam, "write_new_file", disk_full_at_bucket_1)
+    with pytest.raises(OSError, match="No space"):
+        train(model, opt, 4, start=3)
+    monkeypatch.setattr(offload_adam, "write_new_file", real_write)
+    with pytest.raises(RuntimeError, match="committed state 3"):
+        opt.step()
+    resumed = DiskOffloadAdamW(model.parameters(), tmp_path, bucket_mb=1, resume=True, **HYPER)
+    assert_same(model, resumed, *reference(3))  # params reloaded from the committed master
 
 
 def test_make_optimizer_follows_the_offload_field(tmp_path):

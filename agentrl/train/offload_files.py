@@ -198,6 +198,11 @@ def remove_unreferenced(directory: Path, keep: set[str]) -> None:
     (directory / (MANIFEST + ".tmp")).unlink(missing_ok=True)
 
 
+def unlink_all(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
 def link_or_copy(src: Path, dst: Path) -> None:
     """Hard link (free, and safe because bucket files are never modified); copy across filesystems."""
     try:
