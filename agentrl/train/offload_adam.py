@@ -4,8 +4,11 @@ Each `step()` streams the state bucket by bucket through three host buffers: whi
 updated on the CPU, bucket i+1 is being read and bucket i-1 written (one reader and one writer
 thread; torch ops, os.preadv/os.pwrite release the GIL). Gradients come from `param.grad` (on a GPU
 they are copied to pinned host memory on a side stream, one bucket ahead); updated master weights
-are copied back into the params, cast to their dtype. The arithmetic is torch.optim.AdamW's
-single-tensor path, op for op, so on the same inputs the result is the same to the bit.
+are copied back into the params, cast to their dtype. The arithmetic is torch's own fused AdamW
+kernel (one pass over memory; equal to torch.optim.AdamW within fp32 rounding), or with fused=False
+torch.optim.AdamW's default single-tensor path op for op (equal to the bit, 12x slower on a CPU).
+Measured (agentrl.bench.offload, 2 GB of state, 256 MB buckets, H200 host, ext4 with O_DIRECT):
+1.78 GB/s streamed, 88% of the disk's 2.02 GB/s concurrent read+write bandwidth.
 
 Crash safety and the file format are described in offload_files.py: the state is always the one
 of the last committed step, a torn step is discarded whole. `make_optimizer` picks the optimizer
