@@ -30,3 +30,16 @@ def kernels(out: Path = typer.Option(RESULTS / "kernels.json", help="Where the J
 
     run_kernel_bench(out, only=set(only) or None)
     typer.echo(f"wrote {out}")
+
+
+@app.command("offload")
+def offload(out: Path = typer.Option(RESULTS / "offload.json", help="Where the JSON report goes."),
+            state_gb: float = typer.Option(0.3, help="Optimizer state size to stream (GB)."),
+            directory: Path | None = typer.Option(None, "--dir", help="Node-local folder to stream through."),
+            bucket_mb: int = typer.Option(64, help="Bucket size (MB of optimizer state).")) -> None:
+    """Disk-offloaded Adam: streaming rate against the disk's measured bandwidth, and step-time
+    overhead against in-memory AdamW."""
+    from agentrl.bench.offload import run_offload_bench
+
+    report = run_offload_bench(out, state_gb, directory=directory, bucket_mb=bucket_mb)
+    typer.echo(f"wrote {out} (offload_stream_efficiency = {report.get('offload_stream_efficiency')})")

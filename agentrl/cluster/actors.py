@@ -33,7 +33,7 @@ class TrainerWorker:
                                  cache_dir=self.run_dir / "model_cache")
         self.backend = TorchBackend(model, self.cfg.train, self.cfg.algorithm,
                                     pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
-                                    temperature=self.cfg.rollout.temperature)
+                                    temperature=self.cfg.rollout.temperature, run_dir=self.run_dir)
 
     def version(self) -> int:
         return self.backend.version

@@ -21,13 +21,15 @@ from agentrl.agent.trajectory import Trajectory
 from agentrl.config.schema import AlgorithmConfig, TrainConfig
 from agentrl.train.batching import MicroBatch, collate, plan_micro_batches
 from agentrl.train.loss import LossConfig, LossInputs, group_advantages, grpo_tis_loss
+from agentrl.train.offload_adam import DiskOffloadAdamW, make_optimizer
 from kernels.logprobs_torch import chunked_logprobs
 
 
 class TorchBackend:
     def __init__(self, model: torch.nn.Module, train: TrainConfig, algo: AlgorithmConfig, *, pad_id: int = 0,
-                 temperature: float = 1.0, advantage_sign: float = 1.0):
-        """`advantage_sign` exists for the learnability check's negative control (-1 must not learn)."""
+                 temperature: float = 1.0, advantage_sign: float = 1.0, run_dir: str | Path | None = None):
+        """`advantage_sign` exists for the learnability check's negative control (-1 must not learn).
+        `run_dir` names the optimizer's folder when its state is offloaded to disk."""
         self.model = model
         self.train_cfg = train
         self.algo = algo
@@ -36,11 +38,9 @@ class TorchBackend:
         self.advantage_sign = advantage_sign
         self.loss_cfg = LossConfig(algo.eps_clip, algo.eps_clip_high, algo.use_tis, algo.tis_clip_low,
                                    algo.tis_clip, algo.kl_coef)
-        o = train.optimizer
-        self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-            weight_decay=o.weight_decay,
-        )
+        if train.optimizer.offload == "disk" and run_dir is None:
+            raise ValueError("train.optimizer.offload=disk needs the run dir (the state folder is named after it)")
+        self.optimizer = make_optimizer(model.parameters(), train.optimizer, run_dir or "run")
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if algo.kl_coef > 0 else None
         self._version = 0
 
@@ -122,9 +122,12 @@ class TorchBackend:
         tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        on_disk = isinstance(self.optimizer, DiskOffloadAdamW)
+        if on_disk:  # hard links to the committed bucket files, not a copy through RAM
+            self.optimizer.save_checkpoint(tmp / "optimizer")
         torch.save({
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": None if on_disk else self.optimizer.state_dict(),
             "version": self._version,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             "extra": extra,
@@ -138,7 +141,10 @@ class TorchBackend:
     def load_checkpoint(self, directory: Path) -> dict:
         state = torch.load(Path(directory) / "state.pt", weights_only=False)
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state["optimizer"] is None:
+            self.optimizer.load_checkpoint(Path(directory) / "optimizer")
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self._version = int(state["version"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
