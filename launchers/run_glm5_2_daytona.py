@@ -169,11 +169,17 @@ def prepare_cp(model_name: ModelName = "GLM-5.2", num_nodes: NumNodes = None, gp
 @app.command()
 def train(model_name: ModelName = "GLM-5.2", num_nodes: NumNodes = None, gpus_per_node: GpusPerNode = None,
           hardware: HardwareOpt = None, config: ConfigOpt = None, set_: SetOpt = None, dry_run: DryRun = False,
-          as_json: JsonOpt = False, sandbox: SandboxOpt = None, run_dir: RunDir = None) -> None:
+          as_json: JsonOpt = False, sandbox: SandboxOpt = None, run_dir: RunDir = None,
+          rehearse: Annotated[bool, typer.Option("--rehearse", help="Place the plan for real on a simulated local "
+                                                 "Ray cluster (no model work), report and stop.")] = False) -> None:
     """Run fully-async agentic RL: trainer, engines, episode workers, replay buffer on Ray."""
     cfg, plan = resolve(model_name, num_nodes, gpus_per_node, hardware, config, set_, sandbox, run_dir)
     if dry_run:
         return _show(cfg, plan, as_json)
+    if rehearse:
+        from agentrl.cluster.rehearsal_report import run_for_launcher
+
+        raise typer.Exit(run_for_launcher(plan, cfg.cluster.episode_workers, as_json, typer.echo))
     _train(cfg, plan)
 
 
