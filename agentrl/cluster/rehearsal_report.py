@@ -3,7 +3,9 @@ launcher's entry point."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -73,10 +75,15 @@ def format_report(rep: dict[str, Any]) -> str:
 def run_for_launcher(plan, episode_workers: int, as_json: bool, echo: Callable[[str], None]) -> int:
     """`train --rehearse`: 0 when the rehearsal passes, 1 with the reason on failure."""
     from agentrl.cluster.rehearsal import RehearsalError, rehearse
+    from agentrl.cluster.rehearsal_ranks import RankLayoutError
+    from agentrl.cluster.rehearsal_weights import WeightScheduleError
 
     try:
-        rep = rehearse(plan, episode_workers=episode_workers)
-    except RehearsalError as e:
+        # Ray's driver prints raylet notices (e.g. "N PYTHON worker processes have been started") to
+        # stdout from a thread; they go to stderr so that stdout carries only the report.
+        with contextlib.redirect_stdout(sys.stderr):
+            rep = rehearse(plan, episode_workers=episode_workers)
+    except (RehearsalError, RankLayoutError, WeightScheduleError) as e:
         echo(f"rehearsal FAILED: {e}")
         return 1
     echo(json.dumps(rep, indent=1) if as_json else format_report(rep))
