@@ -16,6 +16,7 @@ process (~1 s, ~50 MB here): 322 of them for the 64-node variant would not fit t
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import threading
 import time
@@ -74,6 +75,7 @@ def _place_group(role: str, bundles: list[dict[str, float]], name: str, timeout_
         ray.util.remove_placement_group(ray.util.get_placement_group(name))
     except ValueError:  # no group of that name was created; the error below says why
         box.setdefault("error", f"no placement group named {name} was created")
+    t.join(10)  # the removed group's ready() fails at once; the thread must not outlive Ray
     raise RehearsalError(
         f"Ray could not place the {role} placement group ({len(bundles)} bundles, {gpus:g} GPUs, e.g. "
         f"{bundles[0]}) within {timeout_s:.0f} s: the {role} nodes lack the capacity"
@@ -132,18 +134,23 @@ def rehearse(plan, *, nodes_per_raylet: int | None = None, max_actors: int = 48,
     stops: dict[str, float] = {}
     timeline: dict[str, list[float]] = {}
     actors: list[Any] = []
-    with tempfile.TemporaryDirectory(prefix="agentrl-rh-", dir="/tmp") as tmp:
+    # A short folder under /tmp: Ray's socket paths must stay under 107 characters.
+    tmp = tempfile.mkdtemp(prefix="agentrl-rh-", dir="/tmp")
+    try:
         cluster = start_cluster(plan, k, tmp)
-        phases["cluster_start_s"] = cluster.started_s
-        try:
-            report = _place_and_probe(plan, cluster, k, layout, coords, groups, ugroups, use_actors, episode_workers,
-                                      placement_timeout_s, phases, stops, timeline, actors,
-                                      (RehearsalTrainer, RehearsalEngine, RehearsalEngineNode, RehearsalBuffer,
-                                       RehearsalEpisodeWorker, probe_trainer_rank))
-        finally:
-            for a in actors:  # whatever is left after an error; the ordered shutdown kills the rest
-                ray.kill(a, no_restart=True)
-            stops["cluster_s"] = stop_cluster(cluster)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    phases["cluster_start_s"] = cluster.started_s
+    try:
+        report = _place_and_probe(plan, cluster, k, layout, coords, groups, ugroups, use_actors, episode_workers,
+                                  placement_timeout_s, phases, stops, timeline, actors,
+                                  (RehearsalTrainer, RehearsalEngine, RehearsalEngineNode, RehearsalBuffer,
+                                   RehearsalEpisodeWorker, probe_trainer_rank))
+    finally:
+        for a in actors:  # whatever is left after an error; the ordered shutdown kills the rest
+            ray.kill(a, no_restart=True)
+        stops["cluster_s"] = stop_cluster(cluster)
     report["timings"] = {"startup": {k2: round(v, 2) for k2, v in phases.items()},
                          "shutdown": {k2: round(v, 2) for k2, v in stops.items()}}
     report["weights"] = {"bucket_bytes": bucket_bytes, "tensors": len(tensors),
@@ -259,6 +266,10 @@ def _place_and_probe(plan, cluster, k, layout, coords, groups, ugroups, use_acto
         e = plan.engines[rep["index"]]
         holders.append(_holder(f"engine {e.index} node_rank {rep['node_rank']}", "engine-node", rep, e_nodes[b],
                                e.gpus // len(e.nodes), cluster, engine=e.index, bundle=b))
+    # Unpinned, PACK may put engine i on any inference node: not an error, but the plan's node
+    # numbers for engines are then nominal (addresses must come from where the actor landed).
+    notes = [f"engine {h['engine']} runs on node {h['node']}; the plan lists node {plan.engines[h['engine']].nodes[0]}"
+             for h in holders if h["kind"] == "engine" and h["node"] != plan.engines[h["engine"]].nodes[0]]
     check_gpu_exclusive(holders)
     check_node_capacity(holders, gpn)
     wrong_role = [h["name"] for h in holders if h["kind"] == "trainer" and "train" not in h["role"]
@@ -325,6 +336,7 @@ def _place_and_probe(plan, cluster, k, layout, coords, groups, ugroups, use_acto
         + [{"name": f"episode worker {r['index']}", "kind": "episode-worker", "raylet": "head", "gpu_ids": []}
            for r in w_reports] + [{"name": "replay buffer", "kind": "buffer", "raylet": "head", "gpu_ids": []}],
         "checks": checks,
+        "notes": notes,
     }
 
 

@@ -16,6 +16,7 @@ Python workers are not prestarted (a raylet would start one per logical CPU).
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,7 +96,8 @@ def start_cluster(plan, nodes_per_raylet: int, temp_dir: str, cpus_per_gpu: int 
                                resources=resources, node_ip_address="127.0.0.1", object_store_memory=80 << 20,
                                gcs_address=head.gcs_address, include_log_monitor=False, node_manager_port=0,
                                min_worker_port=0, max_worker_port=0, dashboard_agent_listen_port=None)
-            r.handle = Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
+            # No atexit/SIGTERM hooks in the caller's process: stop_cluster stops what it started.
+            r.handle = Node(params, head=False, shutdown_at_exit=False, spawn_reaper=False)
             r.node_id = r.handle.node_id
             for n in r.nodes:
                 cluster.node_of[n] = r.index
@@ -122,13 +124,44 @@ def _wait_alive(node_ids: set[str], timeout_s: float) -> None:
 def stop_cluster(cluster: SimCluster) -> float:
     """Stop exactly the processes this cluster started (its raylets and their agents, then the
     head via ray.shutdown); returns the seconds it took."""
+    import psutil
     import ray
 
     t0 = time.perf_counter()
+    # The raylets' agents and workers are their children, not tracked by Ray's Node handles; left
+    # alone they exit seconds later and write into the removed session folder. Wait for them.
+    handles = [r.handle for r in cluster.raylets if r.handle is not None]
+    if ray.is_initialized():
+        handles.append(ray._private.worker._global_node)  # the head this rehearsal started
+    spawned = _descendants(handles)
     for r in cluster.raylets:
         if r.handle is not None:
             r.handle.kill_all_processes(check_alive=False, allow_graceful=True, wait=True)
             r.handle = None
     if ray.is_initialized():
         ray.shutdown()
+    _, alive = psutil.wait_procs(spawned, timeout=5)
+    for p in alive:
+        p.terminate()
+    _, alive = psutil.wait_procs(alive, timeout=3)
+    for p in alive:
+        p.kill()
+    shutil.rmtree(cluster.temp_dir, ignore_errors=True)
     return time.perf_counter() - t0
+
+
+def _descendants(nodes: list[Any]) -> list[Any]:
+    """Every live descendant of the processes these Ray Node handles started."""
+    import psutil
+
+    out = []
+    for node in nodes:
+        if node is None:
+            continue
+        for infos in node.all_processes.values():
+            for info in infos:
+                try:
+                    out += psutil.Process(info.process.pid).children(recursive=True)
+                except psutil.NoSuchProcess:
+                    continue
+    return out

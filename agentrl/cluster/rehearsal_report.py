@@ -69,6 +69,7 @@ def format_report(rep: dict[str, Any]) -> str:
     lines += ["", "start-up  " + ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in t["startup"].items()),
               "shutdown  " + ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in t["shutdown"].items()),
               "", "checks: " + "; ".join(rep["checks"])]
+    lines += [f"note: {n}" for n in rep.get("notes", [])]
     return "\n".join(lines)
 
 
