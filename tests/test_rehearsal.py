@@ -181,19 +181,33 @@ def test_raylets_group_nodes_of_one_role(ref_plan):
 
 # -- on a simulated Ray cluster ----------------------------------------------------------------
 
-def _rehearse(plan, **kw):
+@pytest.fixture(scope="module")
+def ray_root():
+    # A short root (Ray's socket paths must stay under 107 characters) owned by this module: a
+    # later ray.init in the same process can recreate an earlier run's empty session folder.
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="arh-", dir="/tmp")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def rehearse_in(ray_root):
     from agentrl.cluster.rehearsal import rehearse
 
-    return rehearse(plan, **kw)
+    return lambda plan, **kw: rehearse(plan, temp_root=ray_root, **kw)
 
 
 def _assert_passed(rep, plan):
     trainers = [p for p in rep["placements"] if p["kind"] == "trainer"]
     engines = [p for p in rep["placements"] if p["kind"] == "engine"]
     assert len(trainers) == plan.train_gpus and len(engines) == len(plan.engines)
-    gpus = [(p["raylet"], g) for p in trainers + engines for g in p["gpu_ids"]]
+    engine_parts = [p for p in rep["placements"] if p["kind"] in ("engine", "engine-node")]
+    gpus = [(p["raylet"], g) for p in trainers + engine_parts for g in p["gpu_ids"]]
     assert len(gpus) == len(set(gpus)) == plan.train_gpus + sum(e.gpus for e in plan.engines)
-    assert all(p["role"] == "train" for p in trainers) and all(p["role"] == "inference" for p in engines)
+    assert all(p["role"] == "train" for p in trainers) and all(p["role"] == "inference" for p in engine_parts)
     placed = {p["engine"]: p["node"] for p in engines}
     if rep["cluster"]["nodes_per_raylet"] > 1:  # pinned: exactly the plan's nodes
         assert placed == {e.index: e.nodes[0] for e in plan.engines} and not rep["notes"]
@@ -248,27 +262,41 @@ def test_report_table():
 
 
 @pytest.mark.slow
-def test_unpinned_placement_one_raylet_per_node():
+def test_unpinned_placement_one_raylet_per_node(rehearse_in):
     # Ray's PACK chooses the nodes (no agentrl_node_<i> pins), as on a real cluster.
     plan = resolve_plan(load_config("glm5_2_5layer_1node", ["train.parallel.tp=2", "rollout.sglang.gpus_per_engine=2"],
                                     {"cluster": {"num_nodes": 4, "train_nodes": 2, "gpus_per_node": 2}}))
-    rep = _rehearse(plan, nodes_per_raylet=1)
+    rep = rehearse_in(plan, nodes_per_raylet=1)
     _assert_passed(rep, plan)
     assert len(rep["cluster"]["raylets"]) == 4
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe,cluster", [("glm5_2_8gpu", {}), ("glm5_2_tbench2", {"num_nodes": 32, "train_nodes": 16})])
-def test_variants_rehearse(recipe, cluster):
+def test_variants_rehearse(recipe, cluster, rehearse_in):
     plan = plan_of(recipe, **cluster)
-    rep = _rehearse(plan)
+    rep = rehearse_in(plan)
     _assert_passed(rep, plan)
     assert rep["cluster"]["probe"] == "tasks"
 
 
 @pytest.mark.slow
-def test_ray_refuses_an_engine_wider_than_a_node(ref_plan):
+def test_ray_refuses_an_engine_wider_than_a_node(ref_plan, rehearse_in):
     bad = _engine_wider_than_node(ref_plan)
     bad.engines = bad.engines[:1]
     with pytest.raises(RehearsalError, match="could not place the inference placement group .* lack the capacity"):
-        _rehearse(bad, precheck=False, placement_timeout_s=5)
+        rehearse_in(bad, precheck=False, placement_timeout_s=5)
+
+
+@pytest.mark.slow
+def test_engine_spanning_two_nodes(rehearse_in):
+    # one 4-GPU engine over two 2-GPU inference nodes: its first bundle holds the EngineActor, the
+    # second a process for SGLang node_rank 1, each with its node's GPUs
+    plan = resolve_plan(load_config("glm5_2_5layer_1node", ["train.parallel.tp=2", "rollout.sglang.gpus_per_engine=4"],
+                                    {"cluster": {"num_nodes": 4, "train_nodes": 2, "gpus_per_node": 2}}))
+    assert [e.nodes for e in plan.engines] == [[2, 3]]
+    rep = rehearse_in(plan)
+    _assert_passed(rep, plan)
+    parts = [(p["kind"], p["node"], len(p["gpu_ids"])) for p in rep["placements"] if p.get("engine") == 0]
+    assert sorted(parts) == [("engine", 2, 2), ("engine-node", 3, 2)]
+    assert rep["weights"]["update_groups"][0]["world_size"] == 1 + 4

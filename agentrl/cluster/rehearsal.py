@@ -107,8 +107,10 @@ def _holder(name: str, kind: str, rep: dict, node: int, gpus: int, cluster: SimC
 
 def rehearse(plan, *, nodes_per_raylet: int | None = None, max_actors: int = 48, episode_workers: int = 1,
              bucket_bytes: int = DEFAULT_BUCKET_BYTES, placement_timeout_s: float = 60.0,
-             precheck: bool = True) -> dict[str, Any]:
-    """Place `plan` on a simulated cluster; returns the report (see print_report). Raises RehearsalError."""
+             precheck: bool = True, temp_root: str = "/tmp") -> dict[str, Any]:
+    """Place `plan` on a simulated cluster; returns the report (rehearsal_report.format_report prints
+    it). Raises RehearsalError. Ray's session goes to a fresh folder under `temp_root` (keep it short:
+    socket paths must stay under 107 characters), removed at the end."""
     import ray
 
     from agentrl.cluster.rehearsal_actors import (
@@ -135,7 +137,7 @@ def rehearse(plan, *, nodes_per_raylet: int | None = None, max_actors: int = 48,
     timeline: dict[str, list[float]] = {}
     actors: list[Any] = []
     # A short folder under /tmp: Ray's socket paths must stay under 107 characters.
-    tmp = tempfile.mkdtemp(prefix="agentrl-rh-", dir="/tmp")
+    tmp = tempfile.mkdtemp(prefix="agentrl-rh-", dir=temp_root)
     try:
         cluster = start_cluster(plan, k, tmp)
     except BaseException:

@@ -146,12 +146,16 @@ def stop_cluster(cluster: SimCluster) -> float:
     _, alive = psutil.wait_procs(alive, timeout=3)
     for p in alive:
         p.kill()
-    shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+    for _ in range(5):  # a process exiting late may still recreate the empty session folder
+        shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+        time.sleep(0.5)
+        if not os.path.exists(cluster.temp_dir):
+            break
     return time.perf_counter() - t0
 
 
 def _descendants(nodes: list[Any]) -> list[Any]:
-    """Every live descendant of the processes these Ray Node handles started."""
+    """The processes these Ray Node handles started, and every live descendant of them."""
     import psutil
 
     out = []
@@ -161,7 +165,8 @@ def _descendants(nodes: list[Any]) -> list[Any]:
         for infos in node.all_processes.values():
             for info in infos:
                 try:
-                    out += psutil.Process(info.process.pid).children(recursive=True)
+                    proc = psutil.Process(info.process.pid)
+                    out += [proc, *proc.children(recursive=True)]
                 except psutil.NoSuchProcess:
                     continue
     return out
