@@ -77,11 +77,15 @@ class Orchestrator:
             str(self.run_dir), self.cfg.algorithm.group_size, self.cfg.buffer.max_staleness,
             self.cfg.buffer.stale_policy, self.cfg.buffer.fsync, resume_step=self.step)
 
-        self.engines = [
-            ray.remote(EngineActor).options(num_cpus=0, max_concurrency=4, **in_bundle(self.infer_pg, i)).remote(
-                e.index, e.command, self.cfg.cluster.host, e.port, e.env, str(self.run_dir))
-            for i, e in enumerate(self.plan.engines)
-        ]
+        # engine_bundles() gives one bundle per node an engine spans: engine i starts at the bundle
+        # after all earlier engines' nodes. GPUs are requested so Ray sets CUDA_VISIBLE_DEVICES.
+        self.engines, first_bundle = [], 0
+        for e in self.plan.engines:
+            gpus = e.gpus // len(e.nodes) if e.gpus else 0
+            self.engines.append(ray.remote(EngineActor).options(
+                num_cpus=0, num_gpus=gpus, max_concurrency=4, **in_bundle(self.infer_pg, first_bundle)).remote(
+                e.index, e.command, self.cfg.cluster.host, e.port, e.env, str(self.run_dir)))
+            first_bundle += len(e.nodes)
         self.progress.note(f"starting {len(self.engines)} {self.plan.engine_kind} engine(s)")
         self.urls = list(await asyncio.gather(*(e.start.remote() for e in self.engines)))
         sync = await self.trainer.push_weights.remote(self.urls)

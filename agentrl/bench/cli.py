@@ -14,11 +14,14 @@ RESULTS = Path("bench/results")
 def engine(out: Path = typer.Option(RESULTS / "engine.json", help="Where the JSON report goes."),
            models: list[str] = typer.Option(["tiny", "smollm2-135m"], "--model", help="Models (repeatable)."),
            concurrency: list[int] = typer.Option([1, 8, 32], help="Concurrent requests (repeatable)."),
-           new_tokens: int = typer.Option(64, help="Tokens generated per request.")) -> None:
+           new_tokens: int = typer.Option(64, help="Tokens generated per request."),
+           torch_threads: int = typer.Option(1, help="torch threads of the engine; 1 is steadiest on a small "
+                                                     "shared CPU machine (2 threads ran ~8x slower under load).")) -> None:
     """Embedded engine throughput at several concurrencies, and the client's per-request overhead."""
     from agentrl.bench.engine import run_engine_bench
 
-    report = run_engine_bench(out, tuple(models), tuple(concurrency), new_tokens=new_tokens)
+    report = run_engine_bench(out, tuple(models), tuple(concurrency), new_tokens=new_tokens,
+                              torch_threads=torch_threads)
     typer.echo(f"wrote {out} (batching_speedup_32 = {report.get('batching_speedup_32')})")
 
 

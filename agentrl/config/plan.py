@@ -257,10 +257,13 @@ def _resolve_engines(cfg, arch, kind, first_node, infer_nodes, gpus_per_node, sh
     if kind == "embedded":
         e = cfg.rollout.embedded
         base = e.base_port
+        extra = ["--max-batch-size", str(e.max_batch_size), "--prefix-cache-tokens", str(e.prefix_cache_tokens)]
+        if e.torch_threads:
+            extra += ["--torch-threads", str(e.torch_threads)]
         return [
             EngineSpec(index=i, kind="embedded", nodes=[first_node], gpus=0, port=base + i if base else 0,
                        command=["agentrl", "engine", "serve", "--model", model_path, "--host", host,
-                                "--port", str(base + i if base else 0)])
+                                "--port", str(base + i if base else 0), *extra])
             for i in range(e.num_engines)
         ]
     s = cfg.rollout.sglang
