@@ -279,9 +279,15 @@ class Orchestrator:
 
     async def _check_engines(self) -> None:
         for i, e in enumerate(self.engines):
-            if await e.ensure_alive.remote():
+            if not await e.alive.remote():
+                # Routers stop sending to it first; it rejoins only once it holds the current
+                # weights, so no episode is served by the restarted engine's initial weights.
+                url = self.urls[i]
+                await asyncio.gather(*(w.engine_down.remote(url) for w in self.workers))
+                await e.ensure_alive.remote()
                 self.progress.note(f"engine {i} restarted; re-sending weights version {self.version}")
-                await self.trainer.push_weights.remote([self.urls[i]])
+                await self.trainer.push_weights.remote([url])
+                await asyncio.gather(*(w.engine_up.remote(url) for w in self.workers))
             try:
                 self.metrics.set_engine_from_server_info(i, await e.server_info.remote())
             except Exception:  # an engine between restarts has no info; the next check retries

@@ -50,3 +50,42 @@ def test_local_run_trains_and_resumes(tmp_path, mode):
                if '"type":"trained"' in x]
     groups = [g for rec in trained for g in rec["groups"]]
     assert len(groups) == len(set(groups)) == 3 * 2  # 3 steps x prompts_per_step, none twice
+
+
+@pytest.mark.slow
+def test_engine_killed_mid_run_is_restarted_and_never_rewarded(tmp_path):
+    """Kill the engine process during the run: the run finishes, the engine is restarted and given
+    the current weights, and episodes that hit the dead engine end as infra errors, never trained."""
+    import os
+    import signal
+    import time
+
+    run = tmp_path / "kill"
+    args = [sys.executable, str(LAUNCHER), "train", "--model-name", "tiny", "--num-nodes", "1", "--run-dir", str(run),
+            "--set", "cluster.dashboard=false", "--set", "rollout.max_new_tokens=24", "--set", "agent.max_turns=2",
+            "--set", "algorithm.group_size=2", "--set", "train.max_steps=3"]
+    p = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    seen = []
+    killed = None
+    deadline = time.time() + 600
+    for line in p.stderr:
+        seen.append(line)
+        if killed is None and line.startswith("step    1"):
+            out = subprocess.run(["pgrep", "-f", "agentrl.cli engine serve"], capture_output=True, text=True)
+            pids = [int(x) for x in out.stdout.split()]
+            assert pids, "no engine process found"
+            killed = max(pids)
+            os.kill(killed, signal.SIGKILL)
+        if time.time() > deadline:
+            p.kill()
+            break
+    assert p.wait(timeout=600) == 0, "".join(seen)[-3000:]
+    text = "".join(seen)
+    assert killed is not None and "engine 0 restarted; re-sending weights" in text
+    rows = metrics(run)
+    assert [x["step"] for x in rows] == [1, 2, 3]
+    bad = {json.loads(x)["episode_id"] for x in (run / "replay.log.jsonl").read_text().splitlines()
+           if '"type":"traj"' in x and '"outcome":"infra_error' in x}
+    trained = {g for x in (run / "replay.log.jsonl").read_text().splitlines() if '"type":"trained"' in x
+               for g in json.loads(x)["groups"]}
+    assert not {e.rsplit("-", 1)[0] for e in bad} & trained  # a group with an infra error is never trained

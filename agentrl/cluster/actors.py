@@ -79,6 +79,9 @@ class EngineActor:
     async def ensure_alive(self) -> bool:
         return await self.proc.ensure_alive()
 
+    def alive(self) -> bool:
+        return self.proc.alive()
+
     def pid(self) -> int | None:
         return self.proc.pid
 
@@ -144,6 +147,16 @@ class EpisodeWorker:
         env = self._make_env()
         splits = env.splits() if hasattr(env, "splits") else {}
         return list(env.task_ids()), dict(splits)
+
+    def engine_down(self, url: str) -> None:
+        """Stop routing to `url` (it died); its sessions move to their next engine on the ring."""
+        self._setup()
+        self.router.mark_down(url)
+
+    def engine_up(self, url: str) -> None:
+        """`url` is back and holds the current weights: its sessions return to it."""
+        self._setup()
+        self.router.mark_up(url)
 
     async def run_group(self, task_id: str, group_id: str, n: int, evaluate: bool = False) -> list[dict]:
         """Run n episodes of one task concurrently; trajectories go to the buffer unless evaluating.
