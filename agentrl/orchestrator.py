@@ -43,6 +43,8 @@ class Orchestrator:
         self._group_tasks: set[asyncio.Task] = set()
         self._eval_tasks: set[asyncio.Task] = set()
         self._worker_load: list[int] = []
+        self._engines_suspect = False
+        self._out_of_rotation: set[str] = set()  # restarted engines still waiting for current weights
 
     # -- set-up --------------------------------------------------------------------------------
     async def _start(self) -> None:
@@ -89,6 +91,8 @@ class Orchestrator:
         self.progress.note(f"starting {len(self.engines)} {self.plan.engine_kind} engine(s)")
         self.urls = list(await asyncio.gather(*(e.start.remote() for e in self.engines)))
         sync = await self.trainer.push_weights.remote(self.urls)
+        if sync["failed_engines"]:
+            raise RuntimeError(f"engines refused the initial weights: {sync['failed_engines']}")
         self.progress.note(f"engines at weight version {self.version} ({sync['sync_bytes'] / 1e6:.0f} MB in "
                            f"{sync['sync_s']:.1f} s)")
         self.workers = [
@@ -195,6 +199,10 @@ class Orchestrator:
         step = self.step + 1
         await self.buffer.mark_trained.remote(step, batch.group_ids)
         sync = await self.trainer.push_weights.remote(self.urls)
+        failed = sync.pop("failed_engines")
+        if failed:  # a dead engine: restarted and re-sent these weights by the next health check
+            self.progress.note(f"weight sync skipped {len(failed)} engine(s) that failed: {sorted(failed)}")
+            self._engines_suspect = True
         self.version = await self.trainer.version.remote()
         for i in range(len(self.engines)):
             self.metrics.set_engine(i, version=self.version)
@@ -253,7 +261,8 @@ class Orchestrator:
                         self._plot()
                     if self.cfg.env.eval_every and self.step % self.cfg.env.eval_every == 0:
                         self._start_eval(self.version)
-                if time.monotonic() - last_health > 5.0:
+                if time.monotonic() - last_health > 5.0 or self._engines_suspect:
+                    self._engines_suspect = False
                     await self._check_engines()
                     last_health = time.monotonic()
                 await asyncio.sleep(0.05)
@@ -279,15 +288,19 @@ class Orchestrator:
 
     async def _check_engines(self) -> None:
         for i, e in enumerate(self.engines):
+            url = self.urls[i]
             if not await e.alive.remote():
                 # Routers stop sending to it first; it rejoins only once it holds the current
                 # weights, so no episode is served by the restarted engine's initial weights.
-                url = self.urls[i]
                 await asyncio.gather(*(w.engine_down.remote(url) for w in self.workers))
                 await e.ensure_alive.remote()
                 self.progress.note(f"engine {i} restarted; re-sending weights version {self.version}")
-                await self.trainer.push_weights.remote([url])
-                await asyncio.gather(*(w.engine_up.remote(url) for w in self.workers))
+                self._out_of_rotation.add(url)
+            if url in self._out_of_rotation:
+                sync = await self.trainer.push_weights.remote([url])
+                if not sync["failed_engines"]:
+                    self._out_of_rotation.discard(url)
+                    await asyncio.gather(*(w.engine_up.remote(url) for w in self.workers))
             try:
                 self.metrics.set_engine_from_server_info(i, await e.server_info.remote())
             except Exception:  # an engine between restarts has no info; the next check retries

@@ -47,18 +47,32 @@ async def push_weights(
     bucket_bytes: int = 256 << 20,
     scratch_dir: str | None = None,
     timeout_s: float = 600.0,
-) -> dict[str, float]:
-    """Send `named` to every engine at `urls` as weight version `version`. Returns timings."""
+) -> dict:
+    """Send `named` to every engine at `urls` as weight version `version`. Returns timings and
+    `failed_engines`: engines that errored are dropped from the rest of the update (a dead engine
+    must not stall the others); the caller restarts them and sends them the weights again."""
     from safetensors.torch import save_file
 
     t0 = time.perf_counter()
     base = scratch_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-weights-", dir=base))
-    clients = [EngineClient(u, timeout_s=timeout_s) for u in urls]
+    live = {u: EngineClient(u, timeout_s=timeout_s) for u in urls}
+    clients = dict(live)
+    failed: dict[str, str] = {}
+
+    async def on_all(call) -> None:
+        names = list(live)
+        results = await asyncio.gather(*(call(live[u]) for u in names), return_exceptions=True)
+        for u, r in zip(names, results):
+            if isinstance(r, BaseException):
+                failed[u] = f"{type(r).__name__}: {r}"[:300]
+                live.pop(u)
+
     total_bytes = 0
     buckets = 0
+    t_paused = t0
     try:
-        await asyncio.gather(*(c.pause_generation(pause_mode) for c in clients))
+        await on_all(lambda c: c.pause_generation(pause_mode))
         t_paused = time.perf_counter()
         paths = []
         for i, bucket in enumerate(bucket_named_tensors(named, bucket_bytes)):
@@ -69,15 +83,15 @@ async def push_weights(
         buckets = len(paths)
         for i, p in enumerate(paths):
             last = i == len(paths) - 1
-            await asyncio.gather(*(c.update_weights_from_tensor(
+            await on_all(lambda c, p=p, last=last: c.update_weights_from_tensor(
                 [str(p)], load_format="safetensors_path", flush_cache=last,
-                weight_version=version if last else None) for c in clients))
+                weight_version=version if last else None))
     finally:
         try:
-            await asyncio.gather(*(c.continue_generation() for c in clients), return_exceptions=True)
+            await asyncio.gather(*(c.continue_generation() for c in live.values()), return_exceptions=True)
         finally:
-            await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
+            await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
             shutil.rmtree(tmp, ignore_errors=True)
     t1 = time.perf_counter()
     return {"sync_s": t1 - t0, "sync_paused_s": t1 - t_paused, "sync_bytes": total_bytes, "sync_buckets": buckets,
-            "sync_gbps": total_bytes / max(t1 - t0, 1e-9) / 1e9}
+            "sync_gbps": total_bytes / max(t1 - t0, 1e-9) / 1e9, "failed_engines": failed}
