@@ -44,6 +44,8 @@ class Orchestrator:
         self._eval_tasks: set[asyncio.Task] = set()
         self._worker_load: list[int] = []
         self._engines_suspect = False
+        self._training: asyncio.Task | None = None  # the optimizer step in flight, if any
+        self._ready_cache = 0  # complete groups in the buffer, as of this loop iteration
         self._out_of_rotation: set[str] = set()  # restarted engines still waiting for current weights
 
     # -- set-up --------------------------------------------------------------------------------
@@ -234,8 +236,6 @@ class Orchestrator:
     # -- the loop ------------------------------------------------------------------------------
     async def run(self) -> dict:
         started = time.perf_counter()
-        self._training: asyncio.Task | None = None
-        self._ready_cache = 0
         last_row: dict = {}
         try:
             await self._start()
