@@ -89,3 +89,40 @@ def test_engine_killed_mid_run_is_restarted_and_never_rewarded(tmp_path):
     trained = {g for x in (run / "replay.log.jsonl").read_text().splitlines() if '"type":"trained"' in x
                for g in json.loads(x)["groups"]}
     assert not {e.rsplit("-", 1)[0] for e in bad} & trained  # a group with an infra error is never trained
+
+
+@pytest.mark.slow
+def test_metrics_reach_prometheus_during_a_local_run(tmp_path):
+    """While a local run trains, Ray's Prometheus endpoint carries the agentrl_* series."""
+    import time
+    import urllib.request
+
+    from agentrl.cluster.engine_process import free_port
+
+    port = free_port()
+    args = [sys.executable, str(LAUNCHER), "train", "--model-name", "tiny", "--num-nodes", "1",
+            "--run-dir", str(tmp_path / "m"), "--set", "cluster.dashboard=false", "--set", "rollout.max_new_tokens=24",
+            "--set", "agent.max_turns=2", "--set", "algorithm.group_size=2", "--set", "train.max_steps=4",
+            "--set", f"cluster.metrics_export_port={port}"]
+    p = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    found = ""
+    try:
+        for line in p.stderr:
+            if line.startswith("step    2"):
+                deadline = time.time() + 30
+                while time.time() < deadline and "agentrl_step" not in found:
+                    try:
+                        found = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                    except OSError:
+                        pass
+                    time.sleep(1)
+                break
+        rest = p.communicate(timeout=600)[1]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, rest[-2000:]
+    names = {ln.split("{")[0] for ln in found.splitlines() if ln.startswith("ray_agentrl_")}
+    for want in ("ray_agentrl_step", "ray_agentrl_reward_mean", "ray_agentrl_staleness_max",
+                 "ray_agentrl_episodes_finished_total", "ray_agentrl_buffer_ready_groups"):
+        assert want in names, (want, sorted(names))

@@ -45,6 +45,8 @@ def init_ray(cfg: RunConfig) -> RayHandle:
         _node_ip_address=cfg.cluster.host,
         log_to_driver=False,
         configure_logging=False,
+        **({"_metrics_export_port": cfg.cluster.metrics_export_port,
+            "_system_config": {"metrics_report_interval_ms": 1000}} if cfg.cluster.metrics_export_port else {}),
     )
     url = getattr(ctx, "dashboard_url", None) if cfg.cluster.dashboard else None
     return RayHandle(True, f"http://{url}" if url and not url.startswith("http") else url)

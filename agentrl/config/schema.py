@@ -35,6 +35,9 @@ class ClusterConfig(Section):
     dashboard_port: int = Field(8265, ge=1, le=65535)
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of a local Ray; default: max(4, cores).")
     dashboard: bool = Field(True, description="Start Ray's dashboard (local Ray only).")
+    metrics_export_port: int | None = Field(
+        None, ge=1, le=65535, description="Port of the local Ray's Prometheus endpoint (agentrl_* series); None: Ray's choice."
+    )
     episode_workers: int = Field(1, ge=1, description="EpisodeWorker actors; each runs many episodes at once.")
 
 
