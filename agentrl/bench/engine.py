@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -21,6 +19,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from agentrl.bench.machine import machine
 
 GOAL_BATCHING_SPEEDUP_32 = 8.0
 
@@ -34,7 +34,8 @@ def run_engine_bench(out_path: str | Path, models: tuple[str, ...] = ("tiny", "s
         raise ValueError("models must be non-empty and every concurrency >= 1")
     if prompt_tokens < 1 or new_tokens < 1 or rounds < 1:
         raise ValueError("prompt_tokens, new_tokens and rounds must be >= 1")
-    report: dict = {"benchmark": "engine", "machine": _machine(), "versions": _versions(),
+    host = machine()
+    report: dict = {"benchmark": "engine", "machine": host, "versions": {**host["versions"], **_versions()},
                     "settings": {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "rounds": rounds,
                                  "concurrency": list(concurrency), "torch_threads": torch_threads},
                     "models": {}}
@@ -138,15 +139,7 @@ class _EngineProcess:
             self._log.close()
 
 
-def _machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "affinity_cpus": len(os.sched_getaffinity(0))}
-
-
 def _versions() -> dict:
     import aiohttp
-    import torch
-    import transformers
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "aiohttp": aiohttp.__version__}
+    return {"aiohttp": aiohttp.__version__}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -24,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from agentrl.bench.machine import machine
 
 CEILINGS = {"bf16_tflops": 799.0, "fp8_tflops": 1458.0, "copy_gbps": 4240.0}
 
@@ -101,16 +102,9 @@ def make_entry(name: str, shape: dict, ms: float, *, flops: float | None = None,
     return entry
 
 
-def _machine_info(torch_mod, device) -> tuple[dict, dict]:
-    import triton
-    machine = {"host": platform.node(), "platform": platform.platform(), "device": str(device)}
-    if device.type == "cuda":
-        props = torch_mod.cuda.get_device_properties(device)
-        machine.update(gpu=props.name, sms=props.multi_processor_count,
-                       memory_gb=round(props.total_memory / 2**30, 1), capability=f"{props.major}.{props.minor}")
-    versions = {"python": platform.python_version(), "torch": torch_mod.__version__,
-                "triton": triton.__version__, "cuda": torch_mod.version.cuda}
-    return machine, versions
+def _machine_info(device) -> tuple[dict, dict]:
+    host = {**machine(), "device": str(device)}
+    return host, host["versions"]
 
 
 def run_kernel_bench(out_path: str | Path, shapes: BenchShapes = GLM52, only: set[str] | None = None,
@@ -122,8 +116,8 @@ def run_kernel_bench(out_path: str | Path, shapes: BenchShapes = GLM52, only: se
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out_path = Path(out_path)
-    machine, versions = _machine_info(torch, dev)
-    report: dict[str, Any] = {"machine": machine, "versions": versions, "ceilings": CEILINGS,
+    host, versions = _machine_info(dev)
+    report: dict[str, Any] = {"machine": host, "versions": versions, "ceilings": CEILINGS,
                               "shapes": asdict(shapes), "kernels": [], "tuning": {}}
     if dev.type != "cuda":
         report["warning"] = "no CUDA device: timings are CPU/interpreter times, not kernel performance"

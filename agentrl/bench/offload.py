@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -27,14 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agentrl.bench.machine import machine
+
 GB = 1e9
-
-
-def _machine(torch) -> dict[str, Any]:
-    info = {"hostname": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
 
 
 def _filesystem(path: Path) -> str:
@@ -185,9 +179,10 @@ def run_offload_bench(
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="agentrl-offload-bench-", dir=base))
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    host = machine()
     result: dict[str, Any] = {
-        "machine": _machine(torch),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
+        "machine": host,
+        "versions": host["versions"],
         "directory": str(work),
         "filesystem": _filesystem(work),
         "device": device,
