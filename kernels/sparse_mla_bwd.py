@@ -1,0 +1,153 @@
+"""Sparse MLA attention backward (absorbed MQA form) and the autograd wrapper of forward + backward.
+
+Given dO [T, heads, D_V], the forward's out and natural-log lse, per (token, key j in top-k):
+  P = exp(scale * q.kv_j - lse), dP = dO . kv_j[:D_V], dS = scale * P * (dP - Delta),
+  Delta[t, h] = sum(dO * out) over D_V,
+  dq[t, h]  = sum_j dS kv_j                                  (all D = D_V + D_R columns)
+  dkv[idx[t, j]] += sum_h dS q[t, h]  +  [sum_h P dO[t, h], 0] (value grad on the first D_V)
+One program per (token, block of heads) recomputes S and P from lse (no [T, heads, topk] tensor is
+kept), accumulates dq in registers and scatter-adds each key block's dkv with fp32 atomics: a key
+picked by many tokens, or twice in one row, simply receives several adds; -1 slots add nothing.
+FLOPs (the benchmark's formula): 2 * T * heads * n_valid * (3 * (D_V + D_R) + 2 * D_V).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._tuning import Autotuner, KernelConfig
+from kernels.sparse_mla import LOG2E, reference_sparse_mla, sparse_mla_forward
+
+# The dq accumulator is [BLOCK_H, 576] fp32 plus q and dO tiles: 8 warps with 64 heads is the
+# forward's winner; smaller head blocks trade register pressure for more atomics per key.
+BWD_CONFIGS = [
+    KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1),
+    KernelConfig.make(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2),
+    KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
+    KernelConfig.make(BLOCK_H=32, BLOCK_N=64, num_warps=8, num_stages=2),
+    KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=16, num_stages=2),
+    KernelConfig.make(BLOCK_H=32, BLOCK_N=32, num_warps=4, num_stages=2),
+]
+BWD_TUNER = Autotuner("sparse_mla_bwd", BWD_CONFIGS)
+
+
+@triton.jit
+def _sparse_mla_bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr,
+                           scale, scale_log2, n_idx,
+                           stride_qt, stride_qh, stride_kv, stride_it, stride_dot, stride_doh, stride_lt,
+                           stride_dqt, stride_dqh, stride_dkv,
+                           HEADS: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < HEADS
+    dv = tl.arange(0, D_V)
+    dr = tl.arange(0, D_R)
+    q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+    q_nope = tl.load(q_row + dv[None, :], mask=head_ok[:, None], other=0.0)
+    q_rope = tl.load(q_row + D_V + dr[None, :], mask=head_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + t * stride_dot + heads[:, None] * stride_doh + dv[None, :], mask=head_ok[:, None],
+                 other=0.0)
+    lse = tl.load(lse_ptr + t * stride_lt + heads, mask=head_ok, other=float("-inf"))
+    row_ok = head_ok & (lse > float("-inf"))  # a row with no valid key has P = 0 everywhere
+    lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    delta = tl.load(delta_ptr + t * stride_lt + heads, mask=head_ok, other=0.0)
+    dq_nope = tl.zeros([BLOCK_H, D_V], tl.float32)
+    dq_rope = tl.zeros([BLOCK_H, D_R], tl.float32)
+    for start in range(0, n_idx, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        ids = tl.load(idx_ptr + t * stride_it + j, mask=j < n_idx, other=-1)
+        valid = ids >= 0
+        safe = tl.where(valid, ids, 0).to(tl.int64)
+        rows = kv_ptr + safe[:, None] * stride_kv
+        kv_nope = tl.load(rows + dv[None, :], mask=valid[:, None], other=0.0)
+        kv_rope = tl.load(rows + D_V + dr[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q_nope, tl.trans(kv_nope))
+        s = tl.dot(q_rope, tl.trans(kv_rope), s)
+        live = row_ok[:, None] & valid[None, :]
+        p = tl.where(live, tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(kv_nope))
+        ds = (p * (dp - delta[:, None]) * scale).to(kv_nope.dtype)
+        dq_nope = tl.dot(ds, kv_nope, dq_nope)
+        dq_rope = tl.dot(ds, kv_rope, dq_rope)
+        dk_nope = tl.dot(tl.trans(ds), q_nope)
+        dk_nope = tl.dot(tl.trans(p.to(do.dtype)), do, dk_nope)
+        dk_rope = tl.dot(tl.trans(ds), q_rope)
+        out_rows = dkv_ptr + safe[:, None] * stride_dkv
+        tl.atomic_add(out_rows + dv[None, :], dk_nope, mask=valid[:, None], sem="relaxed")
+        tl.atomic_add(out_rows + D_V + dr[None, :], dk_rope, mask=valid[:, None], sem="relaxed")
+    dq_row = dq_ptr + t * stride_dqt + heads[:, None] * stride_dqh
+    tl.store(dq_row + dv[None, :], dq_nope.to(dq_ptr.dtype.element_ty), mask=head_ok[:, None])
+    tl.store(dq_row + D_V + dr[None, :], dq_rope.to(dq_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+def sparse_mla_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, grad_out: torch.Tensor, sm_scale: float,
+                        d_v: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq [T, heads, D] in q's dtype, dkv [S, D] fp32) for the forward's (out, lse)."""
+    T, heads, dim = q.shape
+    if grad_out.shape != (T, heads, d_v) or out.shape != (T, heads, d_v) or lse.shape != (T, heads):
+        raise ValueError(f"grad_out/out must be [T={T}, heads={heads}, d_v={d_v}] and lse [T, heads]; got "
+                         f"{tuple(grad_out.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}")
+    q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
+    grad_out, lse = grad_out.to(q.dtype).contiguous(), lse.float().contiguous()
+    delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # [T, heads]
+    dq = torch.empty_like(q)
+    dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
+    if T == 0:
+        return dq, dkv
+
+    def launch(cfg: KernelConfig) -> None:
+        bh = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(heads)))
+        dkv.zero_()  # the autotuner runs launch several times; atomics accumulate
+        _sparse_mla_bwd_kernel[(T, triton.cdiv(heads, bh))](
+            q, kv, idx, grad_out, lse, delta, dq, dkv, sm_scale, sm_scale * LOG2E, idx.shape[1],
+            q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), grad_out.stride(0), grad_out.stride(1),
+            lse.stride(0), dq.stride(0), dq.stride(1), dkv.stride(0),
+            HEADS=heads, D_V=d_v, D_R=dim - d_v, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"],
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    cfg = BWD_TUNER.choose((T, kv.shape[0], heads, dim, idx.shape[1], q.dtype), q.device, launch)
+    launch(cfg)
+    return dq, dkv
+
+
+def sparse_mla_bwd_flops(tokens: int, heads: int, n_valid: int, d_v: int = 512, d_r: int = 64) -> float:
+    """Recompute QK^T, dP = dO V^T, dq = dS K, dK = dS^T Q (2 * d_qk each or d_v), dV = P^T dO."""
+    d_qk = d_v + d_r
+    return 2.0 * tokens * heads * n_valid * (3 * d_qk + 2 * d_v)
+
+
+class SparseMLAFunction(torch.autograd.Function):
+    """out = sparse MLA(q, kv, idx) with Triton forward and backward; idx gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, kv, idx, sm_scale: float, d_v: int):
+        out, lse = sparse_mla_forward(q, kv, idx, sm_scale, d_v)
+        ctx.save_for_backward(q, kv, idx, out, lse)
+        ctx.sm_scale, ctx.d_v = sm_scale, d_v
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, kv, idx, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            return None, None, None, None, None
+        dq, dkv = sparse_mla_backward(q, kv, idx, out, lse, grad_out, ctx.sm_scale, ctx.d_v)
+        return dq, dkv.to(kv.dtype), None, None, None
+
+
+def sparse_mla(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float, d_v: int = 512,
+               use_triton: bool | None = None) -> torch.Tensor:
+    """Differentiable sparse MLA: out [T, heads, d_v] (q's dtype). Gradients flow to q and kv.
+
+    use_triton None: the Triton kernels on CUDA, the torch reference elsewhere (its autograd
+    defines the gradient the kernels are tested against). True also runs Triton under
+    TRITON_INTERPRET=1 on CPU (tests)."""
+    if use_triton is None:
+        use_triton = q.is_cuda
+    if use_triton:
+        return SparseMLAFunction.apply(q, kv, idx, sm_scale, d_v)[0]
+    return reference_sparse_mla(q, kv, idx, sm_scale, d_v)[0]
