@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import json
 import random
+import sys
 import time
 import uuid
 from collections import Counter, deque
@@ -21,6 +22,7 @@ from typing import Any
 from agentrl.buffer.staleness import AdmissionControl
 from agentrl.config.plan import RunPlan
 from agentrl.config.schema import RunConfig
+from agentrl.loggers import RunLoggers
 from agentrl.progress import Progress
 
 
@@ -47,6 +49,7 @@ class Orchestrator:
         self._training: asyncio.Task | None = None  # the optimizer step in flight, if any
         self._ready_cache = 0  # complete groups in the buffer, as of this loop iteration
         self._out_of_rotation: set[str] = set()  # restarted engines still waiting for current weights
+        self.loggers = RunLoggers([])  # tensorboard / wandb, opened in _start when configured
 
     # -- set-up --------------------------------------------------------------------------------
     async def _start(self) -> None:
@@ -58,12 +61,15 @@ class Orchestrator:
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(self.cfg.model_dump_json(indent=2))
+        self.loggers = RunLoggers.open(self.cfg.logging, self.run_dir, self.run_id,
+                                       self.cfg.model_dump(mode="json"), note=self.progress.note)
         self.ray = init_ray(self.cfg)
         from agentrl.metrics import RunMetrics
 
         self.metrics = RunMetrics(self.run_id)
         if self.ray.dashboard_url:
             self.progress.note(f"Ray dashboard: {self.ray.dashboard_url}")
+        self.progress.begin(self.run_id, self.cfg.mode, self.cfg.train.max_steps, self.ray.dashboard_url)
         cfg_dict = self.cfg.model_dump(mode="json")
 
         self.train_pg = role_placement_group("train", trainer_bundles(self.plan), f"{self.run_id}-train")
@@ -231,6 +237,7 @@ class Orchestrator:
             f.write(json.dumps(row) + "\n")
         self.progress.step(row)
         self.metrics.on_step(row)
+        self.loggers.log(row)
         return row
 
     # -- the loop ------------------------------------------------------------------------------
@@ -248,6 +255,8 @@ class Orchestrator:
                 self._admit()
                 self.metrics.set_in_flight(self.admission.running_episodes, self.admission.tokens_in_flight)
                 self.metrics.set_buffer(self._ready_cache)
+                self.progress.update(step=self.step, version=self.version, in_flight=self.admission.running_episodes,
+                                     buffer=self._ready_cache, outcomes=self.outcomes, metrics=self.metrics)
                 if (self._training is None and self.step < self.cfg.train.max_steps
                         and self._ready_cache >= self.cfg.algorithm.prompts_per_step):
                     batch = await self.buffer.take_batch.remote(self.cfg.algorithm.prompts_per_step, self.version)
@@ -276,6 +285,8 @@ class Orchestrator:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             return summary
         finally:
+            self.progress.end()
+            self.loggers.close(failed=sys.exc_info()[0] is not None)
             await self._shutdown()
 
     def _plot(self) -> None:

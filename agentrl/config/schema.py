@@ -215,6 +215,9 @@ class LoggingConfig(Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     transcripts: bool = True
     wandb_project: str | None = None
+    wandb_entity: str | None = Field(None, description="W&B entity (team or user); None: the key's default.")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode; None: WANDB_MODE from the environment, else online.")
     tensorboard: bool = False
 
 
