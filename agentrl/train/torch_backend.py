@@ -148,6 +148,7 @@ class TorchBackend:
 
     def load_checkpoint(self, directory: Path) -> dict:
         state = torch.load(Path(directory) / "state.pt", weights_only=False)
+        _check_same_architecture(self.model, state["model"], Path(directory) / "state.pt")
         self.model.load_state_dict(state["model"])
         if state["optimizer"] is None:
             self.optimizer.load_checkpoint(Path(directory) / "optimizer")
@@ -158,3 +159,19 @@ class TorchBackend:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         return state["extra"]
+
+
+def _check_same_architecture(model: torch.nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse a checkpoint of another model before anything is copied (torch would load the
+    matching tensors first and then raise with every key name, thousands of lines for a big model)."""
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in saved.items()}
+    missing, unexpected = sorted(own.keys() - got.keys()), sorted(got.keys() - own.keys())
+    resized = sorted(k for k in own.keys() & got.keys() if own[k] != got[k])
+    if missing or unexpected or resized:
+        example = (missing or unexpected or resized)[0]
+        raise ValueError(
+            f"{path}: checkpoint of a different model architecture than {type(model).__name__} "
+            f"({len(missing)} tensors missing, {len(unexpected)} unexpected, {len(resized)} of another shape; "
+            f"e.g. {example!r}); resume with the model it was trained from (model.name / model.path) or "
+            f"move the run's checkpoints/ folder away to start fresh")
