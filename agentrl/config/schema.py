@@ -85,6 +85,9 @@ class TrainConfig(Section):
     logprob_chunk_tokens: int = Field(16384, ge=1, description="Tokens per chunk when computing log-probs.")
     checkpoint_every: int = Field(10, ge=1)
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    dsa_kernels: bool = Field(
+        False, description="Megatron backend: DSA top-k and sparse attention through kernels/ (Triton) "
+        "instead of Megatron's dense unfused path (agentrl.models.megatron_dsa_switch).")
 
 
 class AlgorithmConfig(Section):
@@ -164,7 +167,7 @@ class RolloutConfig(Section):
 
 
 class AgentConfig(Section):
-    action_format: Literal["bash_block", "terminus_json"] = "bash_block"
+    action_format: Literal["bash_block", "terminus_json", "text"] = "bash_block"
     max_turns: int = Field(30, ge=1)
     max_context_tokens: int = Field(32768, ge=1)
     observation_max_chars: int = Field(4000, ge=1)

@@ -1,0 +1,204 @@
+"""Route Megatron 0.19.2's DSA core attention through agentrl's kernels (train.dsa_kernels).
+
+Megatron's `DSAttention.forward` (no fused backend configured, no indexer loss) computes the top-k
+with `dsa.fused_qk_topk_naive` (a dense [b, sq, sk] fp32 score matrix, then `torch.topk`) and the
+attention with `dsa._run_sparse_attention` -> `_unfused_absorbed_dsa_fn` (a dense [b, heads, sq, sk]
+fp32 score matrix masked down to the top-k). `apply_dsa_kernels(model)` keeps Megatron's forward
+(layouts, index sharing between layers, CP/SP handling) and swaps only those two computations for
+kernels/indexer.py's chunked scoring + radix top-k and kernels/sparse_mla_bwd.py's sparse MLA
+(Triton forward and backward on CUDA; their torch references elsewhere).
+
+How: each switched DSAttention gets a forward that runs Megatron's own forward inside a context
+naming that layer's `DsaKernelState`; the two dsa-module functions are replaced, once per
+process, by dispatchers that use the kernels only inside such a context and only for inputs they
+support (absorbed MLA; packed THD causal segments or no mask; identity key positions; relu
+scoring; power-of-two top-k), and call Megatron's originals otherwise. Unswitched models are
+unaffected. Each state counts kernel calls and fallbacks, so a run can see what ran.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+_ACTIVE: contextvars.ContextVar[DsaKernelState | None] = contextvars.ContextVar("agentrl_dsa_kernels", default=None)
+_ORIGINALS: dict[str, Any] = {}
+
+
+@dataclass
+class DsaKernelState:
+    """Per switched layer: which implementation to use and what ran."""
+
+    use_triton: bool | None = None  # None: Triton on CUDA tensors, the torch references elsewhere
+    calls: dict[str, int] = field(default_factory=lambda: {"topk": 0, "attention": 0, "fallback": 0})
+    fallback_reasons: set[str] = field(default_factory=set)
+
+    def triton_for(self, t: torch.Tensor) -> bool:
+        return t.is_cuda if self.use_triton is None else self.use_triton
+
+    def fallback(self, reason: str) -> None:
+        self.calls["fallback"] += 1
+        self.fallback_reasons.add(reason)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _causal_segments(sq: int, sk: int, mask, starts, ends, key_positions) -> list[tuple[int, int]] | str:
+    """[(start, end)] of causal segments covering the sq rows, or the reason they do not exist."""
+    if key_positions is not None:
+        return "explicit key positions"
+    if sq != sk:
+        return f"sq={sq} != sk={sk}"
+    if starts is None:
+        return [(0, sq)] if mask is None else "additive mask"
+    if ends is None or starts.numel() != sq or ends.numel() != sq:
+        return "varlen bounds do not cover the rows"
+    rows = torch.arange(sq, device=starts.device)
+    starts, ends = starts.to(torch.int64), ends.to(torch.int64)
+    if not torch.equal(ends, rows + 1):
+        return "varlen ends are not causal"
+    cut = torch.nonzero(starts[1:] != starts[:-1]).flatten().add(1).tolist()
+    bounds = [0, *cut, sq]
+    if starts[0].item() != 0 or not torch.equal(starts[torch.tensor(bounds[:-1], device=starts.device)],
+                                                 torch.tensor(bounds[:-1], device=starts.device)):
+        return "varlen starts are not segment starts"
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _topk_segment(state: DsaKernelState, q, k, w, topk: int) -> torch.Tensor:
+    """[n, topk] int64 causal top-k of one segment (local key indices, -1 padded)."""
+    if state.triton_for(q):
+        from kernels.indexer import indexer_topk
+        kd = k.to(q.dtype)
+        return indexer_topk(q.contiguous(), kd.contiguous(), w.float().contiguous(), topk, offset=0).long()
+    from kernels.indexer_torch import reference_indexer_topk
+    return reference_indexer_topk(q, k, w, topk, offset=0, chunk_rows=256, stable=True).long()
+
+
+def _kernel_qk_topk(q, k, weights, index_topk, mask=None, varlen_starts=None, varlen_ends=None,
+                    key_positions=None, use_relu=True):
+    """Drop-in for dsa.fused_qk_topk_naive: (None, topk [b, sq, topk] int64, -1 padded)."""
+    state = _ACTIVE.get()
+    original = _ORIGINALS["fused_qk_topk_naive"]
+    args = (q, k, weights, index_topk)
+    kwargs = dict(mask=mask, varlen_starts=varlen_starts, varlen_ends=varlen_ends, key_positions=key_positions,
+                  use_relu=use_relu)
+    if state is None:
+        return original(*args, **kwargs)
+    sq, b = q.shape[0], q.shape[1]
+    segments = _causal_segments(sq, k.shape[0], mask, varlen_starts, varlen_ends, key_positions)
+    reason = ("relu scoring off" if not use_relu else f"index_topk {index_topk} not a power of two"
+              if not _pow2(index_topk) else f"indexer head dim {q.shape[-1]} not a power of two >= 16"
+              if not (_pow2(q.shape[-1]) and q.shape[-1] >= 16) else None)
+    if isinstance(segments, str) or reason:
+        state.fallback(reason or segments)
+        return original(*args, **kwargs)
+    state.calls["topk"] += 1
+    out = torch.full((b, sq, index_topk), -1, dtype=torch.int64, device=q.device)
+    for bi in range(b):
+        for s0, s1 in segments:
+            local = _topk_segment(state, q[s0:s1, bi], k[s0:s1, bi], weights[s0:s1, bi], index_topk)
+            out[bi, s0:s1] = torch.where(local >= 0, local + s0, local)
+    return None, out
+
+
+def _padded_rope(x: torch.Tensor, d_v: int) -> torch.Tensor:
+    """Zero-pad the rope part of [..., d_v + d_r] to a power of two >= 16 (tl.dot needs K >= 16).
+    Zero columns add nothing to q.k, and their gradients are cut off again by the slice."""
+    d_r = x.shape[-1] - d_v
+    want = max(16, 1 << (d_r - 1).bit_length())
+    return x if want == d_r else F.pad(x, (0, want - d_r))
+
+
+def _kernel_sparse_attention(*, absorbed_mla, query, key, value, up_v_weight, topk_indices, softmax_scale,
+                             config, mask, varlen_starts, varlen_ends, key_positions, topk_length=None):
+    """Drop-in for dsa._run_sparse_attention (absorbed path): [sq, b, heads * v_head_dim]."""
+    state = _ACTIVE.get()
+    original = _ORIGINALS["_run_sparse_attention"]
+    kwargs = dict(absorbed_mla=absorbed_mla, query=query, key=key, value=value, up_v_weight=up_v_weight,
+                  topk_indices=topk_indices, softmax_scale=softmax_scale, config=config, mask=mask,
+                  varlen_starts=varlen_starts, varlen_ends=varlen_ends, key_positions=key_positions,
+                  topk_length=topk_length)
+    if state is None:
+        return original(**kwargs)
+    d_v = int(getattr(config, "kv_lora_rank", 0) or 0)
+    reason = ("not the absorbed layout" if not absorbed_mla or up_v_weight is None or value is not None
+              else "top-k given as lengths" if topk_length is not None
+              else f"kv_lora_rank {d_v} not a power of two >= 16" if not (_pow2(d_v) and d_v >= 16) else None)
+    if reason:
+        state.fallback(reason)
+        return original(**kwargs)
+    # Validity: every index comes from a causal top-k of the same mask (-1 where none), so the
+    # kernels need no mask; Megatron's path re-applies it to a dense matrix.
+    from kernels.sparse_mla_bwd import sparse_mla
+
+    state.calls["attention"] += 1
+    triton = state.triton_for(query)
+    outs = []
+    for bi in range(query.shape[1]):
+        q, kv = query[:, bi], key[:, bi, 0]
+        if triton:
+            q, kv = _padded_rope(q, d_v), _padded_rope(kv, d_v)
+        outs.append(sparse_mla(q, kv, topk_indices[bi].to(torch.int32), softmax_scale, d_v, use_triton=triton))
+    output = torch.stack(outs, dim=1)  # [sq, b, heads, d_v]
+    output = torch.einsum("sbhc,hdc->sbhd", output, up_v_weight).contiguous()
+    return output.view(output.size(0), output.size(1), -1)
+
+
+def _install_dispatchers() -> None:
+    """Replace the two dsa functions by the dispatchers, once per process (idempotent)."""
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    if _ORIGINALS:
+        return
+    _ORIGINALS["fused_qk_topk_naive"] = dsa.fused_qk_topk_naive
+    _ORIGINALS["_run_sparse_attention"] = dsa._run_sparse_attention
+    dsa.fused_qk_topk_naive = _kernel_qk_topk
+    dsa._run_sparse_attention = _kernel_sparse_attention
+
+
+def _switched_forward(self, *args, **kwargs):
+    token = _ACTIVE.set(self._agentrl_dsa_kernels)
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        _ACTIVE.reset(token)
+
+
+def apply_dsa_kernels(model: torch.nn.Module, use_triton: bool | None = None) -> int:
+    """Switch every DSAttention of `model` to the kernels; returns how many layers were switched.
+
+    Idempotent (a layer already switched is counted, not wrapped twice). use_triton None: Triton
+    on CUDA tensors, torch references on CPU; True forces Triton (TRITON_INTERPRET=1 on CPU)."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
+
+    _install_dispatchers()
+    switched = 0
+    for module in model.modules():
+        if not isinstance(module, DSAttention):
+            continue
+        if getattr(module, "_agentrl_dsa_kernels", None) is None:
+            module._agentrl_dsa_kernels = DsaKernelState(use_triton=use_triton)
+            module.forward = types.MethodType(_switched_forward, module)
+        switched += 1
+    return switched
+
+
+def dsa_kernel_stats(model: torch.nn.Module) -> dict[str, Any]:
+    """Summed kernel / fallback call counts and the fallback reasons over the switched layers."""
+    calls = {"topk": 0, "attention": 0, "fallback": 0}
+    reasons: set[str] = set()
+    for module in model.modules():
+        state = getattr(module, "_agentrl_dsa_kernels", None)
+        if isinstance(state, DsaKernelState):
+            for key, n in state.calls.items():
+                calls[key] += n
+            reasons |= state.fallback_reasons
+    return {**calls, "fallback_reasons": sorted(reasons)}
