@@ -187,12 +187,26 @@ def _commands(reply: dict) -> list:
     return commands
 
 
-ActionFormat = BashBlockFormat | TerminusJsonFormat
+class TextFormat:
+    """The whole visible reply is one action's `text` (envs that judge an answer, not a shell
+    command: countdown, lognormal). A reply is never malformed; the env decides when it is done."""
+
+    name = "text"
+    system_prompt = "You solve a task by replying to the environment; your whole reply is sent to it."
+
+    def __init__(self, command_timeout_s: float):
+        self.command_timeout_s = command_timeout_s
+
+    def parse(self, text: str) -> ParsedTurn:
+        return ParsedTurn(actions=[Action(text=strip_reasoning(text).strip())])
+
+
+ActionFormat = BashBlockFormat | TerminusJsonFormat | TextFormat
 
 
 def make_action_format(name: str, command_timeout_s: float = 60.0) -> ActionFormat:
     """A fresh (per-episode) parser for the named format."""
-    formats = {"bash_block": BashBlockFormat, "terminus_json": TerminusJsonFormat}
+    formats = {"bash_block": BashBlockFormat, "terminus_json": TerminusJsonFormat, "text": TextFormat}
     if name not in formats:
         raise ValueError(f"agent.action_format {name!r} is unknown; use one of {sorted(formats)}")
     return formats[name](command_timeout_s)
