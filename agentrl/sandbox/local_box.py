@@ -32,6 +32,11 @@ _NS_FLAGS = {"user": "-U", "mnt": "-m", "uts": "-u", "ipc": "-i", "net": "-n", "
 _DRAIN_GRACE_S = 0.5  # after the command exits, how long background children may hold its pipe
 _MAX_DOWNLOAD_BYTES = 256 << 20
 _READY_TIMEOUT_S = 30.0
+# Processes one sandbox may hold. Neither RLIMIT_NPROC (ignored for root) nor a pids cgroup (absent
+# on hosts whose cgroup v2 lacks the pids controller) bounds a fork bomb, and a host's pid_max can be
+# as low as 32768: a watchdog counts the sandbox's own /proc and kills its pid namespace above this.
+MAX_PIDS = 1024
+_PIDS_POLL_S = 0.1
 # Write to a temp file and rename over the target, so a symlink the agent planted at the target
 # is replaced rather than followed.
 _UPLOAD_SCRIPT = (
@@ -87,6 +92,8 @@ class LocalSandbox:
         self._ns_flags: list[str] = []
         self._closed = False
         self._on_close = None
+        self._watchdog: asyncio.Task | None = None
+        self.pids_exceeded = 0  # how many processes it held when the watchdog killed it
 
     def __repr__(self) -> str:
         return f"LocalSandbox(id={self.id!r}, workdir={self.workdir!r}, closed={self._closed})"
@@ -148,8 +155,27 @@ class LocalSandbox:
                 continue
         if "-p" not in self._ns_flags or "-m" not in self._ns_flags:
             raise SandboxError("create", "bwrap did not create private pid and mount namespaces")
+        self._watchdog = asyncio.create_task(self._watch_pids())
+
+    async def _watch_pids(self) -> None:
+        """Kill the whole sandbox (its pid 1) once it holds more than MAX_PIDS processes. Listing the
+        sandbox's own /proc costs one small readdir, so it can run every 0.1 s for every sandbox."""
+        proc_dir = f"/proc/{self._init_pid}/root/proc"
+        while not self._closed:
+            await asyncio.sleep(_PIDS_POLL_S)
+            try:
+                n = sum(1 for name in os.listdir(proc_dir) if name.isdigit())
+            except OSError:
+                return  # the sandbox is gone
+            if n > MAX_PIDS:
+                self.pids_exceeded = n
+                log.warning("sandbox %s: %d processes exceed the limit of %d; killing it", self.id, n, MAX_PIDS)
+                kill_pid(self._init_pid)
+                return
 
     def _bwrap_log(self) -> str:
+        if self.pids_exceeded:
+            return f"it was killed holding {self.pids_exceeded} processes, over its limit of {MAX_PIDS} (a fork bomb?)"
         try:
             text = (self.host_dir / "bwrap.log").read_text(errors="replace").strip()
         except OSError:
@@ -160,6 +186,8 @@ class LocalSandbox:
         if self._closed:
             return
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         try:
             if self._init_pid:
                 kill_pid(self._init_pid)  # pid 1 of the namespace: the kernel kills all the others
@@ -185,7 +213,8 @@ class LocalSandbox:
         return self._closed
 
     def alive(self) -> bool:
-        return not self._closed and self._bwrap is not None and self._bwrap.returncode is None
+        return (not self._closed and not self.pids_exceeded and self._bwrap is not None
+                and self._bwrap.returncode is None)
 
     # --- commands --------------------------------------------------------------------------------
 
