@@ -46,3 +46,21 @@ def offload(out: Path = typer.Option(RESULTS / "offload.json", help="Where the J
 
     report = run_offload_bench(out, state_gb, directory=directory, bucket_mb=bucket_mb)
     typer.echo(f"wrote {out} (offload_stream_efficiency = {report.get('offload_stream_efficiency')})")
+
+
+@app.command("faults")
+def faults(out: Path = typer.Option(RESULTS / "faults.json", help="Where the JSON report goes."),
+           only: list[str] = typer.Option([], help="Scenarios to run (repeatable; default: all)."),
+           fast: bool = typer.Option(False, help="Skip the scenarios that need full local training runs.")) -> None:
+    """Fault injection into real local components; exit code 1 when any scenario fails."""
+    from agentrl.bench.faults import run_faults
+
+    try:
+        report = run_faults(out, only=only or None, include_slow=not fast, echo=typer.echo)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {out}: {report['passed']} passed, {report['failed']} failed, "
+               f"trajectories_lost={report['trajectories_lost']}")
+    if report["failed"]:
+        raise typer.Exit(1)
