@@ -164,6 +164,9 @@ class RolloutConfig(Section):
         "retract", description="How engines pause for a weight update; in_place mixes old KV with new weights."
     )
     request_timeout_s: float = Field(600.0, gt=0)
+    weight_sync_fp8: bool = Field(
+        False, description="Send 128x128-tiling linear weights to engines as FP8 e4m3 + weight_scale_inv "
+        "(DeepSeek FP8 checkpoint naming; half the bytes). The embedded engine dequantises on receipt.")
 
 
 class AgentConfig(Section):

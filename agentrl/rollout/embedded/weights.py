@@ -80,9 +80,34 @@ def check_named_tensors(model: torch.nn.Module, names_shapes: dict[str, tuple[in
         raise WeightUpdateError("shape mismatch: " + "; ".join(bad[:5]))
 
 
+def dequantize_fp8_weights(tensors: dict[str, torch.Tensor], block: int = 128) -> dict[str, torch.Tensor]:
+    """Replace each FP8 `<name>` + `<name>_scale_inv` pair (DeepSeek/SGLang FP8 checkpoint naming,
+    128x128 blocks) by its fp32 value; other tensors pass through. Unpaired halves are errors."""
+    scales = {n.removesuffix("_scale_inv"): t for n, t in tensors.items() if n.endswith("_scale_inv")}
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("_scale_inv"):
+            if name.removesuffix("_scale_inv") not in tensors:
+                raise WeightUpdateError(f"{name} has no matching FP8 tensor {name.removesuffix('_scale_inv')}")
+            continue
+        if t.dtype != torch.float8_e4m3fn:
+            out[name] = t
+            continue
+        s = scales.get(name)
+        want = (-(-t.shape[0] // block), -(-t.shape[1] // block)) if t.dim() == 2 else None
+        if s is None or want is None or tuple(s.shape) != want:
+            raise WeightUpdateError(f"{name} is float8_e4m3fn but {name}_scale_inv is missing or not of shape "
+                                    f"{want} (one fp32 scale per {block}x{block} block)")
+        full = s.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[:t.shape[0], :t.shape[1]]
+        out[name] = t.float() * full
+    return out
+
+
 @torch.no_grad()
 def load_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
-    """Copy tensors into the model's parameters/buffers by HF name; returns how many were loaded."""
+    """Copy tensors into the model's parameters/buffers by HF name; returns how many were loaded.
+    FP8 block-quantised weights (with `_scale_inv`) are dequantised on receipt."""
+    tensors = dequantize_fp8_weights(tensors)
     check_named_tensors(model, {n: tuple(t.shape) for n, t in tensors.items()})
     state = model.state_dict(keep_vars=True)
     for name, t in tensors.items():
