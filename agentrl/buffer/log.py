@@ -20,7 +20,9 @@ class DurableLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
         self._truncate_torn_tail()
-        self._f = open(self.path, "ab")
+        # Unbuffered: a failed write must leave no bytes in a userspace buffer that a later flush
+        # would put into the middle of the log (found by the faults suite on a full tmpfs).
+        self._f = open(self.path, "ab", buffering=0)
 
     def _truncate_torn_tail(self) -> None:
         if not self.path.exists():
@@ -32,17 +34,19 @@ class DurableLog:
 
     def append(self, record: dict) -> None:
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-        pos = self._f.tell()
+        fd = self._f.fileno()
+        pos = os.lseek(fd, 0, os.SEEK_END)
         try:
-            self._f.write(line)
-            self._f.flush()
+            view = memoryview(line)
+            while view:  # a write may be partial (the disk filled mid-line): finish it or fail
+                view = view[os.write(fd, view):]
             if self.fsync:
-                os.fsync(self._f.fileno())
+                os.fsync(fd)
         except OSError as e:
-            # Roll back a partial line so the log stays parseable, then report.
+            # Roll back the partial line so the log stays parseable (ftruncate needs no free space),
+            # then report.
             try:
-                self._f.truncate(pos)
-                self._f.seek(pos)
+                os.ftruncate(fd, pos)
             except OSError:
                 pass
             raise LogWriteError(e.errno, f"replay log {self.path}: {e.strerror}; record not accepted") from e
