@@ -104,7 +104,9 @@ class Orchestrator:
         self.progress.note(f"engines at weight version {self.version} ({sync['sync_bytes'] / 1e6:.0f} MB in "
                            f"{sync['sync_s']:.1f} s)")
         self.workers = [
-            ray.remote(EpisodeWorker).options(num_cpus=0, max_concurrency=10_000).remote(
+            # max_restarts: a worker that dies (OOM, a crash) is started again; the groups it held
+            # fail and are re-admitted by _run_group.
+            ray.remote(EpisodeWorker).options(num_cpus=0, max_concurrency=10_000, max_restarts=-1).remote(
                 cfg_dict, self.urls, self.buffer, self.run_id, i, str(self.run_dir))
             for i in range(self.cfg.cluster.episode_workers)
         ]
@@ -156,6 +158,10 @@ class Orchestrator:
             summaries = await self.workers[w].run_group.remote(task_id, gid, n)
         except Exception as e:  # the worker actor died: nothing of this group was accepted
             self.progress.note(f"episode worker {w} failed ({type(e).__name__}); re-admitting task {task_id}")
+            try:  # what the worker had sent of this group can never complete: retire it, counted
+                await self.buffer.retire_incomplete.remote(gid, "worker_lost")
+            except Exception as err:  # noqa: BLE001 - the log keeps the trajectories; resume sees them
+                self.progress.note(f"could not retire group {gid} of the failed worker: {err}")
             self.outcomes["infra_error:worker"] += n
             self.metrics.on_episodes_lost(n)
             for _ in range(n):

@@ -184,6 +184,16 @@ class ReplayBuffer:
             self._done.add(g)
         self.counters["trained_groups"] += len(group_ids)
 
+    def retire_incomplete(self, group_id: str, reason: str) -> int:
+        """Retire a group that can never complete (the worker running it died), so the log accounts
+        for the part of it that was accepted; the caller admits the task again. Returns how many
+        of its trajectories were accepted."""
+        g = self._pending.get(group_id)
+        if g is None:
+            return 0
+        self._retire(g, reason, regenerate=False)
+        return len(g.trajectories)
+
     def pop_regenerate(self) -> list[dict]:
         out, self._regenerate = self._regenerate, []
         return out
