@@ -4,9 +4,9 @@ Kept apart from the backend class so each piece is small and testable on CPU:
 - `init_megatron_parallel`: torch.distributed (NCCL on GPU, gloo on CPU) + megatron parallel_state
   with the sizes of train.parallel (TP, PP, CP, EP, expert-TP; DP is what is left of the world).
 - `cpu_megatron`: megatron-core 0.19.2 builds a few tensors on `torch.cuda.current_device()` (the
-  DSA indexer's rotary table, router buffers); without a GPU that call would raise. Inside this
-  context it answers "cpu", so the same model builds and trains on a CPU for CI. On a CUDA machine it
-  does nothing.
+  DSA indexer's rotary table, router buffers) and full recompute saves the CUDA RNG state; without a
+  GPU those calls raise. Inside this context they answer for the CPU, so the same model builds and
+  trains (with recompute) on a CPU for CI. On a CUDA machine it does nothing.
 - `pack_thd` / `plan_packs`: trajectories packed back to back into one THD sequence per micro-batch,
   the dynamic batch filled up to train.parallel.max_tokens_per_gpu tokens (no padding).
 - `reduce_gradients` / `clip_grad_norm`: data-parallel all-reduce of fp32 master gradients (dense
@@ -33,12 +33,16 @@ def cpu_megatron() -> Iterator[None]:
     if torch.cuda.is_available():
         yield
         return
-    original = torch.cuda.current_device
+    original, original_rng = torch.cuda.current_device, torch.cuda.random.get_rng_state
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # Full recompute saves and restores the CUDA RNG around each layer; the model has no dropout, so
+    # on CPU there is no CUDA RNG to keep in step (megatron's restore is a lazy no-op without CUDA).
+    torch.cuda.random.get_rng_state = lambda device="cuda": torch.get_rng_state()  # type: ignore[assignment]
     try:
         yield
     finally:
         torch.cuda.current_device = original  # type: ignore[assignment]
+        torch.cuda.random.get_rng_state = original_rng  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
