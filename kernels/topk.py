@@ -32,6 +32,11 @@ TOPK_CONFIGS = [
     KernelConfig.make(BLOCK=1024, RADIX_BITS=8, COMPACT=1, FULL_PASSES=2, CAP=4096, num_warps=4, num_stages=1),
     KernelConfig.make(BLOCK=512, RADIX_BITS=7, COMPACT=1, FULL_PASSES=2, CAP=8192, num_warps=4, num_stages=1),
     KernelConfig.make(BLOCK=512, RADIX_BITS=6, COMPACT=1, FULL_PASSES=3, CAP=2048, num_warps=4, num_stages=1),
+    # segment-parallel (kernels/topk_seg.py): (row, segment) grids instead of one program per row
+    KernelConfig.make(SEG=4096, BLOCK=512, RADIX_BITS=8, FULL_PASSES=2, CAP=4096, num_warps=4, num_stages=1),
+    KernelConfig.make(SEG=8192, BLOCK=1024, RADIX_BITS=8, FULL_PASSES=2, CAP=4096, num_warps=4, num_stages=1),
+    KernelConfig.make(SEG=4096, BLOCK=512, RADIX_BITS=7, FULL_PASSES=2, CAP=8192, num_warps=4, num_stages=1),
+    KernelConfig.make(SEG=2048, BLOCK=512, RADIX_BITS=8, FULL_PASSES=2, CAP=4096, num_warps=2, num_stages=1),
 ]
 TOPK_TUNER = Autotuner("indexer_topk", TOPK_CONFIGS)
 
@@ -203,6 +208,13 @@ def topk_rows_chunk(scores, row0, rows, offset, S, topk, out, config: KernelConf
     def launch(cfg: KernelConfig) -> None:
         shifts, masks = _radix_schedule(cfg["RADIX_BITS"], scores.device)
         p = dict(cfg.params)
+        if "SEG" in p:
+            from kernels.topk_seg import topk_rows_segmented
+            topk_rows_segmented(scores, row0, rows, offset, S, topk, out, shifts, masks, seg=p["SEG"],
+                                block=p["BLOCK"], radix_bits=p["RADIX_BITS"],
+                                full_passes=min(p["FULL_PASSES"], shifts.numel()), cap=p["CAP"],
+                                num_warps=cfg.num_warps)
+            return
         compact, cap = p.get("COMPACT", 0), p.get("CAP", 1)
         full_passes = min(p.get("FULL_PASSES", 1), shifts.numel())
         ckey = torch.empty((rows, cap if compact else 1), device=scores.device, dtype=torch.uint32)

@@ -52,7 +52,22 @@ VARIANTS = {
     "compact_8bit": {"RADIX_BITS": 8, "COMPACT": 1, "FULL_PASSES": 2, "CAP": 128},
     "compact_6bit": {"RADIX_BITS": 6, "COMPACT": 1, "FULL_PASSES": 3, "CAP": 128},
     "compact_fallback": {"RADIX_BITS": 8, "COMPACT": 1, "FULL_PASSES": 2, "CAP": 4},  # bins overflow CAP
+    "segmented_8bit": {"SEG": 64, "RADIX_BITS": 8, "FULL_PASSES": 2, "CAP": 128},
+    "segmented_6bit": {"SEG": 256, "RADIX_BITS": 6, "FULL_PASSES": 3, "CAP": 128},
+    "segmented_fallback": {"SEG": 64, "RADIX_BITS": 8, "FULL_PASSES": 2, "CAP": 4},
 }
+
+
+def test_segmented_topk_on_causal_rows_with_short_rows(device):
+    # offset 0: rows 0..K-1 have at most K keys (identity + -1 padding); later rows select
+    rows, S, K = 40, 40, 16
+    scores = torch.randint(0, 6, (rows, S), device=device).float()
+    out = torch.empty((rows, K), device=device, dtype=torch.int32)
+    cfg = ix.KernelConfig.make(SEG=16, BLOCK=16, RADIX_BITS=8, FULL_PASSES=2, CAP=64, num_warps=4, num_stages=1)
+    ix.topk_rows_chunk(scores, 0, rows, 0, S, K, out, config=cfg)
+    masked = scores.masked_fill(torch.ones(rows, S, dtype=torch.bool, device=device).triu(1), float("-inf"))
+    want = select_topk(masked, torch.arange(rows, device=device) + 1, K, stable=True)
+    assert torch.equal(out, want)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
