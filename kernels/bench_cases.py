@@ -181,6 +181,41 @@ def _bench_sparse_mla_one(torch, dev, sh, timer, S) -> dict:
                      gathered_gbps=round(T * K * (dv + dr) * 2 / ms / 1e6, 1))
 
 
+def bench_sparse_mla_bwd(torch, dev, sh, timer) -> Iterator[dict]:
+    from kernels.sparse_mla import default_sm_scale, reference_sparse_mla, sparse_mla_forward
+    from kernels.sparse_mla_bwd import sparse_mla_backward, sparse_mla_bwd_flops
+
+    T, S, Hh, dv, dr, K = sh.mla_tokens, sh.mla_context, sh.mla_heads, sh.mla_dv, sh.mla_dr, sh.topk
+    shape = {"tokens": T, "context": S, "heads": Hh, "d_qk": dv + dr, "d_v": dv, "topk": K}
+    q = torch.randn(T, Hh, dv + dr, device=dev).to(torch.bfloat16)
+    kv = torch.randn(S, dv + dr, device=dev).to(torch.bfloat16)
+    idx = torch.randint(0, S, (T, K), device=dev, dtype=torch.int32).sort(dim=1).values
+    dout = torch.randn(T, Hh, dv, device=dev).to(torch.bfloat16)
+    scale = default_sm_scale()
+    out, lse = sparse_mla_forward(q, kv, idx, scale, d_v=dv)
+    sparse_mla_backward(q, kv, idx, out, lse, dout, scale, dv)  # tune
+    n = min(sh.check_rows, T)
+    dq, dkv = sparse_mla_backward(q[:n], kv, idx[:n], out[:n], lse[:n], dout[:n], scale, dv)
+    qr, kvr = q[:n].float().requires_grad_(), kv.float().requires_grad_()
+    ref_out, _ = reference_sparse_mla(qr, kvr, idx[:n], scale, d_v=dv, chunk_tokens=64)
+    ref_out.backward(dout[:n].float())
+    errs = {"dq_rel": _rel(torch, dq, qr.grad), "dkv_rel": _rel(torch, dkv, kvr.grad)}
+    del qr, kvr, ref_out
+    ms = timer(lambda: sparse_mla_backward(q, kv, idx, out, lse, dout, scale, dv))
+
+    def ref_step():
+        qa, kva = q.float().requires_grad_(), kv.float().requires_grad_()
+        for s0 in range(0, T, 512):  # per chunk, so the gathered fp32 graph stays small
+            o, _ = reference_sparse_mla(qa[s0:s0 + 512], kva, idx[s0:s0 + 512], scale, d_v=dv, chunk_tokens=256)
+            o.backward(dout[s0:s0 + 512].float())
+
+    ref_ms = timer(ref_step, warmup=0, min_iters=1, max_iters=1) if dev.type == "cuda" else None
+    yield make_entry("sparse_mla_bwd", shape, ms, flops=sparse_mla_bwd_flops(T, Hh, K, dv, dr), reference_ms=ref_ms,
+                     correct=max(errs.values()) < 2e-2, errors=errs,
+                     flop_formula="2 * tokens * heads * topk * (3 * d_qk + 2 * d_v)",
+                     reference="torch autograd of gather + fp32 einsum softmax, 512-token chunks")
+
+
 def bench_fp8(torch, dev, sh, timer) -> Iterator[dict]:
     from kernels import fp8_quant as fq
 
@@ -204,12 +239,13 @@ def bench_fp8(torch, dev, sh, timer) -> Iterator[dict]:
                      check="bitwise equal bf16 output", bytes_formula="M*N*(1 read + 2 write) + scales")
 
 
-CASES = {"fp8": bench_fp8, "logprobs": bench_logprobs, "sparse_mla": bench_sparse_mla, "indexer": bench_indexer}
+CASES = {"fp8": bench_fp8, "logprobs": bench_logprobs, "sparse_mla": bench_sparse_mla,
+         "sparse_mla_bwd": bench_sparse_mla_bwd, "indexer": bench_indexer}
 
 
 def tuning_summary() -> dict[str, Any]:
-    from kernels import fp8_quant, indexer, logprobs, sparse_mla
+    from kernels import fp8_quant, indexer, logprobs, sparse_mla, sparse_mla_bwd
 
     tuners = [logprobs.FWD_TUNER, logprobs.BWD_TUNER, indexer.SCORE_TUNER, indexer.TOPK_TUNER,
-              sparse_mla.TUNER, fp8_quant.QUANT_TUNER, fp8_quant.DEQUANT_TUNER]
+              sparse_mla.TUNER, sparse_mla_bwd.BWD_TUNER, fp8_quant.QUANT_TUNER, fp8_quant.DEQUANT_TUNER]
     return {t.name: t.summary() for t in tuners}

@@ -29,6 +29,13 @@ CONFIGS = [
     KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=16, num_stages=3),
     KernelConfig.make(BLOCK_H=64, BLOCK_N=128, num_warps=16, num_stages=1),
     KernelConfig.make(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1),
+    # Round 2: two programs per token (32 heads each: half the accumulator registers, twice the
+    # gathers, which mostly hit L2) and 32-key tiles with deeper pipelining.
+    KernelConfig.make(BLOCK_H=32, BLOCK_N=64, num_warps=4, num_stages=2),
+    KernelConfig.make(BLOCK_H=32, BLOCK_N=64, num_warps=8, num_stages=2),
+    KernelConfig.make(BLOCK_H=32, BLOCK_N=32, num_warps=4, num_stages=3),
+    KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
+    KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3),
 ]
 TUNER = Autotuner("sparse_mla_fwd", CONFIGS)
 LOG2E = 1.4426950408889634

@@ -36,7 +36,7 @@ def megatron_single_rank():
         mp.setattr(torch.cuda, "current_device", lambda: "cpu")
     own_pg = not dist.is_initialized()
     if own_pg:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     own_mp = not parallel_state.model_parallel_is_initialized()
     if own_mp:
         parallel_state.initialize_model_parallel()

@@ -155,11 +155,11 @@ def _has_cuda() -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="path of the JSON report to write")
-    parser.add_argument("--only", default="", help="comma-separated families: logprobs,indexer,sparse_mla,fp8")
+    parser.add_argument("--only", default="", help="comma-separated families: logprobs,indexer,sparse_mla,sparse_mla_bwd,fp8")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test of the harness)")
     args = parser.parse_args(argv)
     only = {x.strip() for x in args.only.split(",") if x.strip()} or None
-    unknown = (only or set()) - {"logprobs", "indexer", "sparse_mla", "fp8"}
+    unknown = (only or set()) - {"logprobs", "indexer", "sparse_mla", "sparse_mla_bwd", "fp8"}
     if unknown:
         parser.error(f"--only: unknown kernel families {sorted(unknown)}")
     if not args.tiny and not _has_cuda():
