@@ -64,3 +64,79 @@ def faults(out: Path = typer.Option(RESULTS / "faults.json", help="Where the JSO
                f"trajectories_lost={report['trajectories_lost']}")
     if report["failed"]:
         raise typer.Exit(1)
+
+
+@app.command("async-vs-sync")
+def async_vs_sync(out: Path = typer.Option(RESULTS / "async_vs_sync.json", help="JSON report (a PNG goes beside it)."),
+                  steps: int = typer.Option(20, help="Optimizer steps per mode (equal trained-trajectory budget)."),
+                  prompts_per_step: int = typer.Option(8, help="Groups per optimizer step."),
+                  group_size: int = typer.Option(4, help="Samples per prompt (GRPO group)."),
+                  median_s: float = typer.Option(2.0, help="Episode duration: lognormal median (s)."),
+                  sigma: float = typer.Option(1.0, help="Episode duration: lognormal shape (heavier tail when larger)."),
+                  max_s: float = typer.Option(30.0, help="Episode duration cap (the episode time limit, s)."),
+                  in_flight: int = typer.Option(96, help="Async: episodes running at once."),
+                  max_staleness: int = typer.Option(4, help="Async: max version lag of a trained group."),
+                  mode: list[str] = typer.Option(["sync", "async"], help="Modes to run (repeatable).")) -> None:
+    """The same heavy-tailed workload through the real run loop in sync and async mode."""
+    from agentrl.bench.async_sync import Workload, run_async_vs_sync
+
+    w = Workload(steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, median_s=median_s,
+                 sigma=sigma, max_s=max_s, in_flight=in_flight, max_staleness=max_staleness)
+    r = run_async_vs_sync(out, w, modes=tuple(mode))
+    typer.echo(f"wrote {out} (speedup = {r.get('speedup')}, trainer_idle_ratio_async = "
+               f"{r.get('trainer_idle_ratio_async')}, staleness_p95 = {r.get('staleness_p95')})")
+
+
+@app.command("weight-sync")
+def weight_sync(out: Path = typer.Option(RESULTS / "weight_sync.json", help="Where the JSON report goes."),
+                models: list[str] = typer.Option(["tiny", "smollm2-135m"], "--model", help="Models (repeatable)."),
+                rounds: int = typer.Option(5, help="Full updates per model.")) -> None:
+    """Time and GB/s of a full weight update into an embedded engine (safetensors tensor path)."""
+    from agentrl.bench.weight_sync import run_weight_sync_bench
+
+    r = run_weight_sync_bench(out, tuple(models), rounds)
+    typer.echo(f"wrote {out} " + ", ".join(f"{m}: {v['gbps_median']:.2f} GB/s" for m, v in r["models"].items()))
+
+
+@app.command("buffer")
+def buffer(out: Path = typer.Option(RESULTS / "buffer.json", help="Where the JSON report goes."),
+           groups: int = typer.Option(64, help="Groups ingested."),
+           tokens: int = typer.Option(2048, help="Tokens per trajectory."),
+           directory: Path | None = typer.Option(None, "--dir", help="Folder (disk) for the log.")) -> None:
+    """Replay buffer ingest / serve / recovery rates with fsync on and off."""
+    from agentrl.bench.buffer import run_buffer_bench
+
+    r = run_buffer_bench(out, groups=groups, tokens=tokens, directory=directory)
+    typer.echo(f"wrote {out} (durability_cost_x = {r['durability_cost_x']:.2f})")
+
+
+@app.command("sandbox")
+def sandbox(out: Path = typer.Option(RESULTS / "sandbox.json", help="Where the JSON report goes."),
+            rounds: int = typer.Option(10, help="Sequential create/exec/delete cycles per backend."),
+            concurrency: int = typer.Option(8, help="Sandboxes cycled at once."),
+            backend: list[str] = typer.Option(["local", "daytona"], help="Backends (repeatable).")) -> None:
+    """Create / exec / delete latency: local bubblewrap and Daytona (real SDK) against its stand-in."""
+    from agentrl.bench.sandbox import run_sandbox_bench
+
+    run_sandbox_bench(out, rounds=rounds, concurrency=concurrency, backends=tuple(backend))
+    typer.echo(f"wrote {out}")
+
+
+@app.command("capacity")
+def capacity(out: Path = typer.Option(RESULTS / "capacity.json", help="Where the JSON report goes."),
+             config: str = typer.Option("glm5_2_tbench2", help="Recipe name or YAML path of the plan."),
+             set_: list[str] = typer.Option([], "--set", help="Override a field: section.key=value (repeatable)."),
+             measured: Path = typer.Option(RESULTS / "async_vs_sync.json", help="Local async-vs-sync run to validate "
+                                                                              "the loop model against (skipped if absent)."),
+             episode_median_s: float = typer.Option(300.0, help="Assumed median agentic episode duration (s)."),
+             tokens_per_trajectory: int = typer.Option(24000, help="Assumed mean tokens per trajectory."),
+             mfu: float = typer.Option(0.25, help="Assumed training MFU.")) -> None:
+    """Per-GPU memory by role, step time, generation, weight sync and staleness of a plan, validated
+    against the local runs and the reference's ~6.5 min per step."""
+    from agentrl.bench.capacity import Assumptions
+    from agentrl.bench.capacity_report import run_capacity
+
+    a = Assumptions(episode_median_s=episode_median_s, tokens_per_trajectory=tokens_per_trajectory, mfu=mfu)
+    r = run_capacity(out, config, list(set_), a, measured if measured.exists() else None)
+    typer.echo(f"wrote {out} (trainer step {r['plan_estimate']['step']['trainer_step_s']:.0f} s, async step "
+               f"{r['plan_estimate']['loop']['async']['step_s']:.0f} s vs reference {r['plan_estimate']['reference_step_s']:.0f} s)")

@@ -19,7 +19,22 @@ def plan_json(cfg: RunConfig, plan: RunPlan) -> str:
     out["recipe"] = cfg.recipe
     out["mode"] = cfg.mode
     out["config"] = cfg.model_dump(mode="json")
+    out["memory_estimate_gb_per_gpu"] = _memory_estimate(cfg, plan)
     return redact(json.dumps(out, indent=2))
+
+
+def _memory_estimate(cfg: RunConfig, plan: RunPlan) -> dict:
+    """Per-GPU memory by role from the capacity model (agentrl.bench.capacity); {} for a model
+    the capacity model has no shapes for."""
+    from agentrl.bench.capacity import engine_memory, trainer_memory
+
+    try:
+        out = {"trainer": trainer_memory(cfg, plan)}
+        if plan.engine_kind == "sglang" and plan.engines:
+            out["engine"] = engine_memory(cfg, plan)
+    except (KeyError, ValueError) as err:
+        return {"unavailable": str(err)}
+    return out
 
 
 def print_plan(cfg: RunConfig, plan: RunPlan, console: Console | None = None) -> None:
@@ -66,5 +81,23 @@ def _render_plan(cfg: RunConfig, plan: RunPlan, console: Console) -> None:
     envs = {k: v for e in plan.engines for k, v in e.env.items()}
     if envs:
         console.print("engine environment: " + redact(" ".join(f"{k}={v}" for k, v in sorted(envs.items()))))
+    _render_memory(cfg, plan, console)
     for w in plan.warnings:
         console.print(f"[yellow]warning:[/yellow] {w}")
+
+
+def _render_memory(cfg: RunConfig, plan: RunPlan, console: Console) -> None:
+    from agentrl.bench.capacity import HARDWARE, memory_rows
+
+    try:
+        rows = memory_rows(cfg, plan)
+    except (KeyError, ValueError) as err:
+        console.print(f"memory estimate unavailable: {err}")
+        return
+    hbm = HARDWARE.get(plan.hardware, {}).get("hbm_gb")
+    mem = Table(title="memory estimate per GPU, GB (agentrl bench capacity)" + (f"; HBM {hbm:g} GB" if hbm else ""))
+    for c in ("role", "weights", "grads", "activations (full recompute)", "optimizer", "KV pool", "total"):
+        mem.add_column(c)
+    for r in rows:
+        mem.add_row(*r)
+    console.print(mem)
