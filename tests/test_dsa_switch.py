@@ -127,8 +127,7 @@ def _install_interpreter_compat() -> None:
 @pytest.mark.slow  # ~2 min: the interpreter runs every kernel program in numpy
 def test_switch_matches_with_triton_kernels_interpreted(megatron_single_rank):
     if torch.cuda.is_available():
-        _compare("cuda", torch.float32, use_triton=True, seqlens=[6, 17, 12], tol=2e-3)
-        return
+        pytest.skip("compiled kernels are checked by test_switch_bf16_on_gpu (fp32 tl.dot would run as tf32)")
     if os.environ.get("TRITON_INTERPRET") != "1":  # run this test again in a child with the interpreter
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
                                f"{__file__}::test_switch_matches_with_triton_kernels_interpreted"],
