@@ -22,6 +22,7 @@ def _register() -> None:
     from agentrl.envs.tasks_cli import app as tasks_app; app.add_typer(tasks_app, name="tasks", help="Check task folders end to end.")  # noqa: E702, E501
     from agentrl.rollout.engine_cli import app as engine_app; app.add_typer(engine_app, name="engine")  # noqa: E702
     from agentrl.view.cli import view; app.command("view")(view)  # noqa: E702
+    from agentrl.eval_cli import eval_command; app.command("eval")(eval_command)  # noqa: E702
     from agentrl.bench.cli import app as bench_app; app.add_typer(bench_app, name="bench", help="Benchmarks writing bench/results/*.json.")  # noqa: E702, E501
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -60,16 +59,10 @@ class TrainerWorker:
 
 class EngineActor:
     def __init__(self, index: int, argv: list[str], host: str, port: int, env: dict[str, str], run_dir: str):
-        from agentrl.cluster.engine_process import EngineProcess, free_port
+        from agentrl.cluster.engine_process import EngineProcess, local_engine_argv
 
         self.index = index
-        port = port or free_port(host)
-        argv = list(argv)
-        if argv[:1] == ["agentrl"]:
-            argv = [sys.executable, "-m", "agentrl.cli", *argv[1:]]  # the actor's own environment
-        if "--port" in argv:
-            argv[argv.index("--port") + 1] = str(port)
-        self.url = f"http://{host}:{port}"
+        argv, self.url = local_engine_argv(argv, host, port)  # the actor's own interpreter
         self.proc = EngineProcess(argv, self.url, Path(run_dir) / "logs" / f"engine_{index}.log", env=env)
 
     async def start(self) -> str:

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def local_engine_argv(argv: list[str], host: str, port: int) -> tuple[list[str], str]:
+    """A planned engine command made runnable here: `agentrl` becomes this interpreter (the caller's
+    own environment) and `--port` gets `port` (0 picks a free one). Returns (argv, url)."""
+    port = port or free_port(host)
+    argv = list(argv)
+    if argv[:1] == ["agentrl"]:
+        argv = [sys.executable, "-m", "agentrl.cli", *argv[1:]]
+    if "--port" in argv:
+        argv[argv.index("--port") + 1] = str(port)
+    return argv, f"http://{host}:{port}"
 
 
 class EngineStartError(RuntimeError):

@@ -1,0 +1,73 @@
+"""`agentrl eval`: pass rates of a model (or a trained checkpoint) on tasks, no training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def eval_command(
+    config: Annotated[str, typer.Option("--config", help="Recipe name or YAML path.")] = "local",
+    overrides: Annotated[list[str], typer.Option("--set", help="Override a config field, e.g. "
+                                                  "model.name=smollm2-135m (repeatable).")] = [],  # noqa: B006
+    tasks: Annotated[list[str], typer.Option("--task", help="Task id (repeatable); default: the --split.")] = [],  # noqa: B006
+    split: Annotated[str, typer.Option(help="Which of the env's splits to use when no --task is given: "
+                                            "eval (env.eval_tasks or SPLITS.json) or train.")] = "eval",
+    samples: Annotated[int, typer.Option(min=1, help="Episodes per task.")] = 8,
+    checkpoint: Annotated[Path | None, typer.Option(help="A run's checkpoints/latest folder; default: the "
+                                                         "model's own weights.")] = None,
+    concurrency: Annotated[int, typer.Option(min=1, help="Episodes run at once.")] = 8,
+    out: Annotated[Path | None, typer.Option(help="Write the JSON report here (episodes go beside it).")] = None,
+) -> None:
+    """Play SAMPLES episodes of each task in real sandboxes and report pass rates with 95% intervals."""
+    import asyncio
+
+    from agentrl.config.loader import ConfigError, load_config
+    from agentrl.evaluate import evaluate
+
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    task_ids = [t for item in tasks for t in item.split(",") if t] or _split_tasks(cfg, split)
+    work_dir = (out.parent if out else Path(cfg.logging.run_dir)) / "eval"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    total = len(task_ids) * samples
+    done = {"n": 0, "passed": 0}
+
+    def progress(e: dict) -> None:
+        done["n"] += 1
+        done["passed"] += int((e["reward"] or 0.0) >= 1.0)
+        typer.echo(f"[{done['n']}/{total}] {e['task_id']}#{e['sample']}: {e['outcome']} reward={e['reward']} "
+                   f"(passed so far {done['passed']})", err=True)
+
+    typer.echo(f"evaluating {cfg.model.name} on {len(task_ids)} task(s) x {samples} sample(s)", err=True)
+    try:
+        report = asyncio.run(evaluate(cfg, task_ids, samples, checkpoint=checkpoint, concurrency=concurrency,
+                                      work_dir=work_dir, on_episode=progress))
+    except (FileNotFoundError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    text = json.dumps(report, indent=2)
+    if out:
+        out.write_text(text + "\n")
+        typer.echo(f"wrote {out}", err=True)
+    typer.echo(f"pass rate {report['pass_rate']} ({report['passed']}/{report['samples']}, 95% CI {report['ci95']})")
+
+
+def _split_tasks(cfg, split: str) -> list[str]:
+    from agentrl.envs.registry import available_envs
+
+    if split not in ("eval", "train"):
+        raise typer.BadParameter(f"--split {split!r}: use eval or train")
+    env_cls = available_envs()[cfg.env.name].load()
+    env = env_cls.from_config(cfg) if hasattr(env_cls, "from_config") else env_cls(**cfg.env.kwargs)
+    splits = env.splits() if hasattr(env, "splits") else {}
+    chosen = (cfg.env.eval_tasks if split == "eval" else cfg.env.train_tasks) or splits.get(split)
+    if not chosen:
+        raise typer.BadParameter(f"the env has no {split!r} split; pass --task ids or set env.{split}_tasks")
+    return list(chosen)
