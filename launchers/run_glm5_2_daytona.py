@@ -187,10 +187,9 @@ def _train(cfg, plan) -> None:
     import asyncio
     import json
 
-    if plan.backend != "torch":
-        _not_built(f"the {plan.backend} trainer backend in the run loop", "[T]")
-    if plan.engine_kind != "embedded":
-        _not_built(f"the {plan.engine_kind} engine actor in the run loop", "[R]")
+    if plan.engine_kind != "embedded":  # the trainer side (torch or megatron backend) is in the loop
+        _not_built(f"the {plan.engine_kind} engine actor in the run loop (SGLang needs its own environment: "
+                   f"it pins another torch; the {plan.backend} trainer backend is ready)", "[R]")
     from agentrl.orchestrator import Orchestrator
 
     try:

@@ -151,3 +151,28 @@ def test_unsupported_layouts_are_refused_with_the_field_named(megatron_world):
     train.parallel.tp = 2
     with pytest.raises(ValueError, match="tp"):
         MegatronBackend(hf_config_for("tiny"), train, AlgorithmConfig())
+
+
+def test_trainer_worker_builds_the_megatron_backend(megatron_world, tmp_path):
+    from agentrl.cluster.actors import TrainerWorker
+    from agentrl.config.schema import RunConfig
+    from agentrl.train.megatron_backend import MegatronBackend
+
+    cfg = RunConfig()
+    cfg.train.backend, cfg.train.dtype, cfg.train.parallel.recompute = "megatron", "float32", "none"
+    worker = TrainerWorker(cfg.model_dump(mode="json"), str(tmp_path))
+    assert isinstance(worker.backend, MegatronBackend)
+    names = [n for n, _ in worker.backend.named_weights()]
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
+
+
+def test_launcher_refuses_a_gpu_recipe_only_for_sglang():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    launcher = Path(__file__).resolve().parents[1] / "launchers" / "run_glm5_2_daytona.py"
+    r = subprocess.run([sys.executable, str(launcher), "train", "--num-nodes", "16"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 3
+    assert "sglang engine actor" in r.stderr and "megatron trainer backend is ready" in r.stderr

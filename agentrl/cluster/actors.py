@@ -28,6 +28,12 @@ class TrainerWorker:
         self.cfg = RunConfig.model_validate(cfg)
         self.run_dir = Path(run_dir)
         torch.manual_seed(self.cfg.seed)
+        backend = self.cfg.train.backend
+        if backend == "megatron" or (backend == "auto" and torch.cuda.is_available()):
+            from agentrl.train.megatron_backend import megatron_backend_from_config
+
+            self.backend = megatron_backend_from_config(self.cfg, self.run_dir)
+            return
         model, tok = load_policy(self.cfg.model.path or self.cfg.model.name, seed=self.cfg.seed,
                                  cache_dir=self.run_dir / "model_cache")
         self.backend = TorchBackend(model, self.cfg.train, self.cfg.algorithm,

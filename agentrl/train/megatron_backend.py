@@ -315,3 +315,26 @@ class MegatronBackend:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         return state["extra"]
+
+
+def megatron_backend_from_config(cfg: Any, run_dir: Path) -> MegatronBackend:
+    """The backend of a TrainerWorker for a resolved RunConfig: weights from model.local_dir or
+    model.megatron_dir (converted by `prepare`), else the HF model of model.path / model.name."""
+    from agentrl.models.hf_config import hf_config_for
+
+    m = cfg.model
+    common = dict(temperature=cfg.rollout.temperature, run_dir=run_dir, seed=cfg.seed)
+    converted = next((d for d in (m.local_dir, m.megatron_dir) if d is not None and Path(d).exists()), None)
+    if m.path is not None:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(str(m.path), local_files_only=True)
+    else:
+        hf_config = hf_config_for(m.name)
+    if converted is not None:
+        return MegatronBackend(hf_config, cfg.train, cfg.algorithm, megatron_checkpoint=converted, **common)
+    from agentrl.models.policy import load_policy
+
+    model, _ = load_policy(m.path or m.name, seed=cfg.seed, cache_dir=Path(run_dir) / "model_cache")
+    state = model.state_dict()
+    return MegatronBackend(model.config, cfg.train, cfg.algorithm, hf_state=state, **common)
