@@ -161,14 +161,20 @@ class NcclWeightExporter:
     """Trainer side: HF-named tensors -> (FP8) -> flattened buckets -> broadcast from rank 0.
 
     `announce(payload)` is called before each bucket's broadcast with the request body for the
-    engines (for SGLang: POST it to every engine without waiting, the engines then block in the
-    broadcast); it returns a callable that waits for the engines' answers, called after the
-    broadcast. A reusable flat buffer of `bucket_bytes` avoids one allocation per bucket."""
+    engines (for SGLang: POST it to every engine without waiting; the engines then join the
+    broadcast); it returns a callable that waits for the engines' answers, called once that bucket's
+    broadcast is known to be done.
+
+    On CUDA two flat buffers alternate: bucket i+1 is flattened on a side stream while bucket i is
+    broadcast, so the copy hides behind NCCL (flattening 256 MiB takes ~0.13 ms of HBM time, its
+    broadcast ~0.7 ms at 370 GB/s: serial, the copy alone would cost ~15% of the link). On CPU (gloo)
+    buckets go one after the other through one buffer."""
 
     def __init__(self, group: Any, *, group_name: str = "agentrl_weights", bucket_bytes: int = 256 << 20,
                  fp8: bool = False, src: int = 0):
         self.group, self.group_name, self.bucket_bytes, self.fp8, self.src = group, group_name, bucket_bytes, fp8, src
-        self._buffer: torch.Tensor | None = None
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._side: Any = None  # the copy stream, made on first CUDA export
 
     def export(self, named: Iterable[tuple[str, torch.Tensor]], version: int,
                announce: Callable[[dict[str, Any]], Callable[[], None]] | None = None) -> ExportStats:
@@ -176,41 +182,78 @@ class NcclWeightExporter:
         t_start = time.perf_counter()
         quantized = _timed_iter(quantize_named(named, self.fp8), stats)
         pending: list[tuple[str, torch.Tensor]] | None = None
+        inflight: list[tuple[Any, Callable[[], None] | None] | None] = [None, None]
+        index = 0
         for bucket in buckets_by_bytes(quantized, self.bucket_bytes):
             if pending is not None:
-                self._send(pending, None, announce, stats)
+                self._send(pending, None, announce, stats, index, inflight)
+                index += 1
             pending = bucket
         if pending is not None:
-            self._send(pending, version, announce, stats)
+            self._send(pending, version, announce, stats, index, inflight)
+        for slot in inflight:
+            _finish(slot)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         stats.total_s = time.perf_counter() - t_start
         return stats
 
+    def _buffer(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = self._buffers[k]
+        if buf is None or buf.device != device or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8, device=device)
+            self._buffers[k] = buf
+        return buf
+
     def _send(self, bucket: list[tuple[str, torch.Tensor]], version: int | None,
-              announce: Callable[[dict[str, Any]], Callable[[], None]] | None, stats: ExportStats) -> None:
+              announce: Callable[[dict[str, Any]], Callable[[], None]] | None, stats: ExportStats,
+              index: int, inflight: list) -> None:
         t0 = time.perf_counter()
         device = bucket[0][1].device
-        if self._buffer is None or self._buffer.device != device:
-            self._buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
-        flat = flatten_bucket(bucket, self._buffer)
-        if flat.data_ptr() != self._buffer.data_ptr():  # one tensor bigger than the buffer: grow it
-            self._buffer = flat
+        cuda = device.type == "cuda"
+        k = index % 2 if cuda else 0
+        _finish(inflight[k])  # the buffer's previous broadcast is done before it is overwritten
+        inflight[k] = None
+        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+        buf = self._buffer(k, nbytes, device)
+        if cuda:
+            if self._side is None or self._side.device != device:
+                self._side = torch.cuda.Stream(device=device)
+            side = self._side
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                flat = flatten_bucket(bucket, buf)
+            for _, t in bucket:
+                t.record_stream(side)
+            torch.cuda.current_stream(device).wait_stream(side)
+        else:
+            flat = flatten_bucket(bucket, buf)
         t1 = time.perf_counter()
         payload = bucket_payload(bucket, self.group_name)
         if version is not None:
             payload["weight_version"] = str(version)
         wait = announce(payload) if announce is not None else None
-        dist.broadcast(flat, src=self.src, group=self.group)
-        if wait is not None:
-            wait()
-        t2 = time.perf_counter()
+        work = dist.broadcast(flat, src=self.src, group=self.group, async_op=cuda)
+        inflight[k] = (work, wait)
+        if not cuda:
+            _finish(inflight[k])
+            inflight[k] = None
         stats.flatten_s += t1 - t0
-        stats.broadcast_s += t2 - t1
+        stats.broadcast_s += time.perf_counter() - t1
         stats.buckets += 1
         stats.tensors += len(bucket)
-        stats.bytes += flat.numel()
-        stats.per_bucket_bytes.append(flat.numel())
+        stats.bytes += nbytes
+        stats.per_bucket_bytes.append(nbytes)
+
+
+def _finish(slot: tuple[Any, Callable[[], None] | None] | None) -> None:
+    if slot is None:
+        return
+    work, wait = slot
+    if work is not None:
+        work.wait()
+    if wait is not None:
+        wait()
 
 
 def _timed_iter(it: Iterator[tuple[str, torch.Tensor]], stats: ExportStats) -> Iterator[tuple[str, torch.Tensor]]:
