@@ -29,6 +29,8 @@ def _init_single_gpu() -> None:
     torch.cuda.set_device(0)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    model_parallel_cuda_manual_seed(0)
 
 
 def run(arch: str, seqlens: list[int], iters: int) -> dict:

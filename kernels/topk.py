@@ -37,6 +37,11 @@ TOPK_CONFIGS = [
     KernelConfig.make(SEG=8192, BLOCK=1024, RADIX_BITS=8, FULL_PASSES=2, CAP=4096, num_warps=4, num_stages=1),
     KernelConfig.make(SEG=4096, BLOCK=512, RADIX_BITS=7, FULL_PASSES=2, CAP=8192, num_warps=4, num_stages=1),
     KernelConfig.make(SEG=2048, BLOCK=512, RADIX_BITS=8, FULL_PASSES=2, CAP=4096, num_warps=2, num_stages=1),
+    # sampled threshold (kernels/topk_sample.py): one compaction read of the row, then exact select
+    KernelConfig.make(SAMPLES=2048, BLOCK=1024, RADIX_BITS=8, CAP=8192, num_warps=4, num_stages=1),
+    KernelConfig.make(SAMPLES=4096, BLOCK=1024, RADIX_BITS=8, CAP=8192, num_warps=8, num_stages=1),
+    KernelConfig.make(SAMPLES=2048, BLOCK=2048, RADIX_BITS=8, CAP=8192, num_warps=8, num_stages=1),
+    KernelConfig.make(SAMPLES=2048, BLOCK=512, RADIX_BITS=7, CAP=8192, num_warps=4, num_stages=1),
 ]
 TOPK_TUNER = Autotuner("indexer_topk", TOPK_CONFIGS)
 
@@ -162,8 +167,17 @@ def _emit_compact(row_ptr, out_row, ckey_row, cidx_row, n, prefix, pmask, remain
         written += tl.sum(top_i, axis=0)
         n_cand += tl.sum(cand_i, axis=0)
     tl.debug_barrier()  # candidates written by all threads before any thread reads them
+    _finish_candidates(out_row, ckey_row, cidx_row, n_cand, prefix, pmask, remaining, written, shift_ptr,
+                       dmask_ptr, K, FULL_PASSES, N_PASSES, RADIX_BITS, BLOCK)
+
+
+@triton.jit
+def _finish_candidates(out_row, ckey_row, cidx_row, n_cand, prefix, pmask, remaining, written, shift_ptr,
+                       dmask_ptr, K: tl.constexpr, FIRST_PASS: tl.constexpr, N_PASSES: tl.constexpr,
+                       RADIX_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Candidates (keys + indices, in index order) hold the k-th key; `written` keys are already out."""
     # 2. remaining digits on the candidates only
-    for p in tl.static_range(FULL_PASSES, N_PASSES):
+    for p in tl.static_range(FIRST_PASS, N_PASSES):
         prefix, pmask, remaining, _ = _radix_pass(ckey_row, n_cand, prefix, pmask, remaining,
                                                   tl.load(shift_ptr + p), tl.load(dmask_ptr + p),
                                                   RADIX_BITS, BLOCK, True)
@@ -208,6 +222,11 @@ def topk_rows_chunk(scores, row0, rows, offset, S, topk, out, config: KernelConf
     def launch(cfg: KernelConfig) -> None:
         shifts, masks = _radix_schedule(cfg["RADIX_BITS"], scores.device)
         p = dict(cfg.params)
+        if "SAMPLES" in p:
+            from kernels.topk_sample import topk_rows_sampled
+            topk_rows_sampled(scores, row0, rows, offset, S, topk, out, shifts, masks, samples=p["SAMPLES"],
+                              block=p["BLOCK"], radix_bits=p["RADIX_BITS"], cap=p["CAP"], num_warps=cfg.num_warps)
+            return
         if "SEG" in p:
             from kernels.topk_seg import topk_rows_segmented
             topk_rows_segmented(scores, row0, rows, offset, S, topk, out, shifts, masks, seg=p["SEG"],

@@ -40,6 +40,9 @@ def megatron_single_rank():
     own_mp = not parallel_state.model_parallel_is_initialized()
     if own_mp:
         parallel_state.initialize_model_parallel()
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(0)  # Megatron's GPU init forks this RNG state
     yield
     if own_mp:
         parallel_state.destroy_model_parallel()

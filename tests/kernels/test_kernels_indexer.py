@@ -55,15 +55,21 @@ VARIANTS = {
     "segmented_8bit": {"SEG": 64, "RADIX_BITS": 8, "FULL_PASSES": 2, "CAP": 128},
     "segmented_6bit": {"SEG": 256, "RADIX_BITS": 6, "FULL_PASSES": 3, "CAP": 128},
     "segmented_fallback": {"SEG": 64, "RADIX_BITS": 8, "FULL_PASSES": 2, "CAP": 4},
+    "sampled": {"SAMPLES": 16, "RADIX_BITS": 8, "CAP": 192},  # threshold from 16 samples
+    "sampled_short_rows": {"SAMPLES": 16, "RADIX_BITS": 8, "CAP": 256},  # rows <= CAP: every key a candidate
+    "sampled_fallback": {"SAMPLES": 16, "RADIX_BITS": 8, "CAP": 64},  # candidates overflow: full select
 }
 
 
-def test_segmented_topk_on_causal_rows_with_short_rows(device):
+@pytest.mark.parametrize("variant", [{"SEG": 16, "FULL_PASSES": 2, "CAP": 64}, {"SAMPLES": 8, "CAP": 24}],
+                         ids=["segmented", "sampled"])
+def test_segmented_and_sampled_topk_on_causal_rows_with_short_rows(device, variant):
     # offset 0: rows 0..K-1 have at most K keys (identity + -1 padding); later rows select
     rows, S, K = 40, 40, 16
     scores = torch.randint(0, 6, (rows, S), device=device).float()
+    scores[::3] = torch.randn(len(range(0, rows, 3)), S, device=device)
     out = torch.empty((rows, K), device=device, dtype=torch.int32)
-    cfg = ix.KernelConfig.make(SEG=16, BLOCK=16, RADIX_BITS=8, FULL_PASSES=2, CAP=64, num_warps=4, num_stages=1)
+    cfg = ix.KernelConfig.make(BLOCK=16, RADIX_BITS=8, num_warps=4, num_stages=1, **variant)
     ix.topk_rows_chunk(scores, 0, rows, 0, S, K, out, config=cfg)
     masked = scores.masked_fill(torch.ones(rows, S, dtype=torch.bool, device=device).triu(1), float("-inf"))
     want = select_topk(masked, torch.arange(rows, device=device) + 1, K, stable=True)
@@ -142,3 +148,18 @@ def test_every_gpu_config_is_correct():
         got = torch.empty((T, 256), device="cuda", dtype=torch.int32)
         ix.topk_rows_chunk(ref.clone(), 0, T, 0, S, 256, got, config=cfg)
         assert torch.equal(got, want), cfg.describe()
+
+
+def test_sampled_threshold_path_is_exact_when_candidates_fit(device):
+    rows, S, K, samples, cap = 12, 400, 16, 128, 128
+    scores = torch.randn(rows, S, device=device)
+    # the premise: every row's sampled threshold leaves between K and CAP candidates (no fallback)
+    stride = -(-S // samples)
+    r = (3 * K) // (2 * stride) + 4
+    t = scores[:, ::stride].sort(dim=1, descending=True).values[:, r - 1:r]
+    counts = (scores >= t).sum(dim=1)
+    assert ((counts >= K) & (counts <= cap)).all(), counts
+    out = torch.empty((rows, K), device=device, dtype=torch.int32)
+    cfg = ix.KernelConfig.make(SAMPLES=samples, BLOCK=64, RADIX_BITS=8, CAP=cap, num_warps=4, num_stages=1)
+    ix.topk_rows_chunk(scores, 0, rows, S - 1, S, K, out, config=cfg)
+    assert torch.equal(out, select_topk(scores, torch.full((rows,), S, device=device), K, stable=True))
