@@ -36,6 +36,11 @@ CONFIGS = [
     KernelConfig.make(BLOCK_H=32, BLOCK_N=32, num_warps=4, num_stages=3),
     KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
     KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3),
+    # Round 3: Triton's warp specialisation of the key loop (producer / consumer warps, what
+    # FlashMLA does by hand); configs the compiler cannot partition are skipped by the tuner.
+    KernelConfig.make(BLOCK_H=64, BLOCK_N=64, WS=1, num_warps=8, num_stages=2),
+    KernelConfig.make(BLOCK_H=64, BLOCK_N=64, WS=1, num_warps=8, num_stages=3),
+    KernelConfig.make(BLOCK_H=64, BLOCK_N=32, WS=1, num_warps=8, num_stages=3),
 ]
 TUNER = Autotuner("sparse_mla_fwd", CONFIGS)
 LOG2E = 1.4426950408889634
@@ -45,7 +50,7 @@ LOG2E = 1.4426950408889634
 def _sparse_mla_fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n_idx,
                            stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
                            HEADS: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < HEADS
@@ -57,7 +62,7 @@ def _sparse_mla_fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2,
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_V], tl.float32)
-    for start in range(0, n_idx, BLOCK_N):
+    for start in tl.range(0, n_idx, BLOCK_N, warp_specialize=WS):
         j = start + tl.arange(0, BLOCK_N)
         ids = tl.load(idx_ptr + t * stride_it + j, mask=j < n_idx, other=-1)
         valid = ids >= 0
@@ -114,7 +119,7 @@ def sparse_mla_forward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_
             q, kv, idx, out, lse, sm_scale * LOG2E, idx.shape[1], q.stride(0), q.stride(1),
             kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0),
             HEADS=heads, D_V=d_v, D_R=d_r, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"],
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            WS=bool(dict(cfg.params).get("WS", 0)) and q.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     cfg = TUNER.choose((T, kv.shape[0], heads, dim, idx.shape[1], q.dtype), q.device, launch)
     launch(cfg)
