@@ -53,10 +53,30 @@ def validate_loop(measured: dict, seed: int = 0) -> dict:
     if "sync" in out and "async" in out:
         out["speedup"] = {"predicted": out["sync"]["predicted"]["wall_s"] / out["async"]["predicted"]["wall_s"],
                           "measured": measured.get("speedup")}
+        s, a = measured["modes"]["sync"], measured["modes"]["async"]
+        # What-ifs: async with the episode durations measured in SYNC mode, where rollouts did not
+        # share the CPU with 95 other episodes and the trainer (as on separate machines), and the
+        # trainer time per step measured in either mode.
+        out["async_if_episodes_uncontended"] = {
+            f"trainer_step_as_in_{mode}": _what_if(measured, s["episode_durations_s"], m["trainer_busy_s"] / m["steps"],
+                                                   seed)
+            for mode, m in (("sync", s), ("async", a))}
     return out
 
 
-def run_capacity(out_path: str | Path, config: str, overrides: list[str], a: Assumptions = Assumptions(),
+def _what_if(measured: dict, durations: list[float], trainer_s: float, seed: int) -> dict:
+    w, s = measured["workload"], measured["modes"]["sync"]
+    shape = LoopShape(w["prompts_per_step"], w["group_size"], w["max_staleness"], w["in_flight"], trainer_s, s["steps"])
+    preds = [summarize(simulate("async", shape, empirical_draw(durations, random.Random(seed + i))), s["steps"])
+             for i in range(20)]
+    wall = sum(p["wall_s"] for p in preds) / len(preds)
+    return {"trainer_s_per_step": trainer_s, "wall_s": wall,
+            "trainer_idle_ratio": sum(p["trainer_idle_ratio"] for p in preds) / len(preds),
+            "speedup_vs_measured_sync": s["wall_s"] / wall,
+            "staleness_p95": sum(p["staleness_p95"] for p in preds) / len(preds)}
+
+
+def run_capacity(out_path: str | Path, config: str, overrides: list[str], a: Assumptions | None = None,
                  measured_path: str | Path | None = None) -> dict:
     from agentrl.config.loader import load_config
     from agentrl.config.plan import resolve_plan
@@ -64,7 +84,8 @@ def run_capacity(out_path: str | Path, config: str, overrides: list[str], a: Ass
     cfg = load_config(config, overrides)
     plan = resolve_plan(cfg)
     report: dict[str, Any] = {"benchmark": "capacity", "machine": machine(), "config": config, "overrides": overrides,
-                              "plan_estimate": plan_capacity(cfg, plan, a), "params_check": check_param_counts()}
+                              "plan_estimate": plan_capacity(cfg, plan, a or Assumptions()),
+                              "params_check": check_param_counts()}
     est = report["plan_estimate"]
     report["reference_check"] = {
         "reference_step_s": est["reference_step_s"], "predicted_async_step_s": est["loop"]["async"]["step_s"],
