@@ -97,3 +97,14 @@ async def test_real_local_sandbox_spends_the_drawn_time(tmp_path):
     finally:
         await env.close()
         await prov.aclose()
+
+
+async def test_context_words_make_a_fixed_per_task_prompt():
+    env = LognormalEnv(_Recorder(), context_words=50)
+    a = (await env.reset("lognormal-1", episode_id="x")).text
+    b = (await env.reset("lognormal-1", episode_id="y")).text
+    c = (await env.reset("lognormal-2", episode_id="x")).text
+    await env.close()
+    assert a == b != c and len(a.split("Context: ")[1].split()) == 50
+    with pytest.raises(ValueError, match="context_words"):
+        LognormalEnv(_Recorder(), context_words=-1)

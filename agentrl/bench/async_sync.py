@@ -46,6 +46,7 @@ class Workload:
     in_flight: int = 96  # async: episodes at once (sync runs one step's batch at a time)
     max_new_tokens: int = 4  # the reward reads the first letter; the engine is 1 CPU thread
     lr: float = 2e-2
+    context_words: int = 0  # per-task prompt text: makes the trainer's step longer, like long trajectories
     seed: int = 0
 
     @property
@@ -64,7 +65,8 @@ class Workload:
 
 def overrides(w: Workload, mode: str, run_dir: Path) -> list[str]:
     """The `--set` list that turns the local recipe into this workload in `mode`."""
-    kwargs = {"median_s": w.median_s, "sigma": w.sigma, "max_s": w.max_s, "num_tasks": 8, "seed": w.seed}
+    kwargs = {"median_s": w.median_s, "sigma": w.sigma, "max_s": w.max_s, "num_tasks": 8, "seed": w.seed,
+              "context_words": w.context_words}
     return [
         f"mode={mode}", f"seed={w.seed}", f"logging.run_dir={run_dir}", "cluster.dashboard=false",
         "env.name=lognormal", f"env.kwargs={json.dumps(kwargs)}", "env.eval_every=0",

@@ -10,7 +10,9 @@ rerun of the same episode takes the same time.
 Reward is a checkable rule on the model's reply, so a policy can learn it: 1.0 when the reply's
 first non-space character is one of `target_chars` (default: a vowel; ~23% of the tiny
 tokenizer's tokens start with one), else 0.0. Use agent.action_format=text so the whole reply is
-the action. Registered as entry point `lognormal` in group `agentrl.envs`.
+the action. `context_words` adds a fixed per-task description to the prompt: agentic trajectories
+are long, so training costs scale with their tokens while engines reuse the shared prefix.
+Registered as entry point `lognormal` in group `agentrl.envs`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ PROMPT = "Answer with one word."
 
 class LognormalEnv:
     def __init__(self, provider: SandboxProvider | None = None, median_s: float = 1.0, sigma: float = 1.0,
-                 max_s: float = 60.0, num_tasks: int = 8, seed: int = 0, target_chars: str = "aeiou"):
+                 max_s: float = 60.0, num_tasks: int = 8, seed: int = 0, target_chars: str = "aeiou",
+                 context_words: int = 0):
         for name, value in (("median_s", median_s), ("max_s", max_s)):
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"LognormalEnv: {name} must be a number > 0, got {value!r}")
@@ -36,6 +39,8 @@ class LognormalEnv:
             raise ValueError(f"LognormalEnv: sigma must be a number >= 0, got {sigma!r}")
         if not isinstance(num_tasks, int) or num_tasks < 1:
             raise ValueError(f"LognormalEnv: num_tasks must be an integer >= 1, got {num_tasks!r}")
+        if not isinstance(context_words, int) or context_words < 0:
+            raise ValueError(f"LognormalEnv: context_words must be an integer >= 0, got {context_words!r}")
         if not target_chars:
             raise ValueError("LognormalEnv: target_chars must name at least one character")
         if provider is None:
@@ -43,6 +48,7 @@ class LognormalEnv:
         self.provider = provider
         self.median_s, self.sigma, self.max_s = float(median_s), float(sigma), float(max_s)
         self.num_tasks, self.seed, self.target_chars = num_tasks, seed, target_chars.lower()
+        self.context_words = context_words
         self._state = State()
         self._sandbox: Sandbox | None = None
         self._reply: str | None = None
@@ -70,7 +76,16 @@ class LognormalEnv:
         self._reply = None
         self.duration_s = self.draw_duration(episode_id or task_id)
         self._sandbox = await self.provider.create(SandboxSpec(labels={"env": "lognormal", "task": task_id}))
-        return Observation(text=f"{PROMPT} ({task_id})")
+        return Observation(text=f"{PROMPT} ({task_id})" + self.context(task_id))
+
+    def context(self, task_id: str) -> str:
+        """The task's fixed description: `context_words` pseudo-words, the same on every call."""
+        if not self.context_words:
+            return ""
+        rng = random.Random(f"{self.seed}:{task_id}:context")
+        letters = "abcdefghijklmnopqrstuvwxyz"
+        words = ("".join(rng.choice(letters) for _ in range(rng.randint(2, 7))) for _ in range(self.context_words))
+        return "\nContext: " + " ".join(words)
 
     async def step(self, action: Action) -> Observation:
         if self._sandbox is None:
