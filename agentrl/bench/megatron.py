@@ -137,6 +137,7 @@ def run_single(out: Path, *, five_layer: bool = True, five_layer_experts: int = 
     report: dict[str, Any] = {"machine": machine(), "driver": driver_version()}
     with stage(report, "tiny_parity") as rec:
         parity_run(rec, hf_config_for("tiny"), steps=3, n=8, length=64, lr=1e-3, max_tokens=160)
+    _write(out, report)
     if five_layer:
         with stage(report, "five_layer_parity") as rec:
             cfg = hf_config_for("GLM-5.2_5layer", n_routed_experts=five_layer_experts)
@@ -150,7 +151,7 @@ def run_single(out: Path, *, five_layer: bool = True, five_layer_experts: int = 
 
 # ---------------------------------------------------------------- two processes
 
-def run_dual(out: Path, *, export_gib: float = 8.0, bucket_mb: int = 256, seed: int = 0) -> dict:
+def run_dual(out: Path, *, export_gib: float = 8.0, bucket_mb: int = 256, seed: int = 0, small: bool = False) -> dict:
     """Under torchrun with 2 ranks (NCCL on GPUs, gloo on CPU)."""
     import torch.distributed as dist
 
@@ -180,9 +181,9 @@ def run_dual(out: Path, *, export_gib: float = 8.0, bucket_mb: int = 256, seed: 
     with stage(report, "tp2_attempt") as rec:
         rec.update(tp2_attempt())
     with stage(report, "weight_broadcast") as rec:
-        rec.update(broadcast_bench(rank, export_gib, bucket_mb, fp8=False))
+        rec.update(broadcast_bench(rank, export_gib, bucket_mb, fp8=False, small=small))
     with stage(report, "weight_broadcast_fp8") as rec:
-        rec.update(broadcast_bench(rank, export_gib, bucket_mb, fp8=True))
+        rec.update(broadcast_bench(rank, export_gib, bucket_mb, fp8=True, small=small))
     if rank == 0:
         _write(out, report)
     dist.barrier()
@@ -202,6 +203,10 @@ def tp2_attempt() -> dict:
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
     result: dict[str, Any] = {}
     try:
         for sp in (True, False):
@@ -228,15 +233,17 @@ def tp2_attempt() -> dict:
     return result
 
 
-def synthetic_hf_weights(gib: float, device: torch.device) -> list[tuple[str, torch.Tensor]]:
-    """bf16 tensors with GLM-5.2 shapes and HF names, layer after layer, until `gib` GiB."""
-    h, q, kv, heads = 6144, 2048, 512, 64
+def synthetic_hf_weights(gib: float, device: torch.device, small: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """bf16 tensors with GLM-5.2 shapes and HF names (32 of its 256 experts per layer), layer after
+    layer, until `gib` GiB. `small`: widths / 16 and 4 experts (CPU smoke runs)."""
+    h, q, kv, heads = (384, 128, 32, 4) if small else (6144, 2048, 512, 64)
+    inter, experts = (128, 4) if small else (2048, 32)
     shapes = [("self_attn.q_a_proj.weight", (q, h)), ("self_attn.q_b_proj.weight", (heads * 256, q)),
               ("self_attn.kv_a_proj_with_mqa.weight", (kv + 64, h)), ("self_attn.kv_b_proj.weight", (heads * 448, kv)),
               ("self_attn.o_proj.weight", (h, heads * 256)), ("input_layernorm.weight", (h,)),
               ("mlp.gate.weight", (256, h))]
-    shapes += [(f"mlp.experts.{e}.{p}.weight", (2048, h) if p != "down_proj" else (h, 2048))
-               for e in range(32) for p in ("gate_proj", "up_proj", "down_proj")]
+    shapes += [(f"mlp.experts.{e}.{p}.weight", (inter, h) if p != "down_proj" else (h, inter))
+               for e in range(experts) for p in ("gate_proj", "up_proj", "down_proj")]
     g = torch.Generator(device=device).manual_seed(0)
     out, total, layer = [], 0, 0
     while total < gib * 2**30:
@@ -248,7 +255,7 @@ def synthetic_hf_weights(gib: float, device: torch.device) -> list[tuple[str, to
     return out
 
 
-def broadcast_bench(rank: int, gib: float, bucket_mb: int, *, fp8: bool, repeats: int = 3) -> dict:
+def broadcast_bench(rank: int, gib: float, bucket_mb: int, *, fp8: bool, repeats: int = 5, small: bool = False) -> dict:
     """Rank 0 exports, rank 1 receives (the engine side), over a weight-update group built as the
     trainer builds it for SGLang (nccl_export.init_weights_update_group). Raw baseline: the same bucket byte sizes broadcast from a preallocated buffer."""
     import torch.distributed as dist
@@ -269,7 +276,7 @@ def broadcast_bench(rank: int, gib: float, bucket_mb: int, *, fp8: bool, repeats
     port = int(os.environ.get("MASTER_PORT", "29500")) + 7 + (1 if fp8 else 0)
     group = init_weights_update_group("127.0.0.1", port, rank, 2, f"bench_fp8_{fp8}", backend="nccl" if cuda else "gloo")
     bucket_bytes = bucket_mb << 20
-    named = synthetic_hf_weights(gib, device) if rank == 0 else []
+    named = synthetic_hf_weights(gib, device, small) if rank == 0 else []
     # Payloads once, untimed (SGLang gets them by HTTP while the broadcast runs).
     plans = [None]
     if rank == 0:
@@ -366,6 +373,11 @@ def merge(single: Path, dual: Path, offload: Path, out: Path) -> dict:
     bf = [x for st in (s.get("stages") or {}).values() if st.get("ok") for x in st.get("rel_diff_bfloat16", [])]
     if bf:
         report["loss_parity_bf16_max_rel_diff"] = max(bf)
+    ep2 = (d.get("stages") or {}).get("tiny_ep2") or {}
+    one = (s.get("stages") or {}).get("tiny_parity") or {}
+    if ep2.get("ok") and one.get("ok"):  # same weights, same batch: EP2 x DP2 against one process
+        report["ep2_vs_single_rel_diff"] = [abs(a["loss"] - b["loss"]) / max(abs(b["loss"]), 1e-12)
+                                            for a, b in zip(ep2["steps"], one["megatron_float32"])]
     wb = (d.get("stages") or {}).get("weight_broadcast") or {}
     if wb.get("ok") and wb.get("received_equals_sent"):
         report["weight_broadcast_efficiency"] = wb["efficiency"]

@@ -120,12 +120,12 @@ def init_weights_update_group(master_address: str, master_port: int, rank: int, 
                               group_name: str, backend: str = "nccl", timeout_s: float = 600.0) -> Any:
     """A process group outside the default world (trainer rank 0 + engine ranks), built from a tcp://
     rendezvous with the group name as store prefix, as SGLang's engines build theirs."""
-    from torch.distributed.distributed_c10d import _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
+    # The store a tcp:// rendezvous makes, built directly: under torchrun, rendezvous() would join the
+    # launcher's agent store instead and nobody would serve master_port.
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
     store = dist.PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}

@@ -90,6 +90,8 @@ class MegatronBackend:
         extra: dict[str, Any] = {}
         if self.device.type == "cpu":  # the alltoall dispatcher creates a CUDA stream; allgather is equivalent at EP 1
             extra.update(use_cpu_initialization=True, moe_token_dispatcher_type="allgather")
+        if hf_state is not None or megatron_checkpoint is not None:
+            extra["perform_initialization"] = False  # every weight is overwritten next
         torch.manual_seed(seed)
         with cpu_megatron():
             self.model = build_gpt_model(hf_config, train.parallel, use_te=False, qk_norm_eps=qk_norm_eps,
