@@ -196,6 +196,15 @@ def _train(cfg, plan) -> None:
         summary = asyncio.run(Orchestrator(cfg, plan).run())
     except KeyboardInterrupt:
         _fail("interrupted; engines, workers and sandboxes were stopped", code=130)
+    except Exception as e:
+        from ray.exceptions import RayActorError
+
+        if not isinstance(e, RayActorError):
+            raise
+        who = next((ln.split(":", 1)[1].strip() for ln in str(e).splitlines() if "class_name:" in ln), "an actor")
+        _fail(f"the run stopped: {who} died ({type(e).__name__}; killed, out of memory or crashed). Processes "
+              f"and sandboxes were stopped; accepted trajectories are kept in {cfg.logging.run_dir}/replay.log.jsonl. "
+              f"Run the same command again to resume from the last checkpoint.", code=1)
     typer.echo(json.dumps({"run_dir": str(cfg.logging.run_dir), "steps": summary["steps"],
                            "wall_s": round(summary["wall_s"], 1), "evals": summary["evals"]}))
 
