@@ -323,6 +323,21 @@ class Orchestrator:
             except Exception:  # an engine between restarts has no info; the next check retries
                 pass
 
+    async def _sweep_sandboxes(self) -> None:
+        """Delete the run's sandboxes that episode workers did not close: a worker interrupted by
+        Ctrl-C (the whole process group gets SIGINT) or killed leaves its sandboxes behind."""
+        from agentrl.sandbox.factory import make_provider
+
+        try:
+            provider = make_provider(self.cfg.sandbox, self.run_id)
+            n = await provider.sweep()
+            await provider.aclose()
+        except Exception as e:  # noqa: BLE001 - shutting down: report and go on
+            self.progress.note(f"could not sweep this run's sandboxes: {e}")
+            return
+        if n:
+            self.progress.note(f"deleted {n} sandbox(es) the episode workers left behind")
+
     async def _shutdown(self) -> None:
         import ray
 
@@ -330,6 +345,7 @@ class Orchestrator:
             t.cancel()
         if getattr(self, "workers", None):
             await asyncio.gather(*(w.shutdown.remote() for w in self.workers), return_exceptions=True)
+            await self._sweep_sandboxes()
         if getattr(self, "engines", None):
             await asyncio.gather(*(e.stop.remote() for e in self.engines), return_exceptions=True)
         if getattr(self, "ray", None) and self.ray.started_here:
