@@ -107,7 +107,7 @@ class LauncherRun:
             args += ["--set", s]
         env = {**os.environ, "TMPDIR": str(tmpdir), "DAYTONA_API_KEY": PLANTED_KEY, "RAY_USAGE_STATS_ENABLED": "0"}
         self.p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
-                                  start_new_session=True)
+                                  start_new_session=True, preexec_fn=_as_in_a_terminal)
         self.text: list[str] = []
         self.seen: dict[int, str] = {}
         self.started = time.monotonic()
@@ -169,6 +169,12 @@ class LauncherRun:
                     pass
 
 
+def _as_in_a_terminal() -> None:
+    """Ctrl-C works as in a terminal even when this suite runs in the background (`cmd &`), where
+    the shell starts it with SIGINT ignored, and an ignored signal stays ignored across exec."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class _Scratch:
     """A short TMPDIR (Ray's socket paths must stay under ~107 bytes), removed at the end."""
 
@@ -206,7 +212,11 @@ def _check_training_record(c: Checks, run_dir: Path, steps: int) -> None:
     c(not infra & set(groups), f"{len(infra)} group(s) with an infra error, none trained")
 
 
-def _lost(c: Checks, run_dir: Path) -> int:
+def _lost(c: Checks, run_dir: Path, *runs: LauncherRun) -> int:
+    for i, r in enumerate(runs):
+        c.details[f"launcher_stderr_tail_{i}"] = r.stderr[-1500:]
+    if not c(run_dir.joinpath("replay.log.jsonl").exists(), "the run wrote its replay log"):
+        return 0
     lost, counts = lost_trajectories(run_dir)
     c.details["replay_log"] = counts
     return lost
@@ -229,7 +239,7 @@ def engine_killed(tmp: Path) -> Outcome:
         c(True, f"{len(bad)} episode(s) that the dead engine held ended infra_error:engine")
         _check_training_record(c, tmp / "run", 3)
         c(not run.leftovers(), "no process left")
-    return c.outcome(_lost(c, tmp / "run"))
+    return c.outcome(_lost(c, tmp / "run", run))
 
 
 def worker_killed(tmp: Path) -> Outcome:
@@ -247,7 +257,7 @@ def worker_killed(tmp: Path) -> Outcome:
           "the orchestrator re-admitted the dead worker's groups")
         _check_training_record(c, tmp / "run", 3)
         c(not run.leftovers(), "no process left")
-    return c.outcome(_lost(c, tmp / "run"))
+    return c.outcome(_lost(c, tmp / "run", run))
 
 
 def trainer_killed_then_resumed(tmp: Path) -> Outcome:
@@ -260,7 +270,9 @@ def trainer_killed_then_resumed(tmp: Path) -> Outcome:
         for pid in trainers:
             os.kill(pid, signal.SIGKILL)
         rc = run.finish()
-        c(rc != 0, f"the run stopped with exit {rc}: {run.stderr.strip().splitlines()[-1][:160]}")
+        said = [ln for ln in run.text if ln.startswith("error: the run stopped")]
+        c(rc == 1 and said and "TrainerWorker died" in said[0] and "Traceback" not in run.stderr,
+          f"the run stopped with exit {rc}: {said[0].strip()[:200] if said else run.stderr[-200:]}")
         c(not run.leftovers(), "no process of the crashed run left")
         before = {r["episode_id"] for r in _traj_records(tmp / "run")}
         again = LauncherRun(tmp / "run", t, "train.max_steps=3", "train.checkpoint_every=1")
@@ -271,7 +283,7 @@ def trainer_killed_then_resumed(tmp: Path) -> Outcome:
         c(before <= after, f"all {len(before)} trajectories accepted before the kill are still in the log")
         _check_training_record(c, tmp / "run", 3)
         c(not again.leftovers(), "no process left")
-    return c.outcome(_lost(c, tmp / "run"))
+    return c.outcome(_lost(c, tmp / "run", run, again))
 
 
 def sigint_launcher(tmp: Path) -> Outcome:
@@ -294,7 +306,7 @@ def sigint_launcher(tmp: Path) -> Outcome:
         root = t / "agentrl-sandboxes"
         remaining = [p for p in root.rglob("sbx-*")] if root.exists() else []
         c(not remaining, f"every sandbox deleted ({len(remaining)} sandbox folders left)")
-    return c.outcome(_lost(c, tmp / "run"))
+    return c.outcome(_lost(c, tmp / "run", run))
 
 
 def secret_scan_of_a_run(tmp: Path) -> Outcome:
@@ -323,7 +335,7 @@ def secret_scan_of_a_run(tmp: Path) -> Outcome:
         c(ours and all(a == "127.0.0.1" for a, _ in ours), f"dashboard and engines listen on {sorted(set(ours))}")
         c.details["other_listeners"] = sorted({(a, p, tree.get(pid, "")[:60]) for pid, a, p in socks
                                                if (a, p) not in ours})
-    return c.outcome(_lost(c, tmp / "run"))
+    return c.outcome(_lost(c, tmp / "run", run))
 
 
 DISK_FULL_CHILD = r"""
