@@ -10,7 +10,15 @@ import shutil
 
 import pytest
 
-from agentrl.bench.faults import Checks, Outcome, Scenario, lost_trajectories, run_faults, run_scenario, select
+from agentrl.bench.faults import (
+    Checks,
+    Outcome,
+    Scenario,
+    lost_trajectories,
+    run_faults,
+    run_scenario,
+    select,
+)
 
 HAVE_TOOLS = bool(shutil.which("bwrap") and shutil.which("tmux"))
 # Scenarios that import transformers and build models cost ~20-30 s each on a loaded 2-core machine;
@@ -111,7 +119,7 @@ def test_lost_trajectories_counts_from_the_log(tmp_path, monkeypatch):
     buf.mark_trained(1, buf.take_batch(1, 0).group_ids)
     buf.close()
     assert lost_trajectories(tmp_path)[0] == 0
-    lost, counts = lost_trajectories(tmp_path)
+    _, counts = lost_trajectories(tmp_path)
     assert counts == {"accepted": 7, "in_trained_groups": 2, "in_retired_groups": 0, "back_in_buffer": 5, "lost": 0}
     # A recovery that drops a group (the bug this count exists to catch) shows as lost.
     real = ReplayBuffer._insert

@@ -37,7 +37,7 @@ def malformed_task_toml(tmp: Path) -> Outcome:
     c(ids == ["create-greeting"] and set(env.invalid_tasks) == {"malformed-toml", "broken-syntax"},
       f"the env serves only the valid task {ids} and lists the invalid ones with their errors")
     r = subprocess.run([sys.executable, "-m", "agentrl.cli", "tasks", "check", str(tasks / "malformed-toml"),
-                        "--json"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+                        "--json"], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
     c("timeout_sec" in r.stdout + r.stderr, f"`agentrl tasks check` names the field (exit {r.returncode})")
     return c.outcome()
 
@@ -142,7 +142,7 @@ def bad_config_value(tmp: Path) -> Outcome:
             c(needle in str(e), f"--set {item}: {first[:140]}")
     r = subprocess.run([sys.executable, str(ROOT / "launchers" / "run_glm5_2_daytona.py"), "train",
                         "--model-name", "tiny", "--num-nodes", "1", "--set", "buffer.max_staleness=-3", "--dry-run"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+                       capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
     c(r.returncode == 2 and "buffer.max_staleness" in r.stderr and "Traceback" not in r.stderr,
       f"launcher: exit {r.returncode}, stderr names buffer.max_staleness, no traceback")
     return c.outcome()

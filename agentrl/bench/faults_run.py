@@ -107,7 +107,8 @@ class LauncherRun:
             args += ["--set", s]
         env = {**os.environ, "TMPDIR": str(tmpdir), "DAYTONA_API_KEY": PLANTED_KEY, "RAY_USAGE_STATS_ENABLED": "0"}
         self.p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
-                                  start_new_session=True, preexec_fn=_as_in_a_terminal)
+                                  start_new_session=True,
+                                  preexec_fn=_as_in_a_terminal)  # noqa: PLW1509 - no threads start runs
         self.text: list[str] = []
         self.seen: dict[int, str] = {}
         self.started = time.monotonic()
@@ -374,7 +375,7 @@ def replay_log_disk_full(tmp: Path) -> Outcome:
     d.mkdir()
     script = (f"mount -t tmpfs -o size=256k tmpfs {d} && exec {sys.executable} -c \"$0\" {d}")
     r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, DISK_FULL_CHILD],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+                       capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
     if r.returncode != 0 or not r.stdout.strip():
         c(False, f"the disk-full child ran (exit {r.returncode}): {r.stderr.strip()[-300:]}")
         return c.outcome()

@@ -203,7 +203,7 @@ async def hanging_command(tmp: Path) -> Outcome:
     from agentrl.sandbox.local_procs import pids_in_namespace
 
     c = Checks()
-    async with local_box(tmp) as (p, box):
+    async with local_box(tmp) as (_p, box):
         before = len(pids_in_namespace(box._ns))
         t0 = time.monotonic()
         r = await box.exec("echo started; sleep 1000 & setsid sleep 1001 & tail -f /dev/null", timeout_s=2)
@@ -219,7 +219,7 @@ async def hanging_command(tmp: Path) -> Outcome:
 
 async def gigabyte_of_output(tmp: Path) -> Outcome:
     c = Checks()
-    async with local_box(tmp) as (p, box):
+    async with local_box(tmp) as (_p, box):
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t0 = time.monotonic()
         r = await box.exec("head -c 1G /dev/zero | tr '\\0' x; echo; echo tail-marker",

@@ -41,7 +41,7 @@ async def sandbox_isolation(tmp: Path) -> Outcome:
     host_file = tmp / "host-owned.txt"
     host_file.write_text("original\n")
     try:
-        async with local_box(tmp) as (p, box):
+        async with local_box(tmp) as (_p, box):
             r = await box.exec(f"exec 3<>/dev/tcp/127.0.0.1/{port} && echo connected || echo refused", timeout_s=10)
             c("refused" in r.output, f"a listener on the host's 127.0.0.1:{port} is unreachable")
             r = await box.exec("exec 3<>/dev/tcp/1.1.1.1/53 && echo connected || echo unreachable", timeout_s=10)
@@ -78,7 +78,7 @@ async def process_flood(tmp: Path) -> Outcome:
 
     c = Checks()
     flood = MAX_PIDS + 500  # bounded: even without a watchdog this could not exhaust the host
-    async with local_box(tmp) as (p, box):
+    async with local_box(tmp) as (_p, box):
         ns = box._ns
         t0 = time.monotonic()
         try:
@@ -101,13 +101,13 @@ def secret_in_plan_output(tmp: Path) -> Outcome:
     for extra in (["--dry-run"], ["--dry-run", "--json"]):
         r = subprocess.run([sys.executable, str(ROOT / "launchers" / "run_glm5_2_daytona.py"), "train",
                             "--num-nodes", "16", "--sandbox", "daytona", *extra], capture_output=True, text=True,
-                           cwd=ROOT, timeout=120, env=env)
+                           cwd=ROOT, timeout=120, env=env, check=False)
         c(r.returncode == 0, f"train --num-nodes 16 --sandbox daytona {' '.join(extra)} printed the plan")
         outs.append(r.stdout + r.stderr)
     c(all(PLANTED_KEY not in o for o in outs), "the planted key appears in neither output")
     r = subprocess.run([sys.executable, str(ROOT / "launchers" / "run_glm5_2_daytona.py"), "train", "--num-nodes",
                         "16", "--dry-run", "--set", f"rollout.sglang.env.DAYTONA_API_KEY={PLANTED_KEY}"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
+                       capture_output=True, text=True, cwd=ROOT, timeout=120, env=env, check=False)
     c(r.returncode == 2 and "DAYTONA_API_KEY" in r.stderr and PLANTED_KEY not in r.stdout + r.stderr,
       f"a key put into an engine's env is refused (exit {r.returncode}) and not echoed")
     return c.outcome()
