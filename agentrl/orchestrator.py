@@ -156,7 +156,7 @@ class Orchestrator:
     async def _run_group(self, w: int, task_id: str, gid: str, n: int) -> None:
         try:
             summaries = await self.workers[w].run_group.remote(task_id, gid, n)
-        except Exception as e:  # the worker actor died: nothing of this group was accepted
+        except Exception as e:  # the worker actor died: the group cannot complete
             self.progress.note(f"episode worker {w} failed ({type(e).__name__}); re-admitting task {task_id}")
             try:  # what the worker had sent of this group can never complete: retire it, counted
                 await self.buffer.retire_incomplete.remote(gid, "worker_lost")
