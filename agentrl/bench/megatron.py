@@ -92,10 +92,13 @@ def hf_model(config: Any, seed: int, device: str):
     from agentrl.models.tiny import randomize_router_bias
 
     torch.manual_seed(seed)
-    with torch.device(device):
+    # Small models are initialised on the CPU generator, so every process (one GPU, two GPUs, CPU)
+    # gets the same weights; a 5-layer model at real widths is initialised on the GPU for speed.
+    init_device = "cpu" if config.hidden_size < 1024 else device
+    with torch.device(init_device):
         model = GlmMoeDsaForCausalLM._from_config(config, attn_implementation="eager", dtype=torch.float32)
     randomize_router_bias(model, seed)
-    return model
+    return model.to(device)
 
 
 def parity_run(rec: dict, config: Any, *, steps: int, n: int, length: int, lr: float, max_tokens: int,
