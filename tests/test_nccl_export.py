@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from agentrl.sync.nccl_export import (
-    buckets_by_bytes,
-    bucket_payload,
+    ExportItem,
     flatten_bucket,
     fp8_eligible,
+    items_payload,
+    plan_buckets,
     quantize_named,
     unflatten_bucket,
 )
@@ -39,7 +40,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_flatten_and_unflatten_are_exact_and_follow_name_order():
     bucket = _weights()
     flat = flatten_bucket(bucket)
-    p = bucket_payload(bucket, "g")
+    p = items_payload([ExportItem(n, t, False) for n, t in bucket], "g")
     assert p["load_format"] == "flattened_bucket" and p["names"] == [n for n, _ in bucket]
     assert p["dtypes"][0] == "bfloat16" and p["shapes"][1] == [200, 130]
     back = unflatten_bucket(flat, p["names"], p["dtypes"], p["shapes"])
@@ -49,11 +50,17 @@ def test_flatten_and_unflatten_are_exact_and_follow_name_order():
         unflatten_bucket(flat[:-1], p["names"], p["dtypes"], p["shapes"])
 
 
-def test_buckets_hold_the_byte_budget_and_keep_order():
+def test_buckets_hold_the_byte_budget_keep_order_and_fp8_pairs():
     named = _weights()
-    buckets = list(buckets_by_bytes(named, 40_000))
-    assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
-    assert all(len(b) == 1 or sum(t.numel() * t.element_size() for _, t in b) <= 40_000 for b in buckets)
+    for fp8 in (False, True):
+        buckets = list(plan_buckets(named, fp8, 40_000))
+        assert [it.name for b in buckets for it in b] == [n for n, _ in named]
+        assert all(len(b) == 1 or sum(it.nbytes() for it in b) <= 40_000 for b in buckets)
+        for b in buckets:  # the planned wire layout is what quantisation produces
+            got = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for it in b for n, t in it.materialise()]
+            assert got == [e for it in b for e in it.entries()]
+            names = items_payload(b, "g")["names"]
+            assert all(n[: -len("_scale_inv")] in names for n in names if n.endswith("_scale_inv"))
 
 
 def test_fp8_quantises_projections_only_and_dequantises_close():

@@ -265,10 +265,8 @@ def broadcast_bench(rank: int, gib: float, bucket_mb: int, *, fp8: bool, repeats
 
     from agentrl.sync.nccl_export import (
         NcclWeightExporter,
-        buckets_by_bytes,
-        bucket_payload,
         init_weights_update_group,
-        quantize_named,
+        plan_buckets,
         receive_bucket,
     )
 
@@ -281,13 +279,11 @@ def broadcast_bench(rank: int, gib: float, bucket_mb: int, *, fp8: bool, repeats
     bucket_bytes = bucket_mb << 20
     named = synthetic_hf_weights(gib, device, small) if rank == 0 else []
     # Payloads once, untimed (SGLang gets them by HTTP while the broadcast runs).
-    plans = [None]
-    if rank == 0:
-        plans = [[bucket_payload(b, "bench") for b in buckets_by_bytes(quantize_named(iter(named), fp8), bucket_bytes)]]
+    exporter = NcclWeightExporter(group, group_name="bench", bucket_bytes=bucket_bytes, fp8=fp8, src=0)
+    plans = [exporter.payloads(named) if rank == 0 else None]
     dist.broadcast_object_list(plans, src=0, group=group)
     payloads = plans[0]
     rec: dict[str, Any] = {"fp8": fp8, "bucket_mb": bucket_mb, "buckets": len(payloads)}
-    exporter = NcclWeightExporter(group, group_name="bench", bucket_bytes=bucket_bytes, fp8=fp8, src=0)
     times, checks = [], []
     for r in range(repeats + 1):  # the first one warms up (and verifies)
         dist.barrier(group=group)
@@ -295,7 +291,6 @@ def broadcast_bench(rank: int, gib: float, bucket_mb: int, *, fp8: bool, repeats
         if rank == 0:
             stats = exporter.export(iter(named), version=r)
             rec["bytes"] = stats.bytes
-            rec.setdefault("quantize_s", []).append(stats.quantize_s)
             rec.setdefault("flatten_s", []).append(stats.flatten_s)
         else:
             for p in payloads:
@@ -307,8 +302,9 @@ def broadcast_bench(rank: int, gib: float, bucket_mb: int, *, fp8: bool, repeats
         if r:
             times.append(time.perf_counter() - t0)
     if rank == 0:  # the checksum of what was sent, bucket by bucket
-        for b in buckets_by_bytes(quantize_named(iter(named), fp8), bucket_bytes):
-            checks.append(sum(float(t.contiguous().view(-1).view(torch.uint8).to(torch.int64).sum()) for _, t in b))
+        for b in plan_buckets(iter(named), fp8, bucket_bytes):
+            checks.append(sum(float(t.contiguous().view(-1).view(torch.uint8).to(torch.int64).sum())
+                              for it in b for _, t in it.materialise()))
     gathered = [None, None]
     dist.all_gather_object(gathered, checks, group=group)
     rec["received_equals_sent"] = gathered[0] == gathered[1]

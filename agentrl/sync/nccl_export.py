@@ -13,7 +13,8 @@ update_weights_from_distributed protocol (REFERENCE.md section 3):
    (`receive_bucket` is that engine side, used by tests and by an embedded receiver).
 3. Optional FP8: 2-D projection weights go as float8_e4m3fn plus a `<name>_scale_inv` fp32 tensor of
    128x128 block scales (kernels/fp8_quant.py on GPU, its torch reference on CPU), the layout of
-   block-FP8 checkpoints that SGLang loads.
+   block-FP8 checkpoints that SGLang loads. Bucket contents are planned from shapes (ExportItem), so
+   quantisation runs inside the copy stream, overlapped with the previous bucket's broadcast.
 """
 
 from __future__ import annotations
@@ -56,32 +57,58 @@ def quantize_named(named: Iterable[tuple[str, torch.Tensor]], fp8: bool) -> Iter
         yield name + "_scale_inv", scales
 
 
-def buckets_by_bytes(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of about `bucket_bytes`; a tensor larger than that is a bucket of its own."""
+@dataclass(frozen=True)
+class ExportItem:
+    """One source weight and what goes on the wire for it: itself, or (e4m3 weight, fp32 scales).
+    Sizes and names are known before any quantisation runs, so buckets can be planned (and
+    announced) first and quantised inside the copy stream."""
+
+    name: str
+    tensor: torch.Tensor
+    fp8: bool
+
+    def entries(self) -> list[tuple[str, str, list[int]]]:
+        shape = list(self.tensor.shape)
+        if not self.fp8:
+            return [(self.name, dtype_name(self.tensor.dtype), shape)]
+        blocks = [-(-shape[0] // 128), -(-shape[1] // 128)]
+        return [(self.name, "float8_e4m3fn", shape), (self.name + "_scale_inv", "float32", blocks)]
+
+    def nbytes(self) -> int:
+        return sum(_nbytes(d, s) for _, d, s in self.entries())
+
+    def materialise(self) -> list[tuple[str, torch.Tensor]]:
+        return list(quantize_named([(self.name, self.tensor)], self.fp8))
+
+
+def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], fp8: bool, bucket_bytes: int) -> Iterator[list[ExportItem]]:
+    """Consecutive items in buckets of about `bucket_bytes` on the wire; a weight's FP8 pair never
+    straddles two buckets."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    bucket: list[tuple[str, torch.Tensor]] = []
+    bucket: list[ExportItem] = []
     size = 0
     for name, t in named:
-        n = t.numel() * t.element_size()
+        item = ExportItem(name, t, fp8 and fp8_eligible(name, t))
+        n = item.nbytes()
         if bucket and size + n > bucket_bytes:
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, t))
+        bucket.append(item)
         size += n
     if bucket:
         yield bucket
 
 
+def items_payload(items: list[ExportItem], group_name: str) -> dict[str, Any]:
+    entries = [e for it in items for e in it.entries()]
+    return {"names": [n for n, _, _ in entries], "dtypes": [d for _, d, _ in entries],
+            "shapes": [s for _, _, s in entries], "group_name": group_name,
+            "load_format": "flattened_bucket", "flush_cache": False}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def bucket_payload(bucket: list[tuple[str, torch.Tensor]], group_name: str) -> dict[str, Any]:
-    """The /update_weights_from_distributed body for one bucket (weight_version added by the caller)."""
-    return {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
-            "shapes": [list(t.shape) for _, t in bucket], "group_name": group_name,
-            "load_format": "flattened_bucket", "flush_cache": False}
 
 
 def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -146,7 +173,6 @@ class ExportStats:
     buckets: int = 0
     tensors: int = 0
     bytes: int = 0
-    quantize_s: float = 0.0
     flatten_s: float = 0.0
     broadcast_s: float = 0.0
     total_s: float = 0.0
@@ -176,15 +202,18 @@ class NcclWeightExporter:
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._side: Any = None  # the copy stream, made on first CUDA export
 
+    def payloads(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
+        """The request bodies `export` will announce, from shapes alone (no data is touched)."""
+        return [items_payload(b, self.group_name) for b in plan_buckets(named, self.fp8, self.bucket_bytes)]
+
     def export(self, named: Iterable[tuple[str, torch.Tensor]], version: int,
                announce: Callable[[dict[str, Any]], Callable[[], None]] | None = None) -> ExportStats:
         stats = ExportStats()
         t_start = time.perf_counter()
-        quantized = _timed_iter(quantize_named(named, self.fp8), stats)
-        pending: list[tuple[str, torch.Tensor]] | None = None
+        pending: list[ExportItem] | None = None
         inflight: list[tuple[Any, Callable[[], None] | None] | None] = [None, None]
         index = 0
-        for bucket in buckets_by_bytes(quantized, self.bucket_bytes):
+        for bucket in plan_buckets(named, self.fp8, self.bucket_bytes):
             if pending is not None:
                 self._send(pending, None, announce, stats, index, inflight)
                 index += 1
@@ -205,31 +234,31 @@ class NcclWeightExporter:
             self._buffers[k] = buf
         return buf
 
-    def _send(self, bucket: list[tuple[str, torch.Tensor]], version: int | None,
+    def _send(self, items: list[ExportItem], version: int | None,
               announce: Callable[[dict[str, Any]], Callable[[], None]] | None, stats: ExportStats,
               index: int, inflight: list) -> None:
         t0 = time.perf_counter()
-        device = bucket[0][1].device
+        device = items[0].tensor.device
         cuda = device.type == "cuda"
         k = index % 2 if cuda else 0
         _finish(inflight[k])  # the buffer's previous broadcast is done before it is overwritten
         inflight[k] = None
-        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+        nbytes = sum(it.nbytes() for it in items)
         buf = self._buffer(k, nbytes, device)
-        if cuda:
+        if cuda:  # quantise + flatten on the copy stream, beside the previous bucket's broadcast
             if self._side is None or self._side.device != device:
                 self._side = torch.cuda.Stream(device=device)
             side = self._side
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                flat = flatten_bucket(bucket, buf)
-            for _, t in bucket:
-                t.record_stream(side)
+                flat = flatten_bucket([e for it in items for e in it.materialise()], buf)
+            for it in items:
+                it.tensor.record_stream(side)
             torch.cuda.current_stream(device).wait_stream(side)
         else:
-            flat = flatten_bucket(bucket, buf)
+            flat = flatten_bucket([e for it in items for e in it.materialise()], buf)
         t1 = time.perf_counter()
-        payload = bucket_payload(bucket, self.group_name)
+        payload = items_payload(items, self.group_name)
         if version is not None:
             payload["weight_version"] = str(version)
         wait = announce(payload) if announce is not None else None
@@ -238,10 +267,10 @@ class NcclWeightExporter:
         if not cuda:
             _finish(inflight[k])
             inflight[k] = None
-        stats.flatten_s += t1 - t0
+        stats.flatten_s += t1 - t0  # host time to quantise (launch, on CUDA) and flatten
         stats.broadcast_s += time.perf_counter() - t1
         stats.buckets += 1
-        stats.tensors += len(bucket)
+        stats.tensors += len(payload["names"])
         stats.bytes += nbytes
         stats.per_bucket_bytes.append(nbytes)
 
@@ -254,17 +283,6 @@ def _finish(slot: tuple[Any, Callable[[], None] | None] | None) -> None:
         work.wait()
     if wait is not None:
         wait()
-
-
-def _timed_iter(it: Iterator[tuple[str, torch.Tensor]], stats: ExportStats) -> Iterator[tuple[str, torch.Tensor]]:
-    while True:
-        t0 = time.perf_counter()
-        try:
-            item = next(it)
-        except StopIteration:
-            return
-        stats.quantize_s += time.perf_counter() - t0
-        yield item
 
 
 def sglang_announcer(clients: list[Any], loop: asyncio.AbstractEventLoop) -> Callable[[dict[str, Any]], Callable[[], None]]:
