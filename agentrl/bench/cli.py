@@ -76,12 +76,14 @@ def async_vs_sync(out: Path = typer.Option(RESULTS / "async_vs_sync.json", help=
                   max_s: float = typer.Option(30.0, help="Episode duration cap (the episode time limit, s)."),
                   in_flight: int = typer.Option(96, help="Async: episodes running at once."),
                   max_staleness: int = typer.Option(4, help="Async: max version lag of a trained group."),
+                  context_words: int = typer.Option(0, help="Per-task prompt words (longer trajectories, longer "
+                                                            "trainer steps; engines reuse the shared prefix)."),
                   mode: list[str] = typer.Option(["sync", "async"], help="Modes to run (repeatable).")) -> None:
     """The same heavy-tailed workload through the real run loop in sync and async mode."""
     from agentrl.bench.async_sync import Workload, run_async_vs_sync
 
     w = Workload(steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, median_s=median_s,
-                 sigma=sigma, max_s=max_s, in_flight=in_flight, max_staleness=max_staleness)
+                 sigma=sigma, max_s=max_s, in_flight=in_flight, max_staleness=max_staleness, context_words=context_words)
     r = run_async_vs_sync(out, w, modes=tuple(mode))
     typer.echo(f"wrote {out} (speedup = {r.get('speedup')}, trainer_idle_ratio_async = "
                f"{r.get('trainer_idle_ratio_async')}, staleness_p95 = {r.get('staleness_p95')})")
