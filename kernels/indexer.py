@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from kernels._tuning import Autotuner, KernelConfig
-from kernels.topk import TOPK_CONFIGS, TOPK_TUNER, topk_rows_chunk
+from kernels.topk import EXPERIMENTAL_TOPK_CONFIGS, TOPK_CONFIGS, TOPK_TUNER, _bucket, topk_rows_chunk
 
-__all__ = ["TOPK_CONFIGS", "TOPK_TUNER", "indexer_scores_chunk", "indexer_topk", "topk_rows_chunk"]
+__all__ = ["EXPERIMENTAL_TOPK_CONFIGS", "TOPK_CONFIGS", "TOPK_TUNER", "indexer_scores_chunk", "indexer_topk", "topk_rows_chunk"]
 
 SCORE_CONFIGS = [
     KernelConfig.make(BLOCK_T=64, BLOCK_S=128, num_warps=4, num_stages=3),
@@ -86,7 +86,7 @@ def indexer_scores_chunk(q, k, w, row0, rows, offset, out):
             out.stride(0), HEADS=heads, D=dim, BLOCK_T=bt, BLOCK_S=bs,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    cfg = SCORE_TUNER.choose((rows, S, heads, dim, q.dtype), q.device, launch)
+    cfg = SCORE_TUNER.choose((_bucket(rows), _bucket(S), heads, dim, q.dtype), q.device, launch)
     launch(cfg)
 
 

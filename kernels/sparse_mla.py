@@ -19,28 +19,16 @@ import triton.language as tl
 
 from kernels._tuning import Autotuner, KernelConfig
 
-# First H200 run (4096 tokens, 64 heads, top-2048): BLOCK_N=64 with 8 warps, 2 stages won at
-# 4.7 ms (241 TFLOP/s); 4-warp variants were ~3x slower (the [64, 512] fp32 accumulator spills).
+# H200, 4096 tokens, 64 heads, top-2048 (ms at 64K / 8K context), three rounds of configs:
+# 64 heads x 64 keys, 8 warps, 2 stages 4.66 / 4.27; the same warp-specialised 4.68 / 4.22;
+# 32 heads x 64 keys, 4 warps 4.87 / 4.69; 3 stages 4.98 / 4.82; 1 stage 6.09 / 5.62; 32-key tiles
+# 6.6-7.9; 16 warps 10.3-16.4; 4 warps with 64 heads 13.8 (the [64, 512] fp32 accumulator spills).
+# Only the competitive ones stay: every config costs a compile and a timing per tuning key.
 CONFIGS = [
-    KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=4, num_stages=2),
     KernelConfig.make(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2),
-    KernelConfig.make(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=3),
-    KernelConfig.make(BLOCK_H=64, BLOCK_N=64, num_warps=16, num_stages=2),
-    KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=16, num_stages=3),
-    KernelConfig.make(BLOCK_H=64, BLOCK_N=128, num_warps=16, num_stages=1),
-    KernelConfig.make(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1),
-    # Round 2: two programs per token (32 heads each: half the accumulator registers, twice the
-    # gathers, which mostly hit L2) and 32-key tiles with deeper pipelining.
-    KernelConfig.make(BLOCK_H=32, BLOCK_N=64, num_warps=4, num_stages=2),
-    KernelConfig.make(BLOCK_H=32, BLOCK_N=64, num_warps=8, num_stages=2),
-    KernelConfig.make(BLOCK_H=32, BLOCK_N=32, num_warps=4, num_stages=3),
-    KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
-    KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3),
-    # Round 3: Triton's warp specialisation of the key loop (producer / consumer warps, what
-    # FlashMLA does by hand); configs the compiler cannot partition are skipped by the tuner.
     KernelConfig.make(BLOCK_H=64, BLOCK_N=64, WS=1, num_warps=8, num_stages=2),
-    KernelConfig.make(BLOCK_H=64, BLOCK_N=64, WS=1, num_warps=8, num_stages=3),
-    KernelConfig.make(BLOCK_H=64, BLOCK_N=32, WS=1, num_warps=8, num_stages=3),
+    KernelConfig.make(BLOCK_H=32, BLOCK_N=64, num_warps=4, num_stages=2),
+    KernelConfig.make(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=3),
 ]
 TUNER = Autotuner("sparse_mla_fwd", CONFIGS)
 LOG2E = 1.4426950408889634
@@ -87,6 +75,11 @@ def _sparse_mla_fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2,
     tl.store(lse_ptr + t * stride_lt + heads, lse, mask=head_ok)
 
 
+def _bucket(n: int) -> int:
+    """Tuning key of a size: its power-of-two ceiling (varying packed lengths reuse one tuning)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
 def sparse_mla_forward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
                        d_v: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out [T, heads, d_v] in q's dtype, lse [T, heads] fp32, natural log).
@@ -121,7 +114,7 @@ def sparse_mla_forward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_
             HEADS=heads, D_V=d_v, D_R=d_r, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"],
             WS=bool(dict(cfg.params).get("WS", 0)) and q.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    cfg = TUNER.choose((T, kv.shape[0], heads, dim, idx.shape[1], q.dtype), q.device, launch)
+    cfg = TUNER.choose((min(_bucket(T), 4096), heads, dim, idx.shape[1], q.dtype), q.device, launch)
     launch(cfg)
     return out, lse
 

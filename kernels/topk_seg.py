@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.topk import _emit_full, _ordered_key, _radix_pass  # noqa: F401  (_radix_pass used in jit)
+from kernels.topk import _emit_full, _ordered_key, _radix_pass
 
 
 @triton.jit
@@ -184,7 +184,7 @@ def topk_rows_segmented(scores, row0, rows, offset, S, topk, out, shifts, masks,
     ckey = torch.empty((rows, cap), device=dev, dtype=torch.uint32)
     cidx = torch.empty((rows, cap), device=dev, dtype=torch.int32)
     grid2 = (rows, triton.cdiv(S, seg))
-    common = dict(K=topk, num_warps=num_warps, num_stages=1)
+    common = {"K": topk, "num_warps": num_warps, "num_stages": 1}
     for p in range(full_passes):
         _seg_hist_kernel[grid2](scores, state, hist, shifts, masks, row0, offset, S, p, scores.stride(0),
                                 SEG=seg, BLOCK=block, RADIX_BITS=radix_bits, **common)

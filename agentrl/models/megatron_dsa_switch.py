@@ -19,6 +19,7 @@ unaffected. Each state counts kernel calls and fallbacks, so a run can see what 
 from __future__ import annotations
 
 import contextvars
+import itertools
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +70,7 @@ def _causal_segments(sq: int, sk: int, mask, starts, ends, key_positions) -> lis
     if starts[0].item() != 0 or not torch.equal(starts[torch.tensor(bounds[:-1], device=starts.device)],
                                                  torch.tensor(bounds[:-1], device=starts.device)):
         return "varlen starts are not segment starts"
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 def _topk_segment(state: DsaKernelState, q, k, w, topk: int) -> torch.Tensor:
@@ -88,8 +89,8 @@ def _kernel_qk_topk(q, k, weights, index_topk, mask=None, varlen_starts=None, va
     state = _ACTIVE.get()
     original = _ORIGINALS["fused_qk_topk_naive"]
     args = (q, k, weights, index_topk)
-    kwargs = dict(mask=mask, varlen_starts=varlen_starts, varlen_ends=varlen_ends, key_positions=key_positions,
-                  use_relu=use_relu)
+    kwargs = {"mask": mask, "varlen_starts": varlen_starts, "varlen_ends": varlen_ends,
+              "key_positions": key_positions, "use_relu": use_relu}
     if state is None:
         return original(*args, **kwargs)
     sq, b = q.shape[0], q.shape[1]
@@ -122,10 +123,10 @@ def _kernel_sparse_attention(*, absorbed_mla, query, key, value, up_v_weight, to
     """Drop-in for dsa._run_sparse_attention (absorbed path): [sq, b, heads * v_head_dim]."""
     state = _ACTIVE.get()
     original = _ORIGINALS["_run_sparse_attention"]
-    kwargs = dict(absorbed_mla=absorbed_mla, query=query, key=key, value=value, up_v_weight=up_v_weight,
-                  topk_indices=topk_indices, softmax_scale=softmax_scale, config=config, mask=mask,
-                  varlen_starts=varlen_starts, varlen_ends=varlen_ends, key_positions=key_positions,
-                  topk_length=topk_length)
+    kwargs = {"absorbed_mla": absorbed_mla, "query": query, "key": key, "value": value,
+              "up_v_weight": up_v_weight, "topk_indices": topk_indices, "softmax_scale": softmax_scale,
+              "config": config, "mask": mask, "varlen_starts": varlen_starts, "varlen_ends": varlen_ends,
+              "key_positions": key_positions, "topk_length": topk_length}
     if state is None:
         return original(**kwargs)
     d_v = int(getattr(config, "kv_lora_rank", 0) or 0)

@@ -144,7 +144,7 @@ def test_every_gpu_config_is_correct():
     ix.SCORE_TUNER.records.clear()
     n_valid = torch.arange(T, device="cuda") + 1
     want = select_topk(ref, n_valid, 256, stable=True)
-    for cfg in ix.TOPK_CONFIGS:
+    for cfg in ix.TOPK_CONFIGS + ix.EXPERIMENTAL_TOPK_CONFIGS:
         got = torch.empty((T, 256), device="cuda", dtype=torch.int32)
         ix.topk_rows_chunk(ref.clone(), 0, T, 0, S, 256, got, config=cfg)
         assert torch.equal(got, want), cfg.describe()
