@@ -1,4 +1,4 @@
-"""FP8 weight sync: tiling linear weights go as float8_e4m3fn + weight_scale_inv, and the embedded
+"""FP8 weight sync: projection weights go as float8_e4m3fn + weight_scale_inv, and the embedded
 engine dequantises them on receipt (logits close to a bf16 push of the same weights)."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from agentrl.rollout.embedded.weights import WeightUpdateError, dequantize_fp8_weights
-from agentrl.sync.weights import fp8_eligible, fp8_named_tensors, push_weights
+from agentrl.sync.nccl_export import quantize_named
+from agentrl.sync.weights import push_weights
 
 
 def _llama(seed: int):
@@ -19,24 +20,28 @@ def _llama(seed: int):
     return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
 
 
-def test_naming_and_which_weights_are_quantised():
+def test_naming_and_dequantisation_on_receipt():
     w = torch.randn(256, 128)
+    part = torch.randn(100, 200)  # partial edge blocks: ceil(100/128) x ceil(200/128) scales
     named = [("model.layers.0.mlp.down_proj.weight", w), ("model.embed_tokens.weight", torch.randn(256, 128)),
              ("model.layers.0.input_layernorm.weight", torch.randn(128)),
-             ("model.layers.0.mlp.gate.weight", torch.randn(128, 128)),  # MoE router stays bf16
-             ("model.layers.0.self_attn.o_proj.weight", torch.randn(100, 128))]  # does not tile
-    out = dict(fp8_named_tensors(named))
+             ("model.layers.0.mlp.gate.weight", torch.randn(128, 128)),  # MoE router stays as it is
+             ("model.layers.0.self_attn.o_proj.weight", part)]
+    out = dict(quantize_named(named, fp8=True))
     assert list(out) == ["model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight_scale_inv",
                          "model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
-                         "model.layers.0.mlp.gate.weight", "model.layers.0.self_attn.o_proj.weight"]
-    q, s = out["model.layers.0.mlp.down_proj.weight"], out["model.layers.0.mlp.down_proj.weight_scale_inv"]
-    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (2, 1)
-    torch.testing.assert_close(s[1, 0], w[128:, :].abs().max() / 448)
-    back = dequantize_fp8_weights(out)["model.layers.0.mlp.down_proj.weight"]
-    step = s.repeat_interleave(128, 0).repeat_interleave(128, 1)
-    # e4m3 round to nearest: half an ulp of 3 mantissa bits, or half the subnormal step 2^-9
-    assert ((back - w).abs() <= w.abs() * 2 ** -4 + step * 2 ** -10 + 1e-7).all()
-    assert not fp8_eligible("x.weight", torch.zeros(128, 128, dtype=torch.int32))
+                         "model.layers.0.mlp.gate.weight", "model.layers.0.self_attn.o_proj.weight",
+                         "model.layers.0.self_attn.o_proj.weight_scale_inv"]
+    back = dequantize_fp8_weights(out)
+    assert all(t.dtype != torch.float8_e4m3fn for t in back.values()) and len(back) == 5
+    for name, orig in (("model.layers.0.mlp.down_proj.weight", w), ("model.layers.0.self_attn.o_proj.weight", part)):
+        q, s = out[name], out[name + "_scale_inv"]
+        assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+        assert s.shape == (-(-orig.shape[0] // 128), -(-orig.shape[1] // 128))
+        step = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:orig.shape[0], :orig.shape[1]]
+        # e4m3 round to nearest: half an ulp of 3 mantissa bits, or half the subnormal step 2^-9
+        assert ((back[name] - orig).abs() <= orig.abs() * 2 ** -4 + step * 2 ** -10 + 1e-7).all()
+    torch.testing.assert_close(out["model.layers.0.mlp.down_proj.weight_scale_inv"][1, 0], w[128:].abs().max() / 448)
 
 
 def test_unpaired_or_misshapen_fp8_tensors_are_rejected():
@@ -69,7 +74,7 @@ async def test_fp8_push_to_embedded_engine_matches_bf16_push(tmp_path):
     finally:
         await server.stop()
     assert not torch.allclose(before, bf16_logits)  # the push changed the model
-    # 2 layers x 7 linears tile 128: their bytes halve (plus one fp32 scale per block)
+    # 2 layers x 7 projections: their bytes halve (plus one fp32 scale per block)
     assert r["sync_bytes"] < 0.7 * bf16_bytes, (r["sync_bytes"], bf16_bytes)
     err = (fp8_logits - bf16_logits).abs().max() / bf16_logits.abs().max()
     assert 0 < err < 0.05, float(err)

@@ -165,7 +165,7 @@ class RolloutConfig(Section):
     )
     request_timeout_s: float = Field(600.0, gt=0)
     weight_sync_fp8: bool = Field(
-        False, description="Send 128x128-tiling linear weights to engines as FP8 e4m3 + weight_scale_inv "
+        False, description="Send projection weights to engines as FP8 e4m3 + 128x128-block weight_scale_inv "
         "(DeepSeek FP8 checkpoint naming; half the bytes). The embedded engine dequantises on receipt.")
 
 

@@ -5,11 +5,11 @@ on KV computed with the old weights), then every bucket goes to every engine, th
 carrying the new weight_version, then engines continue. At scale the same sequence runs with
 NCCL broadcast buckets (update_weights_from_distributed) instead of files.
 
-With `fp8=True` (rollout.weight_sync_fp8) every 2-D linear weight whose shape tiles into 128x128
-blocks is sent as DeepSeek/SGLang FP8 checkpoints store it: `<name>` in float8_e4m3fn plus
-`<name>_scale_inv` (fp32, one per block; weight = fp8 value x scale_inv), about half the bytes of
-bf16. Embeddings, the LM head, norms, the MoE router and the DSA indexer's head weights stay in
-their dtype, as in those checkpoints.
+With `fp8=True` (rollout.weight_sync_fp8) the projection weights are sent as DeepSeek/SGLang block-FP8
+checkpoints store them: `<name>` in float8_e4m3fn plus `<name>_scale_inv` (fp32, one per 128x128
+block, partial edge blocks included; weight = fp8 value x scale_inv), about half the bytes of bf16.
+Which tensors, and the quantisation, are the NCCL exporter's (agentrl/sync/nccl_export.py:
+`fp8_eligible`, `quantize_named`), so both paths send the same thing.
 """
 
 from __future__ import annotations
@@ -44,31 +44,6 @@ def bucket_named_tensors(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         yield bucket
 
 
-FP8_BLOCK = 128
-# Tensors FP8 checkpoints keep in bf16/fp32 (matched as substrings of the HF name).
-FP8_SKIP = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "weights_proj", "e_score_correction_bias")
-
-
-def fp8_eligible(name: str, t: torch.Tensor) -> bool:
-    return (name.endswith(".weight") and t.dim() == 2 and t.is_floating_point() and t.element_size() >= 2
-            and t.shape[0] % FP8_BLOCK == 0 and t.shape[1] % FP8_BLOCK == 0
-            and not any(s in name for s in FP8_SKIP))
-
-
-def fp8_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `named` with each eligible weight replaced by (name, fp8 e4m3) and (name_scale_inv, fp32
-    [M/128, N/128]); 128x128 block scales = amax / 448 (kernels/fp8_quant.py: Triton on CUDA)."""
-    from kernels.fp8_quant import fp8_block_quant, reference_fp8_block_quant
-
-    for name, t in named:
-        if not fp8_eligible(name, t):
-            yield name, t
-            continue
-        q, scale_inv = (fp8_block_quant if t.is_cuda else reference_fp8_block_quant)(t.detach())
-        yield name, q
-        yield name + "_scale_inv", scale_inv
-
-
 async def push_weights(
     urls: list[str],
     named: Iterable[tuple[str, torch.Tensor]],
@@ -83,7 +58,7 @@ async def push_weights(
     """Send `named` to every engine at `urls` as weight version `version`. Returns timings and
     `failed_engines`: engines that errored are dropped from the rest of the update (a dead engine
     must not stall the others); the caller restarts them and sends them the weights again.
-    fp8: send tiling 2-D weights FP8 block-quantised with their `_scale_inv` (module docstring)."""
+    fp8: send projection weights FP8 block-quantised with their `_scale_inv` (module docstring)."""
     from safetensors.torch import save_file
 
     t0 = time.perf_counter()
@@ -109,7 +84,8 @@ async def push_weights(
         t_paused = time.perf_counter()
         paths = []
         if fp8:
-            named = fp8_named_tensors(named)
+            from agentrl.sync.nccl_export import quantize_named
+            named = quantize_named(named, fp8=True)
         for i, bucket in enumerate(bucket_named_tensors(named, bucket_bytes)):
             p = tmp / f"bucket_{i:04d}.safetensors"
             save_file(bucket, str(p))
