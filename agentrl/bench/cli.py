@@ -142,3 +142,46 @@ def capacity(out: Path = typer.Option(RESULTS / "capacity.json", help="Where the
     r = run_capacity(out, config, list(set_), a, measured if measured.exists() else None)
     typer.echo(f"wrote {out} (trainer step {r['plan_estimate']['step']['trainer_step_s']:.0f} s, async step "
                f"{r['plan_estimate']['loop']['async']['step_s']:.0f} s vs reference {r['plan_estimate']['reference_step_s']:.0f} s)")
+
+
+@app.command("learning")
+def learning(run_dir: Path = typer.Argument(..., help="A finished run's directory (metrics.jsonl, checkpoints/)."),
+             out: Path = typer.Option(RESULTS / "learning.json", help="Where the JSON report goes."),
+             samples: int = typer.Option(16, min=1, help="Episodes per held-out task, before and after."),
+             concurrency: int = typer.Option(16, min=1, help="Episodes run at once.")) -> None:
+    """Held-out pass rate of the model before training vs the run's last checkpoint (many samples,
+    the run's own settings), with the train reward curve and a significance test."""
+    from agentrl.bench.learning import run_learning_report
+
+    try:
+        r = run_learning_report(run_dir, out, samples, concurrency)
+    except FileNotFoundError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {out}: eval {r['eval_before']} -> {r['eval_after']} on {r['eval_samples']} samples "
+               f"(one-sided p = {r['p_value_one_sided']})")
+
+
+@app.command("megatron")
+def megatron(out: Path = typer.Option(RESULTS / "megatron.json", help="Where the JSON report goes."),
+             small: bool = typer.Option(False, help="CPU smoke sizes (gloo, no 5-layer model, 30 MiB export)."),
+             export_gib: float = typer.Option(8.0, help="Bytes of GLM-shaped weights to broadcast (GiB)."),
+             bucket_mb: int = typer.Option(256, help="Weight-sync bucket size (MiB).")) -> None:
+    """Megatron backend: loss parity with the torch backend, EP2 on two devices, weight broadcast GB/s
+    against raw NCCL, FP8 quantisation time (runs bench/gpu/megatron_gpu.py all; 2 GPUs for real numbers)."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "megatron_gpu.py"
+    with tempfile.TemporaryDirectory(prefix="agentrl-megatron-bench-") as tmp:
+        cmd = [sys.executable, str(script), "all", "--out-dir", tmp, "--export-gib", str(export_gib),
+               "--bucket-mb", str(bucket_mb), *(["--small"] if small else [])]
+        rc = subprocess.run(cmd).returncode
+        produced = Path(tmp) / "megatron.json"
+        if produced.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(produced, out)
+            typer.echo(f"wrote {out}")
+    raise typer.Exit(rc)
