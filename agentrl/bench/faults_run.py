@@ -176,6 +176,24 @@ def _as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+RAY_START_TIMEOUT = "timed out during startup"  # Ray's fixed 30 s wait for its raylet, missed under heavy load
+
+
+def started_run(c: Checks, run_dir: Path, tmpdir: Path, *sets: str, until: str | None = "step    1") -> LauncherRun:
+    """Launch and read up to `until` (or to the end when None). A launch that failed only because
+    Ray did not come up within its fixed 30 s (a loaded shared machine) is tried once more, and
+    that is recorded: it is not the fault under test."""
+    for attempt in (1, 2):
+        run = LauncherRun(run_dir, tmpdir, *sets)
+        ok = run.wait_until(until) if until else run.finish() == 0
+        if ok or RAY_START_TIMEOUT not in run.stderr or attempt == 2:
+            c(ok, f"reached {until!r}" if until else f"the run finished (exit {run.p.returncode})")
+            return run
+        run.finish(timeout_s=60)
+        c.details.setdefault("ray_start_retries", []).append(str(run_dir))
+    return run
+
+
 class _Scratch:
     """A short TMPDIR (Ray's socket paths must stay under ~107 bytes), removed at the end."""
 
@@ -226,8 +244,7 @@ def _lost(c: Checks, run_dir: Path, *runs: LauncherRun) -> int:
 def engine_killed(tmp: Path) -> Outcome:
     c = Checks()
     with _Scratch() as t:
-        run = LauncherRun(tmp / "run", t, "train.max_steps=3")
-        c(run.wait_until("step    1"), "step 1 trained")
+        run = started_run(c, tmp / "run", t, "train.max_steps=3")
         engines = [p for p, cmd in run.sample().items() if "engine serve" in cmd and "agentrl" in cmd]
         c(engines, f"engine process found in the run's tree: {engines}")
         for pid in engines:
@@ -246,8 +263,7 @@ def engine_killed(tmp: Path) -> Outcome:
 def worker_killed(tmp: Path) -> Outcome:
     c = Checks()
     with _Scratch() as t:
-        run = LauncherRun(tmp / "run", t, "train.max_steps=3")
-        c(run.wait_until("step    1"), "step 1 trained")
+        run = started_run(c, tmp / "run", t, "train.max_steps=3")
         workers = [p for p, cmd in run.sample().items() if cmd.startswith("ray::EpisodeWorker")]
         c(len(workers) == 1, f"EpisodeWorker actor process found: {workers}")
         for pid in workers:
@@ -264,8 +280,7 @@ def worker_killed(tmp: Path) -> Outcome:
 def trainer_killed_then_resumed(tmp: Path) -> Outcome:
     c = Checks()
     with _Scratch() as t:
-        run = LauncherRun(tmp / "run", t, "train.max_steps=3", "train.checkpoint_every=1")
-        c(run.wait_until("step    1"), "step 1 trained and checkpointed")
+        run = started_run(c, tmp / "run", t, "train.max_steps=3", "train.checkpoint_every=1")
         trainers = [p for p, cmd in run.sample().items() if cmd.startswith("ray::TrainerWorker")]
         c(len(trainers) == 1, "TrainerWorker actor process found")
         for pid in trainers:
@@ -276,8 +291,8 @@ def trainer_killed_then_resumed(tmp: Path) -> Outcome:
           f"the run stopped with exit {rc}: {said[0].strip()[:200] if said else run.stderr[-200:]}")
         c(not run.leftovers(), "no process of the crashed run left")
         before = {r["episode_id"] for r in _traj_records(tmp / "run")}
-        again = LauncherRun(tmp / "run", t, "train.max_steps=3", "train.checkpoint_every=1")
-        rc2 = again.finish()
+        again = started_run(c, tmp / "run", t, "train.max_steps=3", "train.checkpoint_every=1", until=None)
+        rc2 = again.p.returncode
         resumed = [ln for ln in again.text if "resumed from step" in ln]
         c(rc2 == 0 and resumed, f"resumed (exit {rc2}): {resumed[0].strip() if resumed else 'no resume line'}")
         after = {r["episode_id"] for r in _traj_records(tmp / "run")}
@@ -290,8 +305,7 @@ def trainer_killed_then_resumed(tmp: Path) -> Outcome:
 def sigint_launcher(tmp: Path) -> Outcome:
     c = Checks()
     with _Scratch() as t:
-        run = LauncherRun(tmp / "run", t, "train.max_steps=50")
-        c(run.wait_until("step    1"), "step 1 trained")
+        run = started_run(c, tmp / "run", t, "train.max_steps=50")
         tree = run.sample()
         boxes = [cmd for cmd in tree.values() if "bwrap" in cmd and "agentrl-sandboxes" in cmd]
         c.details["processes_at_interrupt"] = len(tree)
@@ -316,9 +330,8 @@ def secret_scan_of_a_run(tmp: Path) -> Outcome:
     c = Checks()
     port = free_port()
     with _Scratch() as t:
-        run = LauncherRun(tmp / "run", t, "train.max_steps=2", "cluster.dashboard=true",
+        run = started_run(c, tmp / "run", t, "train.max_steps=2", "cluster.dashboard=true",
                           f"cluster.dashboard_port={port}")
-        c(run.wait_until("step    1"), "step 1 trained")
         tree = run.sample()
         socks = listening(set(tree))
         rc = run.finish()
