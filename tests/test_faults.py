@@ -29,7 +29,9 @@ HEAVY = {"input_oversized_prompt", "input_wrong_architecture_checkpoint", "secur
 FAST = [s.name for s in select(include_slow=False) if s.name not in HEAVY]
 NEEDS_SANDBOX = {"sandbox_hanging_command", "task_reward_file_missing", "task_reward_file_nan",
                  "task_reward_file_garbage", "security_sandbox_isolation", "security_sandbox_process_flood",
-                 "input_malformed_model_output", "worker_replay_log_disk_full"}
+                 "input_malformed_model_output", "worker_replay_log_disk_full", "sandbox_dies_mid_episode",
+                 "sandbox_gigabyte_of_output", "task_solution_hangs", "task_runaway_output", "task_test_sh_hangs",
+                 "input_oversized_prompt"}
 
 
 def _run(name: str) -> dict:
