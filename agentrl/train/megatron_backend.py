@@ -149,7 +149,8 @@ class MegatronBackend:
         def from_hidden(hidden_states: torch.Tensor, output_layer: Any, output_weight: Any, **_: Any) -> torch.Tensor:
             weight = output_weight if output_weight is not None else output_layer.weight
             h = hidden_states
-            if tp > 1 and self.model.config.sequence_parallel:
+            sequence_parallel = tp > 1 and self.model.config.sequence_parallel
+            if sequence_parallel:
                 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
                 h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True,
@@ -159,7 +160,8 @@ class MegatronBackend:
             if tp > 1:
                 return vocab_parallel_logprobs(h, weight, y, temperature=self.temperature,
                                                chunk_tokens=self.train_cfg.logprob_chunk_tokens,
-                                               tp_group=ps.get_tensor_model_parallel_group())
+                                               tp_group=ps.get_tensor_model_parallel_group(),
+                                               reduce_hidden_grad=not sequence_parallel)
             if h.is_cuda:  # the fused Triton kernel (kernels/logprobs.py)
                 from kernels.logprobs import fused_logprobs
 

@@ -203,13 +203,20 @@ def pack_thd(trajs: list[Trajectory], advantages: list[float], indices: list[int
 # ---------------------------------------------------------------- log-probs
 
 def vocab_parallel_logprobs(hidden: torch.Tensor, weight_shard: torch.Tensor, targets: torch.Tensor, *,
-                            temperature: float, chunk_tokens: int, tp_group: Any) -> torch.Tensor:
+                            temperature: float, chunk_tokens: int, tp_group: Any,
+                            reduce_hidden_grad: bool = True) -> torch.Tensor:
     """Log-probs of `targets` when the LM head is split by vocabulary over `tp_group`: each rank
     computes its [chunk, V/tp] logits; megatron's vocab-parallel cross entropy all-reduces the max,
     the sum of exponentials and the target logit. Chunks are checkpointed, so no [T, V] matrix ever
-    exists, not even in backward."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    exists, not even in backward. `hidden` is the same on every rank; each rank's head shard gives
+    only part of its gradient, so the gradient is all-reduced over the group (as megatron's
+    column-parallel output layer does), unless the caller's sequence-parallel gather already
+    reduce-scatters it (`reduce_hidden_grad=False`)."""
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, vocab_parallel_cross_entropy
     from torch.utils.checkpoint import checkpoint
+
+    if reduce_hidden_grad:
+        hidden = copy_to_tensor_model_parallel_region(hidden, group=tp_group)
 
     def chunk(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = (h @ weight_shard.t()).float() / temperature
