@@ -93,16 +93,15 @@ async def evaluate(cfg: RunConfig, tasks: list[str], samples: int, *, checkpoint
     r = cfg.rollout
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               stop_token_ids=stop_token_ids(tokenizer))
+    weights, version = checkpoint_weights(checkpoint) if checkpoint is not None else (None, 0)
     run_id = f"eval-{uuid.uuid4().hex[:8]}"
     provider = make_provider(cfg.sandbox, run_id)
-    version = 0
     started = time.perf_counter()
     await engine.start()
     try:
-        if checkpoint is not None:
+        if weights is not None:
             from agentrl.sync.weights import push_weights
 
-            weights, version = checkpoint_weights(checkpoint)
             sync = await push_weights([url], weights.items(), version, pause_mode=r.pause_mode)
             if sync["failed_engines"]:
                 raise RuntimeError(f"the engine refused the checkpoint's weights: {sync['failed_engines']}")

@@ -85,6 +85,9 @@ class TrainConfig(Section):
     logprob_chunk_tokens: int = Field(16384, ge=1, description="Tokens per chunk when computing log-probs.")
     checkpoint_every: int = Field(10, ge=1)
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    trainable_layers: int | None = Field(
+        None, ge=1, description="Train only the top N transformer layers and the final norm (embeddings and the "
+        "LM head stay frozen); None trains every parameter. Cuts the backward pass on small CPU runs.")
     dsa_kernels: bool = Field(
         False, description="Megatron backend: DSA top-k and sparse attention through kernels/ (Triton) "
         "instead of Megatron's dense unfused path (agentrl.models.megatron_dsa_switch).")

@@ -25,6 +25,26 @@ from agentrl.train.offload_adam import DiskOffloadAdamW, make_optimizer
 from kernels.logprobs_torch import chunked_logprobs
 
 
+def freeze_below_top_layers(model: torch.nn.Module, n: int) -> int:
+    """Leave only the top `n` decoder layers and the final norm trainable; returns the number of
+    trainable parameters. Embeddings and the LM head (often tied to them) are frozen, so the
+    backward pass stops at the lowest trainable layer."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(f"train.trainable_layers: {type(model).__name__} has no decoder `layers` list; "
+                         "unset train.trainable_layers to train every parameter")
+    if n > len(layers):
+        raise ValueError(f"train.trainable_layers={n} but the model has {len(layers)} layers; use 1..{len(layers)}")
+    model.requires_grad_(False)
+    for layer in list(layers)[len(layers) - n:]:
+        layer.requires_grad_(True)
+    norm = getattr(decoder, "norm", None)
+    if norm is not None:
+        norm.requires_grad_(True)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 class TorchBackend:
     def __init__(self, model: torch.nn.Module, train: TrainConfig, algo: AlgorithmConfig, *, pad_id: int = 0,
                  temperature: float = 1.0, advantage_sign: float = 1.0, run_dir: str | Path | None = None):
@@ -40,6 +60,8 @@ class TorchBackend:
                                    algo.tis_clip, algo.kl_coef)
         if train.optimizer.offload == "disk" and run_dir is None:
             raise ValueError("train.optimizer.offload=disk needs the run dir (the state folder is named after it)")
+        if train.trainable_layers is not None:
+            freeze_below_top_layers(model, train.trainable_layers)
         self.optimizer = make_optimizer(model.parameters(), train.optimizer, run_dir or "run")
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if algo.kl_coef > 0 else None
         self._version = 0
@@ -55,7 +77,10 @@ class TorchBackend:
         hidden = base(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state[:, :-1]
         weight = model.get_output_embeddings().weight
         B, T, H = hidden.shape
-        h, y = hidden.reshape(B * T, H), mb.targets.reshape(-1)
+        # Only positions the loss reads need the LM head: prompts and observations (most of an
+        # agentic sequence) are skipped; their entries stay 0 and the loss masks them out.
+        rows = mb.loss_mask.reshape(-1).nonzero().squeeze(1)
+        h, y = hidden.reshape(B * T, H).index_select(0, rows), mb.targets.reshape(-1).index_select(0, rows)
         if hidden.is_cuda:
             # The fused Triton kernel (kernels/logprobs.py): 649 TFLOP/s at GLM-5.2 sizes on an H200.
             from kernels.logprobs import fused_logprobs
@@ -64,7 +89,8 @@ class TorchBackend:
         else:
             flat = chunked_logprobs(h, weight, y, temperature=self.temperature,
                                     chunk_tokens=self.train_cfg.logprob_chunk_tokens)
-        return flat.view(B, T)
+        out = torch.zeros(B * T, dtype=flat.dtype, device=flat.device)
+        return out.index_copy(0, rows, flat).view(B, T)
 
     # -- one optimizer step --------------------------------------------------------------------
     def train_step(self, trajectories: list[Trajectory], group_ids: list[str]) -> dict[str, float]:
@@ -80,9 +106,10 @@ class TorchBackend:
                                                  self.train_cfg.micro_batch_tokens)]
         total_loss_tokens = int(sum(mb.loss_mask.sum() for mb in batches))
         self.model.train()
-        # Old log-probs: the policy as it is before this step (ratio 1 at the first gradient).
+        # One optimizer step per batch: every micro-batch sees the weights as they were before the
+        # step, so its "old" log-probs are its own current ones, detached (ratio 1, as PPO's first
+        # epoch). That saves a full forward pass per step.
         with torch.no_grad():
-            old = [self._token_logprobs(self.model, mb) for mb in batches]
             ref = [self._token_logprobs(self.ref_model, mb) for mb in batches] if self.ref_model else None
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
@@ -90,14 +117,15 @@ class TorchBackend:
         for i, mb in enumerate(batches):
             logp = self._token_logprobs(self.model, mb)
             loss, m = grpo_tis_loss(
-                LossInputs(logp=logp, old_logp=old[i], rollout_logp=mb.rollout_logp, advantages=mb.advantages,
+                LossInputs(logp=logp, old_logp=logp.detach(), rollout_logp=mb.rollout_logp, advantages=mb.advantages,
                            mask=mb.loss_mask, ref_logp=ref[i] if ref else None),
                 self.loss_cfg, total_loss_tokens)
             loss.backward()
             loss_total += float(loss.detach())
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.optimizer.grad_clip)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, self.train_cfg.optimizer.grad_clip)
         self.optimizer.step()
         self._version += 1
         n = max(sums.get("loss_tokens", 0.0), 1.0)

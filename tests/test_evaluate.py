@@ -1,0 +1,84 @@
+"""`agentrl eval` and the learning report: pass-rate statistics, and a real evaluation end to end."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from agentrl.bench.learning import two_proportion_p_value
+from agentrl.evaluate import summarise, wilson_interval
+
+
+def test_wilson_interval_brackets_the_rate_and_stays_in_range():
+    low, high = wilson_interval(0, 20)
+    assert low == 0.0 and 0.1 < high < 0.2  # 0/20 still allows ~16%
+    low, high = wilson_interval(10, 20)
+    assert low < 0.5 < high and high - low < 0.5
+    low, high = wilson_interval(20, 20)
+    assert high == pytest.approx(1.0) and low > 0.8
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_two_proportion_p_value_separates_signal_from_noise():
+    assert two_proportion_p_value(5, 80, 30, 80) < 1e-4  # 6% -> 38%: not chance
+    assert two_proportion_p_value(5, 80, 7, 80) > 0.2  # 6% -> 9%: could be chance
+    assert two_proportion_p_value(30, 80, 5, 80) > 0.99  # worse, not better
+    assert two_proportion_p_value(0, 10, 0, 10) == 1.0
+    assert two_proportion_p_value(0, 0, 1, 1) is None
+
+
+def test_summarise_counts_infra_errors_apart():
+    eps = [{"task_id": "a", "outcome": "scored", "reward": 1.0},
+           {"task_id": "a", "outcome": "scored", "reward": 0.0},
+           {"task_id": "b", "outcome": "agent_timeout", "reward": 0.0},
+           {"task_id": "b", "outcome": "infra_error:sandbox", "reward": None}]
+    r = summarise(eps)
+    assert (r["passed"], r["samples"], r["infra_errors"]) == (1, 3, 1)
+    assert r["pass_rate"] == pytest.approx(1 / 3)
+    assert r["per_task"]["a"] == {"samples": 2, "passed": 1, "infra_errors": 0, "pass_rate": 0.5}
+    assert r["per_task"]["b"]["samples"] == 1 and r["per_task"]["b"]["infra_errors"] == 1
+
+
+@pytest.mark.slow
+def test_eval_command_runs_real_episodes_and_loads_a_checkpoint(tmp_path):
+    """The tiny model on a real task in a real sandbox, from its own weights and from a checkpoint."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    import torch
+    from typer.testing import CliRunner
+
+    from agentrl.cli import app
+    from agentrl.config.schema import AlgorithmConfig, TrainConfig
+    from agentrl.models.tiny import build_tiny_model
+    from agentrl.train.torch_backend import TorchBackend
+
+    backend = TorchBackend(build_tiny_model(0), TrainConfig(), AlgorithmConfig())
+    with torch.no_grad():
+        next(backend.model.parameters()).add_(0.01)
+    backend._version = 3
+    backend.save_checkpoint(tmp_path / "ck", {"step": 3})
+    args = ["eval", "--set", "rollout.max_new_tokens=8", "--set", "agent.max_turns=1", "--task", "write-name",
+            "--samples", "2", "--concurrency", "2"]
+    for name, extra in (("base", []), ("trained", ["--checkpoint", str(tmp_path / "ck")])):
+        out = tmp_path / f"{name}.json"
+        result = CliRunner().invoke(app, [*args, *extra, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        report = json.loads(out.read_text())
+        assert report["samples"] + report["infra_errors"] == 2
+        assert report["infra_errors"] == 0, report["outcomes"]
+        assert report["pass_rate"] == 0.0  # a random tiny model does not write Ada Lovelace
+        assert report["weight_version"] == (3 if extra else 0)
+        assert len((tmp_path / "eval" / "eval_episodes.jsonl").read_text().splitlines()) == 2
+
+
+def test_eval_command_names_a_missing_checkpoint(tmp_path):
+    from typer.testing import CliRunner
+
+    from agentrl.cli import app
+
+    result = CliRunner().invoke(app, ["eval", "--task", "write-name", "--samples", "1",
+                                      "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "r.json")])
+    assert result.exit_code == 2
+    assert "no state.pt" in result.output
