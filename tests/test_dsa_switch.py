@@ -132,7 +132,7 @@ def test_switch_matches_with_triton_kernels_interpreted(megatron_single_rank):
     if torch.cuda.is_available():
         pytest.skip("compiled kernels are checked by test_switch_bf16_on_gpu (fp32 tl.dot would run as tf32)")
     if os.environ.get("TRITON_INTERPRET") != "1":  # run this test again in a child with the interpreter
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-o", "addopts=",
                                f"{__file__}::test_switch_matches_with_triton_kernels_interpreted"],
                               check=False, env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=HERE.parent,
                               capture_output=True, text=True, timeout=600)
