@@ -5,7 +5,7 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	.venv/bin/python launchers/run_glm5_2_daytona.py train --num-nodes 1 --model-name tiny --sandbox local --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
+	.venv/bin/python launchers/run_glm5_2_daytona.py train --num-nodes 1 --model-name smollm2-135m --sandbox local --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S) $(ARGS)
 
 test: setup
 	.venv/bin/python -m pytest

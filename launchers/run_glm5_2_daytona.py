@@ -32,7 +32,7 @@ DEFAULT_RECIPE = {
     "GLM-5.2": "glm5_2_tbench2",
     "GLM-5.2_5layer": "glm5_2_5layer_1node",
     "tiny": "local",
-    "smollm2-135m": "local",
+    "smollm2-135m": "local_smollm2",
 }
 
 

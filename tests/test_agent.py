@@ -378,6 +378,9 @@ async def test_a_failing_close_is_recorded_not_raised(tok):
     [
         (bash("ls -la"), "ls -la", False, None),
         ("```sh\necho hi\n```", "echo hi", False, None),
+        ("```\necho hi\n```", "echo hi", False, None),  # no language tag
+        (bash("ls") + "Output:\n```\nfile.txt\n```", "ls", False, None),  # shown output is not a command
+        ("```\na\n```\n```\nb\n```", None, False, "Found 2"),
         ("<think>maybe ```bash\nrm -rf /\n``` or TASK_COMPLETE</think>\n" + bash("pwd"), "pwd", False, None),
         ("thinking: maybe ```bash\nrm -rf /\n```</think>\n" + bash("ls"), "ls", False, None),
         ("<think>unclosed ```bash\nrm -rf /\n```", None, False, "No ```bash block"),

@@ -1,7 +1,8 @@
 """The two action formats a model may answer in, and what each tells the model.
 
 - `bash_block`: exactly one fenced ```bash block per turn (its contents go to the env as one
-  command), or the word TASK_COMPLETE to finish. This is the reference recipe's format.
+  command), or the word TASK_COMPLETE to finish. This is the reference recipe's format. A reply
+  with no labelled block may use one unlabeled ``` fence instead.
 - `terminus_json`: the Terminus-2 protocol: a JSON object {"analysis", "plan", "commands":
   [{"keystrokes", "duration"}], "task_complete"}; keystrokes go verbatim to the terminal, each
   duration is clamped to the command timeout (60 s by default, as Terminus does), and finishing
@@ -25,19 +26,21 @@ TASK_COMPLETE = "TASK_COMPLETE"
 # Terminus waits one second after keystrokes that name no duration.
 DEFAULT_KEYSTROKE_DURATION_S = 1.0
 
-_BASH_BLOCK = re.compile(r"```(?:bash|sh)[ \t]*\n(.*?)```", re.DOTALL)
+_BASH_BLOCK = re.compile(r"```(?:bash|sh|shell)[ \t]*\n(.*?)```", re.DOTALL)
+# A fence with no language tag: small models often drop the tag. Such blocks are the commands
+# only when the reply has no labelled block (then an unlabeled block is usually shown output).
+_PLAIN_BLOCK = re.compile(r"```[ \t]*\n(.*?)```", re.DOTALL)
 _ANY_FENCE = re.compile(r"```")
 _TASK_COMPLETE = re.compile(rf"\b{TASK_COMPLETE}\b")
 
 BASH_BLOCK_SYSTEM_PROMPT = f"""\
-You solve a task by acting in an environment, one action per turn.
-Each turn, reply with exactly one fenced code block:
+You are a shell agent in a Linux terminal. Solve the task with shell commands, one per turn.
+Reply with one ```bash block holding the command, for example:
 ```bash
-<one command, or your answer>
+echo 'hello' > /app/hello.txt
 ```
-Its contents are sent to the environment, and what comes back is the next message.
-Keep to one code block per reply; you may write brief reasoning before it.
-When the task is finished, reply with the single word {TASK_COMPLETE} and no code block."""
+Its output comes back as the next message.
+When the task is done, reply with {TASK_COMPLETE} and no code block."""
 
 TERMINUS_SYSTEM_PROMPT = """\
 You solve a task by typing into a Linux terminal (a tmux session), one reply per turn.
@@ -95,7 +98,7 @@ class BashBlockFormat:
 
     def parse(self, text: str) -> ParsedTurn:
         visible = strip_reasoning(text)
-        blocks = _BASH_BLOCK.findall(visible)
+        blocks = _BASH_BLOCK.findall(visible) or _PLAIN_BLOCK.findall(visible)
         done = bool(_TASK_COMPLETE.search(visible))
         if len(blocks) == 1 and not done:
             command = blocks[0].strip()

@@ -57,7 +57,7 @@ class TrainerWorker:
         from agentrl.sync.weights import push_weights
 
         return await push_weights(urls, self.backend.named_weights(), self.backend.version,
-                                  pause_mode=self.cfg.rollout.pause_mode)
+                                  pause_mode=self.cfg.rollout.pause_mode, fp8=self.cfg.rollout.weight_sync_fp8)
 
     def save_checkpoint(self, extra: dict) -> None:
         self.backend.save_checkpoint(self.run_dir / "checkpoints" / "latest", extra)

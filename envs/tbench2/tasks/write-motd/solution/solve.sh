@@ -1,0 +1,2 @@
+#!/bin/bash
+printf '%s\n' 'Welcome back' > /app/motd.txt

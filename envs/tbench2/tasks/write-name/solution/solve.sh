@@ -1,0 +1,2 @@
+#!/bin/bash
+printf '%s\n' 'Ada Lovelace' > /app/name.txt

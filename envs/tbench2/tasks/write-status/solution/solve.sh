@@ -1,0 +1,2 @@
+#!/bin/bash
+printf '%s\n' 'all systems go' > /app/status.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+printf '%s\n' 'buy milk' > /app/todo.txt
