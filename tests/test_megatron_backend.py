@@ -112,6 +112,32 @@ def test_loss_parity_with_the_torch_backend(megatron_world):
     assert max(float((after[k] - want[k]).abs().max()) for k in want) < 1e-3
 
 
+def test_dsa_kernel_switch_trains_like_megatrons_own_dsa(megatron_world):
+    """train.dsa_kernels routes every layer's DSA through kernels/ (torch references on CPU) with the
+    same loss as Megatron's unfused DSA."""
+    from agentrl.models.tiny import build_tiny_model
+    from agentrl.train.megatron_backend import MegatronBackend
+
+    model = build_tiny_model(0).float()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    trajs = _trajs()
+    gids = [t.group_id for t in trajs]
+    losses = []
+    for switch in (False, True):
+        train = _train_cfg()
+        train.dsa_kernels = switch
+        mb = MegatronBackend(model.config, train, AlgorithmConfig(group_size=2), hf_state=state)
+        assert mb.dsa_layers_switched == (model.config.num_hidden_layers if switch else 0)
+        losses.append([mb.train_step(trajs, gids)["loss"] for _ in range(2)])
+        if switch:
+            from agentrl.models.megatron_dsa_switch import dsa_kernel_stats
+
+            stats = dsa_kernel_stats(mb.model)
+            assert stats["attention"] > 0 and stats["fallback"] == 0, stats
+    for plain, switched in zip(*losses):
+        assert switched == pytest.approx(plain, rel=1e-4)
+
+
 def test_bf16_masters_recompute_disk_adam_and_checkpoint(megatron_world, tmp_path):
     from agentrl.models.tiny import build_tiny_model
     from agentrl.train.megatron_backend import MegatronBackend

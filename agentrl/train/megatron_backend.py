@@ -96,6 +96,11 @@ class MegatronBackend:
         with cpu_megatron():
             self.model = build_gpt_model(hf_config, train.parallel, use_te=False, qk_norm_eps=qk_norm_eps,
                                          bf16=self.bf16, **extra).to(self.device)
+        self.dsa_layers_switched = 0
+        if train.dsa_kernels:  # DSA top-k and sparse attention through kernels/ (megatron_dsa_switch)
+            from agentrl.models.megatron_dsa_switch import apply_dsa_kernels
+
+            self.dsa_layers_switched = apply_dsa_kernels(self.model)
         source: dict[str, torch.Tensor] | None = None
         if hf_state is not None:
             from agentrl.models.mapping import hf_to_megatron
