@@ -145,4 +145,31 @@ def test_switch_matches_with_triton_kernels_interpreted(megatron_single_rank):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_switch_bf16_on_gpu(megatron_single_rank):
-    _compare("cuda", torch.bfloat16, use_triton=None, seqlens=[100, 300, 64], tol=3e-2)
+    """In bf16 both paths differ from the fp32 model (near-tied index scores pick other keys); the
+    switch must stay within twice Megatron's own bf16 error, logits and every gradient."""
+    import json
+
+    from agentrl.models.megatron_dsa_switch import apply_dsa_kernels, dsa_kernel_stats
+
+    seqlens = [100, 300, 64]
+    ref = _model("cuda", torch.float32)
+    ref_logits, ref_grads = _run(ref, "cuda", seqlens)
+    model = _model("cuda", torch.bfloat16)
+    model.load_state_dict(ref.state_dict())  # the same weights, rounded to bf16
+    base_logits, base_grads = _run(model, "cuda", seqlens)
+    assert apply_dsa_kernels(model) == 5
+    logits, grads = _run(model, "cuda", seqlens)
+    assert dsa_kernel_stats(model)["fallback"] == 0
+    scale = ref_logits.abs().max()
+    e_base = float((base_logits - ref_logits).abs().max() / scale)
+    e_switch = float((logits - ref_logits).abs().max() / scale)
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+    g_base = max(rel(base_grads[n], ref_grads[n]) for n in ref_grads)
+    g_switch = max(rel(grads[n], ref_grads[n]) for n in ref_grads)
+    print(json.dumps({"logits_rel_err_megatron_bf16": e_base, "logits_rel_err_switch_bf16": e_switch,
+                      "grad_rel_err_megatron_bf16": g_base, "grad_rel_err_switch_bf16": g_switch}))
+    assert e_switch <= 2 * e_base + 1e-3, (e_switch, e_base)
+    assert g_switch <= 2 * g_base + 1e-2, (g_switch, g_base)
