@@ -170,6 +170,8 @@ def prepare_cp(model_name: ModelName = "GLM-5.2", num_nodes: NumNodes = None, gp
 def train(model_name: ModelName = "GLM-5.2", num_nodes: NumNodes = None, gpus_per_node: GpusPerNode = None,
           hardware: HardwareOpt = None, config: ConfigOpt = None, set_: SetOpt = None, dry_run: DryRun = False,
           as_json: JsonOpt = False, sandbox: SandboxOpt = None, run_dir: RunDir = None,
+          quiet: Annotated[bool, typer.Option("--quiet", help="No progress lines or status panel (the final JSON "
+                                                               "summary and errors still print).")] = False,
           rehearse: Annotated[bool, typer.Option("--rehearse", help="Place the plan for real on a simulated local "
                                                  "Ray cluster (no model work), report and stop.")] = False) -> None:
     """Run fully-async agentic RL: trainer, engines, episode workers, replay buffer on Ray."""
@@ -180,10 +182,10 @@ def train(model_name: ModelName = "GLM-5.2", num_nodes: NumNodes = None, gpus_pe
         from agentrl.cluster.rehearsal_report import run_for_launcher
 
         raise typer.Exit(run_for_launcher(plan, cfg.cluster.episode_workers, as_json, typer.echo))
-    _train(cfg, plan)
+    _train(cfg, plan, quiet)
 
 
-def _train(cfg, plan) -> None:
+def _train(cfg, plan, quiet: bool = False) -> None:
     import asyncio
     import json
 
@@ -191,9 +193,10 @@ def _train(cfg, plan) -> None:
         _not_built(f"the {plan.engine_kind} engine actor in the run loop (SGLang needs its own environment: "
                    f"it pins another torch; the {plan.backend} trainer backend is ready)", "[R]")
     from agentrl.orchestrator import Orchestrator
+    from agentrl.progress import Progress
 
     try:
-        summary = asyncio.run(Orchestrator(cfg, plan).run())
+        summary = asyncio.run(Orchestrator(cfg, plan, Progress(quiet=quiet)).run())
     except KeyboardInterrupt:
         _fail("interrupted; engines, workers and sandboxes were stopped", code=130)
     except Exception as e:
