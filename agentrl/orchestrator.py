@@ -299,7 +299,7 @@ class Orchestrator:
         from agentrl.plot import plot_run
 
         try:
-            plot_run(self.run_dir)
+            plot_run(self.run_dir, evals={v: r.get("eval_pass_rate") for v, r in self.eval_results.items()})
         except Exception as e:  # a plot must never take the run down
             self.progress.note(f"could not draw curves.png: {e}")
 
