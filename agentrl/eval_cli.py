@@ -33,7 +33,7 @@ def eval_command(
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    task_ids = [t for item in tasks for t in item.split(",") if t] or _split_tasks(cfg, split)
+    task_ids = [t for item in tasks for t in item.split(",") if t] or split_tasks(cfg, split)
     work_dir = (out.parent if out else Path(cfg.logging.run_dir)) / "eval"
     work_dir.mkdir(parents=True, exist_ok=True)
     total = len(task_ids) * samples
@@ -59,7 +59,7 @@ def eval_command(
     typer.echo(f"pass rate {report['pass_rate']} ({report['passed']}/{report['samples']}, 95% CI {report['ci95']})")
 
 
-def _split_tasks(cfg, split: str) -> list[str]:
+def split_tasks(cfg, split: str) -> list[str]:
     from agentrl.envs.registry import available_envs
 
     if split not in ("eval", "train"):

@@ -40,7 +40,7 @@ def read_rows(run_dir: Path) -> list[dict]:
 
 def run_learning_report(run_dir: Path, out: Path, samples: int, concurrency: int = 8) -> dict[str, Any]:
     from agentrl.config.schema import RunConfig
-    from agentrl.eval_cli import _split_tasks
+    from agentrl.eval_cli import split_tasks
     from agentrl.evaluate import evaluate
 
     run_dir = Path(run_dir)
@@ -49,8 +49,8 @@ def run_learning_report(run_dir: Path, out: Path, samples: int, concurrency: int
     checkpoint = run_dir / "checkpoints" / "latest"
     if not (checkpoint / "state.pt").is_file():
         raise FileNotFoundError(f"{checkpoint}/state.pt not found: the run saved no checkpoint yet")
-    eval_tasks = _split_tasks(cfg, "eval")
-    train_tasks = _split_tasks(cfg, "train")
+    eval_tasks = split_tasks(cfg, "eval")
+    train_tasks = split_tasks(cfg, "train")
     work = out.parent / f"{out.stem}_eval"
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
