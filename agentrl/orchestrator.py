@@ -83,7 +83,10 @@ class Orchestrator:
             self.outcomes.update(resumed.get("outcomes", {}))
             self.progress.note(f"resumed from step {self.step}")
         self.version = await self.trainer.version.remote()
-        self.buffer = ray.remote(ReplayBuffer).options(num_cpus=0).remote(
+        # Named, so that episode workers look it up instead of receiving its handle: Ray cannot
+        # restart an actor whose constructor arguments hold references (ray issue 53727).
+        self.buffer_name = f"{self.run_id}-replay-buffer"
+        self.buffer = ray.remote(ReplayBuffer).options(num_cpus=0, name=self.buffer_name).remote(
             str(self.run_dir), self.cfg.algorithm.group_size, self.cfg.buffer.max_staleness,
             self.cfg.buffer.stale_policy, self.cfg.buffer.fsync, resume_step=self.step)
 
@@ -107,7 +110,7 @@ class Orchestrator:
             # max_restarts: a worker that dies (OOM, a crash) is started again; the groups it held
             # fail and are re-admitted by _run_group.
             ray.remote(EpisodeWorker).options(num_cpus=0, max_concurrency=10_000, max_restarts=-1).remote(
-                cfg_dict, self.urls, self.buffer, self.run_id, i, str(self.run_dir))
+                cfg_dict, self.urls, self.buffer_name, self.run_id, i, str(self.run_dir))
             for i in range(self.cfg.cluster.episode_workers)
         ]
         self._worker_load = [0] * len(self.workers)

@@ -98,8 +98,14 @@ class EpisodeWorker:
     """Runs groups of episodes; every episode talks to the engines through a session-affine router."""
 
     def __init__(self, cfg: dict, engine_urls: list[str], buffer: Any, run_id: str, index: int, run_dir: str):
+        """`buffer`: the replay buffer actor, or its name (looked up here, so a restarted worker
+        finds it again)."""
         self.cfg = RunConfig.model_validate(cfg)
         self.engine_urls = list(engine_urls)
+        if isinstance(buffer, str):
+            import ray
+
+            buffer = ray.get_actor(buffer)
         self.buffer = buffer
         self.run_id = run_id
         self.index = index
