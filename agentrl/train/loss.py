@@ -28,6 +28,17 @@ class GroupAdvantages:
     groups: int
 
 
+def step_advantages(trajectories, group_ids: list[str], sign: float = 1.0) -> tuple[GroupAdvantages, list[float], float]:
+    """A training step's group advantages (a missing reward counts as 0), the per-trajectory
+    advantages times `sign` (-1 is the learnability check's negative control) and the mean reward.
+    Both backends start their step with it."""
+    if not trajectories:
+        raise ValueError("train_step needs at least one trajectory")
+    rewards = [t.reward if t.reward is not None else 0.0 for t in trajectories]
+    adv = group_advantages(rewards, group_ids)
+    return adv, [a * sign for a in adv.advantages], sum(rewards) / len(rewards)
+
+
 def group_advantages(rewards: list[float], group_ids: list[str], normalize_std: bool = True) -> GroupAdvantages:
     if len(rewards) != len(group_ids):
         raise ValueError(f"{len(rewards)} rewards but {len(group_ids)} group ids")

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from agentrl.agent.trajectory import Trajectory
 from agentrl.config.schema import AlgorithmConfig, TrainConfig
-from agentrl.train.loss import LossConfig, LossInputs, group_advantages, grpo_tis_loss
+from agentrl.train.loss import LossConfig, LossInputs, grpo_tis_loss, step_advantages
 from agentrl.train.megatron_export import full_megatron_tensor, hf_named_weights
 from agentrl.train.megatron_parallel import (
     PackedBatch,
@@ -202,11 +202,7 @@ class MegatronBackend:
 
     def train_step(self, trajectories: list[Trajectory], group_ids: list[str]) -> dict[str, float]:
         t0 = time.perf_counter()
-        if not trajectories:
-            raise ValueError("train_step needs at least one trajectory")
-        rewards = [t.reward if t.reward is not None else 0.0 for t in trajectories]
-        adv = group_advantages(rewards, group_ids)
-        advantages = [a * self.advantage_sign for a in adv.advantages]
+        adv, advantages, reward_mean = step_advantages(trajectories, group_ids, self.advantage_sign)
         packs = self._my_packs(trajectories, advantages)
         from megatron.core import parallel_state as ps
 
@@ -246,7 +242,7 @@ class MegatronBackend:
         n = max(s["loss_tokens"], 1.0)
         versions = [t.oldest_version for t in trajectories if t.oldest_version is not None]
         return {
-            "loss": loss_total, "grad_norm": grad_norm, "reward_mean": float(np.mean(rewards)),
+            "loss": loss_total, "grad_norm": grad_norm, "reward_mean": reward_mean,
             "advantage_abs_mean": float(np.mean(np.abs(advantages))),
             "zero_variance_groups": adv.zero_variance_groups, "groups": adv.groups, "loss_tokens": int(n),
             "micro_batches": len(packs), "tis_clip_frac": s["tis_clip_frac_sum"] / n,

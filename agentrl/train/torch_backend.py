@@ -20,7 +20,7 @@ import torch
 from agentrl.agent.trajectory import Trajectory
 from agentrl.config.schema import AlgorithmConfig, TrainConfig
 from agentrl.train.batching import MicroBatch, collate, plan_micro_batches
-from agentrl.train.loss import LossConfig, LossInputs, group_advantages, grpo_tis_loss
+from agentrl.train.loss import LossConfig, LossInputs, grpo_tis_loss, step_advantages
 from agentrl.train.offload_adam import DiskOffloadAdamW, make_optimizer
 from kernels.logprobs_torch import chunked_logprobs
 
@@ -95,11 +95,7 @@ class TorchBackend:
     # -- one optimizer step --------------------------------------------------------------------
     def train_step(self, trajectories: list[Trajectory], group_ids: list[str]) -> dict[str, float]:
         t0 = time.perf_counter()
-        if not trajectories:
-            raise ValueError("train_step needs at least one trajectory")
-        rewards = [t.reward if t.reward is not None else 0.0 for t in trajectories]
-        adv = group_advantages(rewards, group_ids)
-        advantages = [a * self.advantage_sign for a in adv.advantages]
+        adv, advantages, reward_mean = step_advantages(trajectories, group_ids, self.advantage_sign)
         device = next(self.model.parameters()).device
         batches = [collate(trajectories, advantages, idx, self.pad_id).to(device)
                    for idx in plan_micro_batches([len(t.token_ids) for t in trajectories],
@@ -133,7 +129,7 @@ class TorchBackend:
         return {
             "loss": loss_total,
             "grad_norm": float(grad_norm),
-            "reward_mean": float(np.mean(rewards)),
+            "reward_mean": reward_mean,
             "advantage_abs_mean": float(np.mean(np.abs(advantages))),
             "zero_variance_groups": adv.zero_variance_groups,
             "groups": adv.groups,
