@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels._tuning import Autotuner, KernelConfig
+from kernels.topk_common import emit_full, finish_candidates, ordered_key, radix_pass
 
 # H200, 4096 rows of a 64K context. Full variant: 7 bits / 512 / 4 warps 4.4-4.6 ms, 6 bits 4.6 ms,
 # 8 bits 6.1 ms, 4 bits 6.4 ms, 11 bits 33.7 ms (tl.histogram cost grows with the bins).
@@ -53,69 +54,6 @@ TOPK_TUNER = Autotuner("indexer_topk", TOPK_CONFIGS)
 
 
 @triton.jit
-def _ordered_key(x):
-    # fp32 -> uint32 whose unsigned order is the float order (negatives flipped).
-    bits = x.to(tl.uint32, bitcast=True)
-    sign_bit = tl.full([], 0x80000000, tl.uint32)
-    all_ones = tl.full([], 0xFFFFFFFF, tl.uint32)
-    return tl.where((bits & sign_bit) != 0, bits ^ all_ones, bits | sign_bit)
-
-
-@triton.jit
-def _radix_pass(ptr, n, prefix, prefix_mask, remaining, shift, digit_mask,
-                RADIX_BITS: tl.constexpr, BLOCK: tl.constexpr, KEYS: tl.constexpr):
-    """Histogram one digit of the keys that match ``prefix``; pick the digit holding the k-th.
-
-    ``ptr`` holds fp32 scores, or uint32 keys when KEYS. Returns the extended prefix and mask,
-    how many keys are still needed from the new prefix, and how many keys share it."""
-    NB: tl.constexpr = 1 << RADIX_BITS
-    hist = tl.zeros([NB], tl.int32)
-    for start in range(0, n, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        ok = idx < n
-        if KEYS:
-            key = tl.load(ptr + idx, mask=ok, other=0)
-        else:
-            key = _ordered_key(tl.load(ptr + idx, mask=ok, other=0.0))
-        match = ok & ((key & prefix_mask) == prefix)
-        digit = ((key >> shift) & digit_mask).to(tl.int32)
-        hist += tl.histogram(digit, NB, mask=match)
-    bins = tl.arange(0, NB)
-    at_or_above = tl.sum(hist) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= bin
-    chosen = tl.max(tl.where(at_or_above >= remaining, bins, -1), axis=0)
-    above = tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
-    in_bin = tl.sum(tl.where(bins == chosen, hist, 0), axis=0)
-    prefix = prefix | (chosen.to(tl.uint32) << shift)
-    prefix_mask = prefix_mask | (digit_mask << shift)
-    return prefix, prefix_mask, remaining - above, in_bin
-
-
-@triton.jit
-def _emit_full(row_ptr, out_row, n, prefix, pmask, remaining, shift_ptr, dmask_ptr,
-               FIRST_PASS: tl.constexpr, N_PASSES: tl.constexpr, RADIX_BITS: tl.constexpr,
-               BLOCK: tl.constexpr):
-    """Finish the digits from FIRST_PASS on over the whole row, then emit in index order."""
-    for p in tl.static_range(FIRST_PASS, N_PASSES):
-        prefix, pmask, remaining, _ = _radix_pass(row_ptr, n, prefix, pmask, remaining, tl.load(shift_ptr + p),
-                                                  tl.load(dmask_ptr + p), RADIX_BITS, BLOCK, False)
-    # prefix is now the k-th largest key: take every key above it and the first `remaining`
-    # keys equal to it, in index order.
-    written = tl.zeros([], tl.int32)
-    ties = tl.zeros([], tl.int32)
-    for start in range(0, n, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        ok = idx < n
-        key = _ordered_key(tl.load(row_ptr + idx, mask=ok, other=0.0))
-        eq = ok & (key == prefix)
-        tie_rank = ties + tl.cumsum(eq.to(tl.int32), axis=0)
-        take = (ok & (key > prefix)) | (eq & (tie_rank <= remaining))
-        take_i = take.to(tl.int32)
-        tl.store(out_row + written + tl.cumsum(take_i, axis=0) - 1, idx, mask=take)
-        written += tl.sum(take_i, axis=0)
-        ties += tl.sum(eq.to(tl.int32), axis=0)
-
-
-@triton.jit
 def _topk_rows_kernel(score_ptr, out_ptr, ckey_ptr, cidx_ptr, shift_ptr, dmask_ptr, row0, offset, S,
                       stride_s, stride_o, stride_c,
                       K: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, N_PASSES: tl.constexpr,
@@ -133,16 +71,16 @@ def _topk_rows_kernel(score_ptr, out_ptr, ckey_ptr, cidx_ptr, shift_ptr, dmask_p
         pmask = tl.zeros([], tl.uint32)
         remaining = tl.full([], K, tl.int32)
         if not COMPACT:
-            _emit_full(row_ptr, out_row, n, prefix, pmask, remaining, shift_ptr, dmask_ptr,
+            emit_full(row_ptr, out_row, n, prefix, pmask, remaining, shift_ptr, dmask_ptr,
                        0, N_PASSES, RADIX_BITS, BLOCK)
         else:
             in_bin = n
             for p in tl.static_range(FULL_PASSES):
-                prefix, pmask, remaining, in_bin = _radix_pass(
+                prefix, pmask, remaining, in_bin = radix_pass(
                     row_ptr, n, prefix, pmask, remaining, tl.load(shift_ptr + p), tl.load(dmask_ptr + p),
                     RADIX_BITS, BLOCK, False)
             if in_bin > CAP:  # too many keys share the prefix for the scratch buffer
-                _emit_full(row_ptr, out_row, n, prefix, pmask, remaining, shift_ptr, dmask_ptr,
+                emit_full(row_ptr, out_row, n, prefix, pmask, remaining, shift_ptr, dmask_ptr,
                            FULL_PASSES, N_PASSES, RADIX_BITS, BLOCK)
             else:
                 _emit_compact(row_ptr, out_row, ckey_ptr + r.to(tl.int64) * stride_c,
@@ -160,7 +98,7 @@ def _emit_compact(row_ptr, out_row, ckey_row, cidx_row, n, prefix, pmask, remain
     for start in range(0, n, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         ok = idx < n
-        key = _ordered_key(tl.load(row_ptr + idx, mask=ok, other=0.0))
+        key = ordered_key(tl.load(row_ptr + idx, mask=ok, other=0.0))
         masked = key & pmask
         top = ok & (masked > prefix)
         cand = ok & (masked == prefix)
@@ -173,38 +111,8 @@ def _emit_compact(row_ptr, out_row, ckey_row, cidx_row, n, prefix, pmask, remain
         written += tl.sum(top_i, axis=0)
         n_cand += tl.sum(cand_i, axis=0)
     tl.debug_barrier()  # candidates written by all threads before any thread reads them
-    _finish_candidates(out_row, ckey_row, cidx_row, n_cand, prefix, pmask, remaining, written, shift_ptr,
+    finish_candidates(out_row, ckey_row, cidx_row, n_cand, prefix, pmask, remaining, written, shift_ptr,
                        dmask_ptr, K, FULL_PASSES, N_PASSES, RADIX_BITS, BLOCK)
-
-
-@triton.jit
-def _finish_candidates(out_row, ckey_row, cidx_row, n_cand, prefix, pmask, remaining, written, shift_ptr,
-                       dmask_ptr, K: tl.constexpr, FIRST_PASS: tl.constexpr, N_PASSES: tl.constexpr,
-                       RADIX_BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Candidates (keys + indices, in index order) hold the k-th key; `written` keys are already out."""
-    # 2. remaining digits on the candidates only
-    for p in tl.static_range(FIRST_PASS, N_PASSES):
-        prefix, pmask, remaining, _ = _radix_pass(ckey_row, n_cand, prefix, pmask, remaining,
-                                                  tl.load(shift_ptr + p), tl.load(dmask_ptr + p),
-                                                  RADIX_BITS, BLOCK, True)
-    # 3. emit candidates above the k-th key and the first `remaining` equal to it (index order)
-    ties = tl.zeros([], tl.int32)
-    for start in range(0, n_cand, BLOCK):
-        j = start + tl.arange(0, BLOCK)
-        ok = j < n_cand
-        key = tl.load(ckey_row + j, mask=ok, other=0)
-        idx = tl.load(cidx_row + j, mask=ok, other=0)
-        eq = ok & (key == prefix)
-        tie_rank = ties + tl.cumsum(eq.to(tl.int32), axis=0)
-        take = (ok & (key > prefix)) | (eq & (tie_rank <= remaining))
-        take_i = take.to(tl.int32)
-        tl.store(out_row + written + tl.cumsum(take_i, axis=0) - 1, idx, mask=take)
-        written += tl.sum(take_i, axis=0)
-        ties += tl.sum(eq.to(tl.int32), axis=0)
-    tl.debug_barrier()
-    # 4. the K written indices, ascending (the full variant emits them in order already)
-    kk = tl.arange(0, K)
-    tl.store(out_row + kk, tl.sort(tl.load(out_row + kk), dim=0))
 
 
 def _radix_schedule(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

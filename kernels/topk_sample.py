@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.topk import _emit_full, _finish_candidates, _ordered_key
+from kernels.topk_common import emit_full, finish_candidates, ordered_key
 
 
 @triton.jit
@@ -25,7 +25,7 @@ def _sample_threshold(row, n, K: tl.constexpr, SAMPLES: tl.constexpr):
     stride = tl.maximum((n + SAMPLES - 1) // SAMPLES, 1)
     pos = tl.arange(0, SAMPLES) * stride
     ok = pos < n
-    keys = _ordered_key(tl.load(row + pos, mask=ok, other=0.0))
+    keys = ordered_key(tl.load(row + pos, mask=ok, other=0.0))
     r = (3 * K) // (2 * stride) + 4  # expected keys >= t: ~1.5 k + 4 strides
     t = tl.zeros([], tl.uint32)
     for b in tl.static_range(32):
@@ -57,7 +57,7 @@ def _topk_sample_kernel(score_ptr, out_ptr, ckey_ptr, cidx_ptr, shift_ptr, dmask
         for start in range(0, n, BLOCK):
             idx = start + tl.arange(0, BLOCK)
             ok = idx < n
-            key = _ordered_key(tl.load(row + idx, mask=ok, other=0.0))
+            key = ordered_key(tl.load(row + idx, mask=ok, other=0.0))
             cand = ok & (key >= t)
             cand_i = cand.to(tl.int32)
             pos = n_cand + tl.cumsum(cand_i, axis=0) - 1
@@ -68,10 +68,10 @@ def _topk_sample_kernel(score_ptr, out_ptr, ckey_ptr, cidx_ptr, shift_ptr, dmask
         tl.debug_barrier()  # candidates written by all threads before any thread reads them
         zero = tl.zeros([], tl.uint32)
         if (n_cand >= K) & (n_cand <= CAP):
-            _finish_candidates(out_row, ckey_row, cidx_row, n_cand, zero, zero, tl.full([], K, tl.int32),
+            finish_candidates(out_row, ckey_row, cidx_row, n_cand, zero, zero, tl.full([], K, tl.int32),
                                tl.zeros([], tl.int32), shift_ptr, dmask_ptr, K, 0, N_PASSES, RADIX_BITS, BLOCK)
         else:
-            _emit_full(row, out_row, n, zero, zero, tl.full([], K, tl.int32), shift_ptr, dmask_ptr,
+            emit_full(row, out_row, n, zero, zero, tl.full([], K, tl.int32), shift_ptr, dmask_ptr,
                        0, N_PASSES, RADIX_BITS, BLOCK)
 
 

@@ -5,7 +5,7 @@ over (6% of HBM bandwidth on the H200). Here every pass over the rows runs on a 
 grid, so a 4096-row chunk of 64K-key rows is 4096 x 16 programs of 4K keys each:
   1. FULL_PASSES x: histogram of the next RADIX_BITS digit of the keys matching the prefix,
      per segment, added into a per-row global histogram with atomics; then a per-row program
-     picks the digit holding the k-th key (same arithmetic as topk._radix_pass).
+     picks the digit holding the k-th key (same arithmetic as topk_common.radix_pass).
   2. compaction: each segment writes its keys above the prefix straight to the row's output, and
      the keys on the prefix (candidates) to a scratch buffer, at positions from atomic counters.
   3. per row: the remaining digits on the candidates only, ties at the k-th key resolved to the
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.topk import _emit_full, _ordered_key, _radix_pass
+from kernels.topk_common import emit_full, ordered_key, radix_pass
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def _seg_hist_kernel(score_ptr, state_ptr, hist_ptr, shift_ptr, dmask_ptr, row0,
         for start in range(seg0, tl.minimum(seg0 + SEG, n), BLOCK):
             idx = start + tl.arange(0, BLOCK)
             ok = (idx < n) & (idx < seg0 + SEG)
-            key = _ordered_key(tl.load(row + idx, mask=ok, other=0.0))
+            key = ordered_key(tl.load(row + idx, mask=ok, other=0.0))
             match = ok & ((key & pmask) == prefix)
             hist += tl.histogram(((key >> shift) & dmask).to(tl.int32), NB, mask=match)
         tl.atomic_add(hist_ptr + r * NB + tl.arange(0, NB), hist, sem="relaxed")
@@ -88,7 +88,7 @@ def _seg_compact_kernel(score_ptr, out_ptr, state_ptr, ckey_ptr, cidx_ptr, row0,
         for start in range(seg0, tl.minimum(seg0 + SEG, n), BLOCK):
             idx = start + tl.arange(0, BLOCK)
             ok = (idx < n) & (idx < seg0 + SEG)
-            key = _ordered_key(tl.load(row + idx, mask=ok, other=0.0))
+            key = ordered_key(tl.load(row + idx, mask=ok, other=0.0))
             masked = key & pmask
             top = ok & (masked > prefix)
             cand = ok & (masked == prefix)
@@ -138,13 +138,13 @@ def _seg_resolve_kernel(score_ptr, out_ptr, state_ptr, ckey_ptr, cidx_ptr, shift
         n_cand = tl.load(st + 4).to(tl.int32)
         row = score_ptr + r.to(tl.int64) * stride_s
         if n_cand > CAP:  # the scratch overflowed: finish over the whole row, in index order
-            _emit_full(row, out_row, n, prefix, pmask, remaining, shift_ptr, dmask_ptr,
+            emit_full(row, out_row, n, prefix, pmask, remaining, shift_ptr, dmask_ptr,
                        FULL_PASSES, N_PASSES, RADIX_BITS, BLOCK)
         else:
             ckey_row = ckey_ptr + r.to(tl.int64) * stride_c
             cidx_row = cidx_ptr + r.to(tl.int64) * stride_c
             for p in tl.static_range(FULL_PASSES, N_PASSES):
-                prefix, pmask, remaining, _ = _radix_pass(ckey_row, n_cand, prefix, pmask, remaining,
+                prefix, pmask, remaining, _ = radix_pass(ckey_row, n_cand, prefix, pmask, remaining,
                                                           tl.load(shift_ptr + p), tl.load(dmask_ptr + p),
                                                           RADIX_BITS, BLOCK, True)
             # prefix is the k-th key: the `remaining` lowest indices among candidates equal to it
