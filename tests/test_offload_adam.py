@@ -58,9 +58,12 @@ def reference(steps: int) -> tuple[torch.nn.Module, torch.optim.AdamW]:
 
 
 def assert_same(model, opt, ref_model, ref_opt) -> None:
-    """Params, moments and step counts equal within fp32 rounding (1e-6 relative)."""
+    """Params, moments and step counts equal within fp32 rounding (1e-6 relative). Params get an
+    absolute floor of 5e-7 (1/2000 of one lr=1e-3 update): element (390, 57) of this model sits where
+    the reassociated fp32 sums of the two implementations drift to 1.3e-7 after 5-14 steps on some
+    CPUs (seen on the 2-core dev VM, not in CI)."""
     for a, b in zip(model.parameters(), ref_model.parameters()):
-        torch.testing.assert_close(a.detach().float(), b.detach().float(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a.detach().float(), b.detach().float(), rtol=1e-6, atol=5e-7)
     ours, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
     assert sorted(ours) == sorted(theirs)
     for i in theirs:
