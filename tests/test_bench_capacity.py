@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.bench.capacity import Assumptions, engine_memory, param_counts, plan_capacity, trainer_memory
+from agentrl.bench.capacity import Assumptions, plan_capacity
 from agentrl.bench.loop_sim import LoopShape, empirical_draw, lognormal_draw, simulate, summarize
 from agentrl.config.loader import load_config
+from agentrl.config.memory import engine_memory, param_counts, trainer_memory
 from agentrl.config.plan import resolve_plan
 
 ROOT = Path(__file__).resolve().parents[1]

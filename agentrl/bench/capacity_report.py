@@ -17,9 +17,10 @@ import random
 from pathlib import Path
 from typing import Any
 
-from agentrl.bench.capacity import Assumptions, param_counts, plan_capacity
+from agentrl.bench.capacity import Assumptions, plan_capacity
 from agentrl.bench.loop_sim import LoopShape, empirical_draw, simulate, summarize
 from agentrl.bench.machine import machine
+from agentrl.config.memory import param_counts
 
 
 def check_param_counts() -> dict:

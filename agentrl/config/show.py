@@ -24,9 +24,9 @@ def plan_json(cfg: RunConfig, plan: RunPlan) -> str:
 
 
 def _memory_estimate(cfg: RunConfig, plan: RunPlan) -> dict:
-    """Per-GPU memory by role from the capacity model (agentrl.bench.capacity); {} for a model
-    the capacity model has no shapes for."""
-    from agentrl.bench.capacity import engine_memory, trainer_memory
+    """Per-GPU memory by role (agentrl/config/memory.py); {"unavailable": why} for a model it has
+    no shapes for."""
+    from agentrl.config.memory import engine_memory, trainer_memory
 
     try:
         out = {"trainer": trainer_memory(cfg, plan)}
@@ -87,7 +87,7 @@ def _render_plan(cfg: RunConfig, plan: RunPlan, console: Console) -> None:
 
 
 def _render_memory(cfg: RunConfig, plan: RunPlan, console: Console) -> None:
-    from agentrl.bench.capacity import HARDWARE, memory_rows
+    from agentrl.config.memory import HARDWARE, memory_rows
 
     try:
         rows = memory_rows(cfg, plan)
