@@ -1,4 +1,5 @@
-"""Envs are found through `agentrl.envs` entry points of installed packages, nothing else."""
+"""Envs are found through `agentrl.envs` entry points of installed packages, or by an explicit
+"package.module:ClassName" import path; nothing registers itself."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import textwrap
 import pytest
 
 from agentrl.envs.base import Env
-from agentrl.envs.registry import ENTRY_POINT_GROUP, EnvRegistryError, available_envs, make_env
+from agentrl.envs.registry import (
+    ENTRY_POINT_GROUP,
+    EnvRegistryError,
+    available_envs,
+    load_env_factory,
+    make_env,
+)
 
 
 def _install_fake_distribution(
@@ -136,3 +143,26 @@ def test_nothing_is_registered_at_import():
         k: v for k, v in vars(registry).items() if not k.startswith("__") and isinstance(v, (dict, list, set))
     }
     assert module_state == {}
+
+
+def test_an_import_path_builds_an_env_that_is_not_installed():
+    from agentrl_countdown import CountdownEnv
+
+    assert load_env_factory("agentrl_countdown:CountdownEnv") is CountdownEnv
+    env = make_env("agentrl_countdown:CountdownEnv", num_tasks=2, seed=1)
+    assert env.task_ids() == ["countdown-1-0", "countdown-1-1"]
+
+
+def test_an_installed_entry_point_wins_over_the_import_path_of_its_name(fake_dist):
+    fake_dist({"fake_env_mod:NotAnEnv": "fake_env_mod:FakeEnv"})
+    assert type(make_env("fake_env_mod:NotAnEnv")).__name__ == "FakeEnv"
+
+
+def test_an_import_path_that_does_not_resolve_names_env_name():
+    with pytest.raises(EnvRegistryError, match=r"env.name 'no_such_module_xyz:Env' is no installed env "
+                                               r"\(installed: .*countdown.*ModuleNotFoundError"):
+        make_env("no_such_module_xyz:Env")
+    with pytest.raises(EnvRegistryError, match=r"env.name 'agentrl_countdown:NoSuchEnv'.*AttributeError"):
+        make_env("agentrl_countdown:NoSuchEnv")
+    with pytest.raises(EnvRegistryError, match=r"unknown env.name 'not a path:X'.*package.module:ClassName"):
+        make_env("not a path:X")
