@@ -124,10 +124,10 @@ def prepare(model_name: ModelName = "GLM-5.2", num_nodes: NumNodes = None, gpus_
     cfg, plan = resolve(model_name, num_nodes, gpus_per_node, hardware, config, set_)
     if dry_run:
         return _show(cfg, plan, as_json)
-    _prepare(cfg)
+    _prepare(cfg, plan)
 
 
-def _prepare(cfg) -> None:
+def _prepare(cfg, plan) -> None:
     from agentrl.models.checkpoint import CheckpointError, validate_glm_checkpoint
     from agentrl.models.prepare import convert_hf_to_megatron
 
@@ -140,7 +140,7 @@ def _prepare(cfg) -> None:
     except CheckpointError as e:
         _fail(str(e))
     typer.echo(f"prepare: {m.path} is a valid {m.name} checkpoint; converting to {m.megatron_dir}", err=True)
-    out = convert_hf_to_megatron(m.path, m.megatron_dir, cfg.train.parallel)
+    out = convert_hf_to_megatron(m.path, m.megatron_dir, plan.layout)
     typer.echo(f"prepare: wrote {out}", err=True)
 
 
@@ -222,7 +222,7 @@ def full_train(model_name: ModelName = "GLM-5.2", num_nodes: NumNodes = None, gp
     if dry_run:
         return _show(cfg, plan, as_json)
     if plan.backend == "megatron":
-        _prepare(cfg)
+        _prepare(cfg, plan)
     _train(cfg, plan)
 
 

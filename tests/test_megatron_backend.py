@@ -170,35 +170,25 @@ def test_bf16_masters_recompute_disk_adam_and_checkpoint(megatron_world, tmp_pat
 
 
 def test_unsupported_layouts_are_refused_with_the_field_named(megatron_world):
+    from agentrl.config.layout import Layout
     from agentrl.models.hf_config import hf_config_for
     from agentrl.train.megatron_backend import MegatronBackend
 
-    train = _train_cfg()
-    train.parallel.tp = 2
-    with pytest.raises(ValueError, match="tp"):
-        MegatronBackend(hf_config_for("tiny"), train, AlgorithmConfig())
+    layout = Layout.resolve(world=2, tp=2, num_layers=5, num_heads=4, n_experts=8)
+    with pytest.raises(ValueError, match="train.parallel.tp=2"):
+        MegatronBackend(hf_config_for("tiny"), _train_cfg(), AlgorithmConfig(), layout=layout)
 
 
-def test_trainer_worker_builds_the_megatron_backend(megatron_world, tmp_path):
-    from agentrl.cluster.actors import TrainerWorker
-    from agentrl.config.schema import RunConfig
+def test_make_backend_builds_the_megatron_backend_from_the_plan(megatron_world, tmp_path):
+    from agentrl.config.loader import load_config
+    from agentrl.config.plan import resolve_plan
+    from agentrl.train.factory import make_backend
     from agentrl.train.megatron_backend import MegatronBackend
+    from agentrl.train.megatron_parallel import DistInit
 
-    cfg = RunConfig()
-    cfg.train.backend, cfg.train.dtype, cfg.train.parallel.recompute = "megatron", "float32", "none"
-    worker = TrainerWorker(cfg.model_dump(mode="json"), str(tmp_path))
-    assert isinstance(worker.backend, MegatronBackend)
-    names = [n for n, _ in worker.backend.named_weights()]
+    cfg = load_config("local", ["train.backend=megatron", "train.parallel.recompute=none"])
+    plan = resolve_plan(cfg)
+    backend = make_backend(cfg, plan, DistInit.single(), tmp_path)
+    assert isinstance(backend, MegatronBackend) and backend.layout == plan.layout
+    names = [n for n, _ in backend.named_weights()]
     assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
-
-
-def test_launcher_refuses_a_gpu_recipe_only_for_sglang():
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    launcher = Path(__file__).resolve().parents[1] / "launchers" / "run_glm5_2_daytona.py"
-    r = subprocess.run([sys.executable, str(launcher), "train", "--num-nodes", "16"], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 3
-    assert "sglang engine actor" in r.stderr and "megatron trainer backend is ready" in r.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import multiprocessing as mp
-import os
 import socket
 
 import pytest
@@ -20,19 +19,21 @@ def _free_port() -> int:
 def _rank(rank: int, port: int, result) -> None:
     try:
         import torch
-
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
         from test_megatron_backend import _train_cfg, _trajs
 
+        from agentrl.config.layout import Layout
         from agentrl.config.schema import AlgorithmConfig
         from agentrl.models.tiny import build_tiny_model
         from agentrl.train.megatron_backend import MegatronBackend
+        from agentrl.train.megatron_parallel import DistInit
 
         model = build_tiny_model(0).float()
         state = model.state_dict()
         train = _train_cfg(max_tokens=40)
-        train.parallel.ep = 2
-        mb = MegatronBackend(model.config, train, AlgorithmConfig(group_size=2), hf_state=state)
+        layout = Layout.resolve(world=2, ep=2, num_layers=model.config.num_hidden_layers,
+                                n_experts=model.config.n_routed_experts)
+        mb = MegatronBackend(model.config, train, AlgorithmConfig(group_size=2), hf_state=state, layout=layout,
+                             dist_init=DistInit(rank, 2, "127.0.0.1", port))
         local_experts = sum(1 for n, _ in mb.named_params if ".local_experts." in n and "linear_fc1" in n)
         exported = dict(mb.named_weights())
         exact = set(exported) == set(state) and all(torch.equal(exported[k], state[k]) for k in state)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from glm_fixtures import tiny_config
 
-from agentrl.config.schema import ParallelConfig
+from agentrl.config.layout import Layout
 from agentrl.models.hf_config import hf_config_for
 from agentrl.models.megatron_builder import megatron_config_fields
 
@@ -35,8 +35,9 @@ def test_glm_5_2_fields_match_the_reference_architecture():
 
 
 def test_reference_parallel_layout():
-    parallel = ParallelConfig(tp=2, pp=4, cp=4, ep=8, pp_first_stage_layers=18, pp_last_stage_layers=20)
-    f = megatron_config_fields(hf_config_for("GLM-5.2"), parallel, use_te=True)
+    layout = Layout.resolve(world=32, tp=2, pp=4, cp=4, ep=8, pp_split=[18, 20, 20, 20], num_layers=78,
+                            num_heads=64, n_experts=256)
+    f = megatron_config_fields(hf_config_for("GLM-5.2"), layout, recompute="full", use_te=True)
     assert {k: f[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                               "context_parallel_size", "expert_model_parallel_size",
                               "expert_tensor_parallel_size", "sequence_parallel",
@@ -51,9 +52,9 @@ def test_reference_parallel_layout():
 
 
 def test_pipeline_split_breaking_the_dsa_rule_is_rejected():
-    parallel = ParallelConfig(pp=4, pp_first_stage_layers=20, pp_last_stage_layers=18)  # starts 21, 41, 61
+    layout = Layout.resolve(world=4, pp=4, pp_split=[20, 20, 20, 18], num_layers=78)  # starts 21, 41, 61
     with pytest.raises(ValueError, match=r"start at layers \[21, 41, 61\]"):
-        megatron_config_fields(hf_config_for("GLM-5.2"), parallel)
+        megatron_config_fields(hf_config_for("GLM-5.2"), layout)
 
 
 def test_tiny_and_five_layer_models():
@@ -86,8 +87,8 @@ def test_megatron_config_and_local_dsa_specs_build_on_cpu():
         transformer_config_from_hf,
     )
 
-    parallel = ParallelConfig(pp=2, ep=2, pp_layer_split=[3, 2])
-    config = transformer_config_from_hf(tiny_config(mtp=1), parallel, bf16=False)
+    layout = Layout.resolve(world=4, pp=2, ep=2, pp_split=[3, 2], num_layers=5, n_experts=8)
+    config = transformer_config_from_hf(tiny_config(mtp=1), layout, bf16=False)
     assert config.num_layers_in_first_pipeline_stage == 3 and config.mtp_num_layers == 1
     block = local_layer_specs(config, local_dsa_backend(qk_norm_eps=1e-6), pp_rank=1)
     assert len(block.layer_specs) == 2
@@ -97,4 +98,4 @@ def test_megatron_config_and_local_dsa_specs_build_on_cpu():
     norm = attn.submodules.q_layernorm(config=config, hidden_size=8, eps=1e-5)
     assert isinstance(norm, torch.nn.RMSNorm) and norm.eps == 1e-6
     with pytest.raises(ValueError, match="needs TransformerEngine"):
-        transformer_config_from_hf(tiny_config(), ParallelConfig(tp=2))
+        transformer_config_from_hf(tiny_config(), Layout(tp=2, pp=1, cp=1, ep=1, etp=1, dp=1, pp_split=(5,)))

@@ -8,12 +8,20 @@ from agentrl.config.plan import PlanError, resolve_plan
 from agentrl.models.arch import GLM_5_2, GLM_5_2_5LAYER, TINY
 
 
-def plan(recipe, *sets):
-    return resolve_plan(load_config(recipe, list(sets)))
+def plan(recipe, *sets, runnable=False):
+    """Layout arithmetic only (runnable=False): whether the backend trains it is test_capabilities'."""
+    return resolve_plan(load_config(recipe, list(sets)), check_runnable=runnable)
 
 
 def dims(p):
-    return (p.parallel.tp, p.parallel.pp, p.parallel.cp, p.parallel.ep, p.parallel.dp)
+    return (p.layout.tp, p.layout.pp, p.layout.cp, p.layout.ep, p.layout.dp)
+
+
+def command(cfg_recipe, *sets, engine=0):
+    from agentrl.config.show import engine_command_preview
+
+    cfg = load_config(cfg_recipe, list(sets))
+    return engine_command_preview(cfg, resolve_plan(cfg, check_runnable=False).engines[engine]).split()
 
 
 def test_glm52_computing_layers():
@@ -26,39 +34,40 @@ def test_reference_agentic_recipe():
     p = plan("glm5_2_tbench2")
     assert (p.train_nodes, p.inference_nodes) == (8, 8)
     assert dims(p) == (2, 4, 4, 8, 1)
-    assert p.pp_layer_split == [18, 20, 20, 20]
-    assert p.pp_stage_first_layers == [1, 19, 39, 59]
+    assert p.layout.pp_split == (18, 20, 20, 20)
+    assert p.layout.stage_first_layers == [1, 19, 39, 59]
     assert len(p.engines) == 8
     assert all(e.gpus == 4 and len(e.nodes) == 1 for e in p.engines)
+    assert [p.rank_node(r) for r in (0, 3, 4, 31)] == [0, 0, 1, 7]
     assert sorted(e.nodes[0] for e in p.engines) == list(range(8, 16))
     assert p.backend == "megatron" and p.engine_kind == "sglang"
 
 
 def test_reference_auto_split_matches_recipe_without_hints():
     p = plan("glm5_2_tbench2", "train.parallel.pp_first_stage_layers=null", "train.parallel.pp_last_stage_layers=null")
-    assert p.pp_stage_first_layers == [1, 19, 39, 59]
+    assert p.layout.stage_first_layers == [1, 19, 39, 59]
 
 
 def test_eight_gpu_variant():
     p = plan("glm5_2_8gpu")
     assert dims(p) == (4, 8, 8, 32, 1)
-    assert p.pp_stage_first_layers == [1, 15, 23, 31, 39, 47, 55, 63]
-    assert p.pp_layer_split == [14, 8, 8, 8, 8, 8, 8, 16]
+    assert p.layout.stage_first_layers == [1, 15, 23, 31, 39, 47, 55, 63]
+    assert p.layout.pp_split == (14, 8, 8, 8, 8, 8, 8, 16)
     assert len(p.engines) == 64  # 32 inference nodes x two 4-GPU engines
 
 
 def test_pp8_split_through_overrides():
     p = plan("glm5_2_tbench2", "train.parallel.pp=8", "train.parallel.pp_first_stage_layers=14",
              "train.parallel.pp_last_stage_layers=16")
-    assert p.pp_stage_first_layers == [1, 15, 23, 31, 39, 47, 55, 63]
-    assert p.parallel.tp * p.parallel.pp * p.parallel.cp * p.parallel.dp == 32
+    assert p.layout.stage_first_layers == [1, 15, 23, 31, 39, 47, 55, 63]
+    assert p.layout.world == 32
 
 
 def test_sixteen_h200_nodes_of_eight():
     p = plan("glm5_2_tbench2", "cluster.gpus_per_node=8", "cluster.hardware=H200")
     assert p.train_gpus == 64
     assert dims(p) == (4, 4, 4, 16, 1)
-    assert p.pp_stage_first_layers == [1, 19, 39, 59]
+    assert p.layout.stage_first_layers == [1, 19, 39, 59]
     assert len(p.engines) == 16  # two 4-GPU engines per inference node
 
 
@@ -66,16 +75,17 @@ def test_one_node_five_layer_smoke():
     p = plan("glm5_2_5layer_1node")
     assert (p.train_nodes, p.inference_nodes, p.train_gpus) == (1, 1, 4)
     assert dims(p)[:4] == (4, 1, 1, 4)
-    assert p.pp_stage_first_layers == [1]
-    assert len(p.engines) == 1 and "--mem-fraction-static" in p.engines[0].command
-    assert p.engines[0].command[p.engines[0].command.index("--mem-fraction-static") + 1] == "0.7"
+    assert p.layout.stage_first_layers == [1]
+    cmd = command("glm5_2_5layer_1node")
+    assert len(p.engines) == 1 and cmd[cmd.index("--mem-fraction-static") + 1] == "0.7"
 
 
 def test_local_cpu():
     p = plan("local")
     assert p.backend == "torch" and p.engine_kind == "embedded"
     assert dims(p) == (1, 1, 1, 1, 1)
-    assert p.engines[0].command[:3] == ["agentrl", "engine", "serve"]
+    assert command("local")[1:5] == ["-m", "agentrl.cli", "engine", "serve"]
+    assert p.layout.world == 1 and p.weight_transport == "http_tensors"
 
 
 def test_split_on_shared_layer_is_rejected_with_valid_starts():
@@ -96,7 +106,7 @@ def test_world_not_divisible():
 
 
 def test_ep_not_dividing_experts():
-    with pytest.raises(PlanError, match="256 experts"):
+    with pytest.raises(PlanError, match="256 routed experts"):
         plan("glm5_2_tbench2", "train.parallel.ep=6")
 
 
@@ -118,7 +128,8 @@ def test_stage_sizes_must_sum():
 def test_engine_wider_than_node_spans_nodes():
     p = plan("glm5_2_tbench2", "rollout.sglang.gpus_per_engine=8")
     assert len(p.engines) == 4 and all(len(e.nodes) == 2 for e in p.engines)
-    assert "--nnodes" in p.engines[0].command
+    cmd = command("glm5_2_tbench2", "rollout.sglang.gpus_per_engine=8")
+    assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--node-rank") + 1] == "0"
 
 
 def test_engine_not_fitting_nodes():
@@ -134,13 +145,32 @@ def test_auto_split_always_valid():
     assert auto_split(TINY, 1) == [5]
 
 
-def test_megatron_on_cpu_is_refused():
-    with pytest.raises(PlanError, match="needs GPUs"):
-        plan("local", "train.backend=megatron")
+def test_megatron_on_cpu_takes_the_cpu_trainer_ranks():
+    p = plan("local", "train.backend=megatron", "cluster.cpu_trainer_ranks=2", "train.parallel.ep=2")
+    assert p.layout.world == 2 and (p.layout.ep, p.layout.dp, p.layout.edp) == (2, 2, 1) and p.gpus_per_rank == 0
+
+
+def test_torch_backend_refuses_several_ranks_before_anything_starts():
+    with pytest.raises(PlanError, match="torch backend trains on one rank"):
+        plan("local", "cluster.cpu_trainer_ranks=2", runnable=True)
+
+
+def test_one_gpu_colocated_smoke():
+    p = plan("local", "cluster.gpus_per_node=1", "cluster.hardware=H200", "cluster.colocate=true",
+             "train.backend=megatron", "rollout.engine=embedded")
+    assert p.layout.world == 1 and p.gpus_per_rank == 0.5 and p.engines[0].gpus_per_node == 0.5
+    assert p.train_gpus == 1 and p.colocated
+
+
+def test_plan_round_trips_through_json():
+    from agentrl.config.plan import RunPlan
+
+    p = plan("glm5_2_tbench2")
+    assert RunPlan.from_json(p.to_json()) == p
 
 
 def test_sglang_flags_are_0_5_23_names():
-    cmd = plan("glm5_2_tbench2").engines[0].command
+    cmd = command("glm5_2_tbench2")
     assert "--attention-backend" in cmd and cmd[cmd.index("--attention-backend") + 1] == "dsa"
     assert "--dsa-prefill-backend" in cmd and "--dsa-decode-backend" in cmd
     assert not any(a.startswith("--nsa") for a in cmd)

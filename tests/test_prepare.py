@@ -9,7 +9,7 @@ import torch
 from glm_fixtures import tiny_config, tiny_hf_state, to_per_expert
 from safetensors.torch import save_file
 
-from agentrl.config.schema import ParallelConfig
+from agentrl.config.layout import Layout
 from agentrl.models import prepare
 from agentrl.models.mapping import hf_to_megatron
 from agentrl.models.prepare import (
@@ -61,7 +61,7 @@ def test_dist_checkpoint_keys():
 
 def test_convert_writes_the_megatron_global_view(hf_checkpoint, tmp_path):
     folder, config, state = hf_checkpoint
-    out = convert_hf_to_megatron(folder, tmp_path / "mg", ParallelConfig(tp=2, pp=2, ep=2, pp_layer_split=[3, 2]))
+    out = convert_hf_to_megatron(folder, tmp_path / "mg", Layout(tp=2, pp=2, cp=1, ep=2, etp=1, dp=1, pp_split=(3, 2)))
     assert json.loads((out / "metadata.json").read_text()) == {"sharded_backend": "torch_dist",
                                                               "sharded_backend_version": 1}
     assert (out / "common.pt").exists() and not (tmp_path / "mg.partial").exists()
@@ -83,9 +83,9 @@ def test_convert_casts_but_keeps_the_expert_bias_fp32(hf_checkpoint, tmp_path):
 def test_convert_refuses_bad_layouts_and_existing_output(hf_checkpoint, tmp_path):
     folder, _, _ = hf_checkpoint
     with pytest.raises(ValueError, match="every stage must start"):
-        convert_hf_to_megatron(folder, tmp_path / "a", ParallelConfig(pp=2, pp_layer_split=[2, 3]))
+        convert_hf_to_megatron(folder, tmp_path / "a", Layout(tp=1, pp=2, cp=1, ep=1, etp=1, dp=1, pp_split=(2, 3)))
     with pytest.raises(ValueError, match="ep=3 does not divide"):
-        convert_hf_to_megatron(folder, tmp_path / "b", ParallelConfig(ep=3))
+        convert_hf_to_megatron(folder, tmp_path / "b", Layout(tp=1, pp=1, cp=1, ep=3, etp=1, dp=3, pp_split=(5,)))
     (tmp_path / "c").mkdir()
     with pytest.raises(FileExistsError):
         convert_hf_to_megatron(folder, tmp_path / "c")

@@ -6,9 +6,14 @@ import pytest
 import torch
 from glm_fixtures import tiny_config, tiny_hf_state
 
-from agentrl.config.schema import ParallelConfig
 from agentrl.models.mapping import MegatronNaming, hf_to_megatron
-from agentrl.models.sharding import RankCoord, ShardLayout, shard_state_dict, tp_kind, unshard_state_dict
+from agentrl.config.layout import Layout
+from agentrl.models.sharding import RankCoord, shard_state_dict, tp_kind, unshard_state_dict
+
+
+def ShardLayout(tp: int = 1, ep: int = 1, etp: int = 1, pp_split: tuple[int, ...] = (5,)) -> Layout:  # noqa: N802
+    """A layout with these sharding sizes (DP fills the world so EP x ETP fits a stage)."""
+    return Layout(tp=tp, pp=len(pp_split), cp=1, ep=ep, etp=etp, dp=max(1, ep * etp // tp), pp_split=pp_split)
 
 
 @pytest.fixture(scope="module")
@@ -101,12 +106,6 @@ def test_indivisible_sizes_are_rejected(config, mg_state):
         shard_state_dict(mg_state, config, ShardLayout(ep=3))
     with pytest.raises(ValueError, match="does not split 3 ways"):
         shard_state_dict(mg_state, config, ShardLayout(tp=3))
-
-
-def test_layout_from_parallel_config():
-    parallel = ParallelConfig(tp=2, pp=4, ep=8, pp_first_stage_layers=18, pp_last_stage_layers=20)
-    assert ShardLayout.from_parallel(parallel, 78) == ShardLayout(tp=2, ep=8, etp=1, pp_split=(18, 20, 20, 20))
-    assert ShardLayout.from_parallel(ParallelConfig(), 5) == ShardLayout()
 
 
 def test_tp_kinds():

@@ -31,13 +31,13 @@ from agentrl.cluster.rehearsal_checks import (
     precheck_plan,
 )
 from agentrl.cluster.rehearsal_cluster import NODE_RESOURCE, SimCluster, start_cluster, stop_cluster
-from agentrl.cluster.rehearsal_ranks import MEGATRON_ORDER, process_groups, rank_coords
 from agentrl.cluster.rehearsal_weights import (
     DEFAULT_BUCKET_BYTES,
     build_schedule,
     check_schedule,
     model_tensors,
 )
+from agentrl.config.layout import MEGATRON_ORDER
 
 __all__ = ["RehearsalError", "rehearse"]
 
@@ -121,10 +121,8 @@ def rehearse(plan, *, nodes_per_raylet: int | None = None, max_actors: int = 48,
         RehearsalTrainer,
         probe_trainer_rank,
     )
-    from agentrl.cluster.rehearsal_ranks import Layout
-
-    layout = precheck_plan(plan) if precheck else Layout.from_plan(plan)
-    coords, groups = rank_coords(layout), process_groups(layout)
+    layout = precheck_plan(plan) if precheck else plan.layout
+    coords, groups = layout.all_coords(), layout.groups()
     tensors = model_tensors(plan.model)
     ugroups, buckets = build_schedule(tensors, plan, coords, layout, groups, bucket_bytes)
     check_schedule(tensors, plan, ugroups, buckets, coords)
@@ -193,7 +191,7 @@ def _place_and_probe(plan, cluster, k, layout, coords, groups, ugroups, use_acto
     # Rank r takes the r-th bundle in (node, bundle) order, so consecutive ranks share a node
     # whatever order PACK filled the bundles in.
     order = sorted(range(len(t_bundles)), key=lambda b: (t_nodes[b], b))
-    layout_json = {f: getattr(layout, f) for f in ("tp", "cp", "dp", "pp", "etp", "ep", "edp")}
+    layout_json = layout.to_json()
     t0 = time.perf_counter()
     if use_actors:
         trainers = {r: ray.remote(Trainer).options(num_cpus=1, num_gpus=1, **in_bundle(train_pg, b)).remote(r, layout_json)
@@ -235,15 +233,15 @@ def _place_and_probe(plan, cluster, k, layout, coords, groups, ugroups, use_acto
     urls = [f"http://node{e.nodes[0]}:{e.port}" for e in plan.engines]
     ranks_of, nxt = {}, 1
     for e in plan.engines:
-        ranks_of[e.index] = list(range(nxt, nxt + max(e.gpus, 1)))
-        nxt += max(e.gpus, 1)
+        ranks_of[e.index] = list(range(nxt, nxt + max(int(e.gpus), 1)))
+        nxt += max(int(e.gpus), 1)
     world = nxt
     engine_actors, node_actors = [], []
     for e, b0, url in zip(plan.engines, first_bundle, urls, strict=True):
-        per = e.gpus // len(e.nodes)
+        per = int(e.gpus_per_node)
         opts = {"num_cpus": 1, "num_gpus": per, **in_bundle(infer_pg, b0)}
         if use_actors:
-            engine_actors.append(ray.remote(Engine).options(**opts).remote(e.index, e.gpus, e.nodes, url))
+            engine_actors.append(ray.remote(Engine).options(**opts).remote(e.index, int(e.gpus), e.nodes, url))
         for j in range(1, len(e.nodes)):
             node_actors.append(ray.remote(EngineNode).options(num_cpus=1, num_gpus=per, **in_bundle(infer_pg, b0 + j))
                                .remote(e.index, j))
@@ -254,20 +252,20 @@ def _place_and_probe(plan, cluster, k, layout, coords, groups, ugroups, use_acto
         probe_e = ray.remote(_probe_engine)
         calls = list(zip(plan.engines, first_bundle, urls, strict=True))
         for i in range(0, len(calls), TASK_WAVE):
-            e_reports += ray.get([probe_e.options(num_cpus=1, num_gpus=e.gpus // len(e.nodes), **in_bundle(infer_pg, b0))
-                                  .remote(e.index, e.gpus, e.nodes, url, _joins(ugroups, ranks_of[e.index], world))
+            e_reports += ray.get([probe_e.options(num_cpus=1, num_gpus=int(e.gpus_per_node), **in_bundle(infer_pg, b0))
+                                  .remote(e.index, int(e.gpus), e.nodes, url, _joins(ugroups, ranks_of[e.index], world))
                                   for e, b0, url in calls[i:i + TASK_WAVE]])
     n_reports = ray.get([a.report.remote() for a in node_actors])
     phases["engines_s"] = time.perf_counter() - t0
     timeline["engine_started"] = [r["started_at"] for r in e_reports + n_reports]
     for e, b0, rep in zip(plan.engines, first_bundle, e_reports, strict=True):
-        holders.append(_holder(f"engine {e.index}", "engine", rep, e_nodes[b0], e.gpus // len(e.nodes), cluster,
+        holders.append(_holder(f"engine {e.index}", "engine", rep, e_nodes[b0], int(e.gpus_per_node), cluster,
                                engine=e.index, bundle=b0, url=rep["url"], update_ranks=ranks_of[e.index]))
     for rep in n_reports:
         b = first_bundle[rep["index"]] + rep["node_rank"]
         e = plan.engines[rep["index"]]
         holders.append(_holder(f"engine {e.index} node_rank {rep['node_rank']}", "engine-node", rep, e_nodes[b],
-                               e.gpus // len(e.nodes), cluster, engine=e.index, bundle=b))
+                               int(e.gpus_per_node), cluster, engine=e.index, bundle=b))
     # Unpinned, PACK may put engine i on any inference node: not an error, but the plan's node
     # numbers for engines are then nominal (addresses must come from where the actor landed).
     notes = [f"engine {h['engine']} runs on node {h['node']}; the plan lists node {plan.engines[h['engine']].nodes[0]}"

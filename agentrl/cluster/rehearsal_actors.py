@@ -25,11 +25,11 @@ def rank_view(rank: int, layout: dict[str, int]) -> dict[str, Any]:
     """What a TrainerWorker works out for itself at start-up: its coordinates and group members,
     computed on its own from its rank and the layout (so a rank given a different layout shows up
     as an inconsistent group)."""
-    from agentrl.cluster.rehearsal_ranks import Layout, process_groups, rank_coords
+    from agentrl.config.layout import Layout
 
-    lay = Layout(**layout)
-    coords = rank_coords(lay)[rank]
-    groups = {kind: next(g for g in gs if rank in g) for kind, gs in process_groups(lay).items()}
+    lay = Layout.from_json(layout)
+    coords = lay.coords(rank)
+    groups = {kind: next(g for g in gs if rank in g) for kind, gs in lay.groups().items()}
     return {"rank": rank, "coords": coords.to_json(), "groups": groups}
 
 

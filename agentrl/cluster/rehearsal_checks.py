@@ -8,13 +8,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from agentrl.cluster.rehearsal_ranks import (
-    Layout,
-    RankCoords,
-    RankLayoutError,
-    check_groups,
-    check_groups_in_node,
-)
+from agentrl.cluster.rehearsal_ranks import RankLayoutError, check_groups, check_groups_in_node
+from agentrl.config.layout import Layout, RankCoords
 
 
 class RehearsalError(RuntimeError):
@@ -46,9 +41,7 @@ def precheck_plan(plan) -> Layout:
             problems.append(f"engine {e.index} is placed on node(s) {bad}, which are not inference nodes "
                             f"(inference nodes: {[n for n, r in roles.items() if 'inference' in r]}); "
                             f"too few inference nodes for {len(plan.engines)} engines")
-        per_node, rest = divmod(e.gpus, len(e.nodes))
-        if rest:
-            problems.append(f"engine {e.index}: {e.gpus} GPUs do not split evenly over its nodes {e.nodes}")
+        per_node = e.gpus_per_node
         if per_node > gpn:
             problems.append(f"engine {e.index} needs {per_node} GPUs on node {e.nodes[0]}, wider than a node of "
                             f"{gpn} GPUs; set rollout.sglang.gpus_per_engine to a divisor or multiple of {gpn}")
@@ -58,12 +51,10 @@ def precheck_plan(plan) -> Layout:
         if need > gpn and len([e for e in plan.engines if n in e.nodes]) > 1:
             problems.append(f"inference node {n} would host engines needing {need} GPUs; it has {gpn} "
                             f"(too few inference nodes for the engines)")
-    try:
-        layout = Layout.from_plan(plan)
-    except RankLayoutError as e:
-        problems.append(str(e))
-        layout = None
-    if layout and (layout.tp > gpn or gpn % layout.tp):
+    layout = plan.layout
+    if layout.world * plan.gpus_per_rank != plan.train_gpus:
+        problems.append(f"the plan's layout has {layout.world} ranks but the trainer holds {plan.train_gpus} GPUs")
+    if (layout.tp > gpn or gpn % layout.tp):
         problems.append(f"TP={layout.tp} cannot stay inside a node of {gpn} GPUs; pick a TP that divides {gpn}")
     if problems:
         raise RehearsalError("the plan cannot be placed:\n  - " + "\n  - ".join(problems))

@@ -22,7 +22,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from agentrl.cluster.rehearsal_ranks import Layout, RankCoords, group_index
+from agentrl.cluster.rehearsal_ranks import group_index
+from agentrl.config.layout import Layout, RankCoords
 
 DEFAULT_BUCKET_BYTES = 256 << 20  # agentrl.sync.weights.push_weights' default bucket size
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -201,13 +202,13 @@ def build_schedule(tensors: tuple[TensorSpec, ...], plan, coords: list[RankCoord
     if bucket_bytes < 1:
         raise WeightScheduleError(f"bucket size must be positive, got {bucket_bytes}")
     arch = get_arch(plan.model)
-    engine_ranks = [(e.index, r) for e in plan.engines for r in range(max(e.gpus, 1))]
+    engine_ranks = [(e.index, r) for e in plan.engines for r in range(max(int(e.gpus), 1))]
     senders = {c.pp: c.rank for c in coords if c.tp == 0 and c.cp == 0 and c.dp == 0}
     ugroups = [UpdateGroup(f"agentrl-weights-pp{s}", s, senders[s], list(engine_ranks)) for s in range(layout.pp)]
     buckets: list[Bucket] = []
     per_stage: dict[int, list[TensorSpec]] = {s: [] for s in range(layout.pp)}
     for t in tensors:
-        per_stage[tensor_stage(t.name, plan.pp_stage_first_layers, arch.num_layers)].append(t)
+        per_stage[tensor_stage(t.name, plan.layout.stage_first_layers, arch.num_layers)].append(t)
     for s, specs in per_stage.items():
         sender = coords[senders[s]]
         cur: Bucket | None = None
@@ -244,7 +245,7 @@ def check_schedule(tensors: tuple[TensorSpec, ...], plan, ugroups: list[UpdateGr
             raise WeightScheduleError(f"update group {g.name} lists an engine rank twice")
         for er in g.engine_ranks:
             members.setdefault(er, []).append(g.stage)
-    expected = {(e.index, r) for e in plan.engines for r in range(max(e.gpus, 1))}
+    expected = {(e.index, r) for e in plan.engines for r in range(max(int(e.gpus), 1))}
     if set(members) != expected:
         raise WeightScheduleError(f"update groups reach engine ranks {sorted(set(members) ^ expected)[:5]} "
                                   f"wrongly (missing or unknown)")

@@ -66,8 +66,8 @@ def trainer_memory(cfg: Any, plan: Any) -> dict[str, float]:
 
     arch = get_arch(plan.model)
     pc = param_counts(plan.model)
-    p = plan.parallel
-    stage_layers = max(plan.pp_layer_split) if plan.pp_layer_split else arch.num_layers
+    p = plan.layout
+    stage_layers = max(p.pp_split)
     frac = stage_layers / arch.num_layers
     dense_shard = (pc["dense"] - pc["embedding"]) * frac / p.tp + pc["embedding"] / 2 / p.tp
     expert_shard = pc["expert"] * frac / (p.ep * p.etp)
@@ -94,7 +94,7 @@ def engine_memory(cfg: Any, plan: Any) -> dict[str, float]:
 
     arch = get_arch(plan.model)
     pc = param_counts(plan.model)
-    gpus = max(plan.engines[0].gpus, 1) if plan.engines else 1
+    gpus = max(int(plan.engines[0].gpus), 1) if plan.engines else 1
     sg = cfg.rollout.sglang
     wbytes = 1 if sg.quantization == "fp8" else 2
     weights = (pc["expert"] / gpus + (pc["dense"] - pc["embedding"])) * wbytes + pc["embedding"] * 2

@@ -39,6 +39,12 @@ class ClusterConfig(Section):
         None, ge=1, le=65535, description="Port of the local Ray's Prometheus endpoint (agentrl_* series); None: Ray's choice."
     )
     episode_workers: int = Field(1, ge=1, description="EpisodeWorker actors; each runs many episodes at once.")
+    cpu_trainer_ranks: int = Field(
+        1, ge=1, description="CPU runs: trainer processes per training node (one rank each, gloo). The torch "
+        "backend runs one; the Megatron backend splits the model over train.parallel across them.")
+    colocate: bool = Field(
+        False, description="One-node GPU run: the trainer and the engines share every GPU (half each in Ray's "
+        "accounting). For a smoke run on one GPU; fully async then competes for the device.")
 
 
 class ParallelConfig(Section):
@@ -167,6 +173,9 @@ class RolloutConfig(Section):
         "retract", description="How engines pause for a weight update; in_place mixes old KV with new weights."
     )
     request_timeout_s: float = Field(600.0, gt=0)
+    weight_transport: Literal["auto", "http_tensors", "nccl", "cuda_ipc"] = Field(
+        "auto", description="How weights reach the engines. auto: http_tensors for embedded engines, cuda_ipc for "
+        "an engine colocated with the trainer on one GPU, nccl (one group per pipeline stage) otherwise.")
     weight_sync_fp8: bool = Field(
         False, description="Send projection weights to engines as FP8 e4m3 + 128x128-block weight_scale_inv "
         "(DeepSeek FP8 checkpoint naming; half the bytes). The embedded engine dequantises on receipt.")
@@ -235,6 +244,12 @@ class ModelConfig(Section):
     path: Path | None = Field(None, description="HF checkpoint folder; default: the named model's own source.")
     megatron_dir: Path | None = Field(None, description="Converted torch_dist checkpoint (shared storage).")
     local_dir: Path | None = Field(None, description="Node-local copy made by prepare-cp.")
+    rollout_path: Path | None = Field(
+        None, description="Checkpoint the engines load: an HF folder, or a pre-converted FP8 HF checkpoint; "
+        "default: model.path. Never the torch_dist folder (SGLang cannot read it).")
+    rollout_local_dir: Path | None = Field(
+        None, description="Node-local copy of rollout_path made by prepare-cp on inference nodes; engines load "
+        "it when set.")
 
 
 class RunConfig(Section):

@@ -16,6 +16,8 @@ from agentrl.secrets import redact
 def plan_json(cfg: RunConfig, plan: RunPlan) -> str:
     """One JSON object: the plan's fields at the top level, the resolved config under "config"."""
     out = plan.to_json()
+    for e, spec in zip(out["engines"], plan.engines, strict=True):
+        e["command"] = engine_command_preview(cfg, spec)
     out["recipe"] = cfg.recipe
     out["mode"] = cfg.mode
     out["config"] = cfg.model_dump(mode="json")
@@ -45,17 +47,33 @@ def print_plan(cfg: RunConfig, plan: RunPlan, console: Console | None = None) ->
     console.file.write(redact(captured.get()))
 
 
+def engine_command_preview(cfg: RunConfig, spec) -> str:
+    """Node 0's command of engine `spec`, with the addresses only its node knows as placeholders."""
+    from agentrl.rollout.engine_cmd import engine_argv
+
+    node0 = f"<ip of node {spec.nodes[0]}>"
+    argv = engine_argv(cfg, spec, node_rank=0, host=_bind_preview(cfg), port=spec.port or 0,
+                       dist_init_addr=f"{node0}:<free port>" if len(spec.nodes) > 1 else None)
+    return shlex.join(argv)
+
+
+def _bind_preview(cfg: RunConfig) -> str:
+    return "<node ip>" if cfg.cluster.host == "node_ip" else cfg.cluster.host
+
+
 def _render_plan(cfg: RunConfig, plan: RunPlan, console: Console) -> None:
-    p = plan.parallel
+    lay = plan.layout
     head = Table(title=f"agentrl plan: recipe {cfg.recipe}, model {plan.model}, {cfg.mode} mode", show_header=False)
     head.add_column(style="bold")
     head.add_column()
     head.add_row("cluster", f"{plan.num_nodes} node(s) x {plan.gpus_per_node} GPU(s), {plan.hardware}")
     head.add_row("roles", f"{plan.train_nodes} train node(s), {plan.inference_nodes} inference node(s)"
-                 + (" (shared machine)" if plan.num_nodes == 1 else ""))
-    head.add_row("trainer", f"{plan.backend} backend on {plan.train_gpus or 'CPU'} GPU(s)"
-                 f"; TP{p.tp} PP{p.pp} CP{p.cp} EP{p.ep} ETP{p.etp} DP{p.dp} (expert DP {plan.expert_dp})")
-    head.add_row("pipeline", f"layers per stage {plan.pp_layer_split}; stages start on layers {plan.pp_stage_first_layers}")
+                 + (" (shared machine)" if plan.num_nodes == 1 else "")
+                 + ("; trainer and engines share each GPU" if plan.colocated else ""))
+    where = f"{plan.train_gpus} GPU(s)" if plan.gpus_per_rank else "CPU (gloo)"
+    head.add_row("trainer", f"{plan.backend} backend, {lay.world} rank(s) on {where}; {lay.describe()}")
+    head.add_row("pipeline", f"layers per stage {list(lay.pp_split)}; stages start on layers {lay.stage_first_layers}")
+    head.add_row("weights", f"{plan.weight_transport} to {len(plan.engines)} engine(s)")
     head.add_row("batch", f"{cfg.algorithm.prompts_per_step} prompts x {cfg.algorithm.group_size} samples per step; "
                  f"max {cfg.buffer.max_episodes_in_flight} episodes in flight; max staleness {cfg.buffer.max_staleness}")
     head.add_row("optimizer", f"Adam lr {cfg.train.optimizer.lr:g}, wd {cfg.train.optimizer.weight_decay:g}, "
@@ -72,11 +90,12 @@ def _render_plan(cfg: RunConfig, plan: RunPlan, console: Console) -> None:
         nodes.add_row(str(r.node), r.role, str(r.gpus))
     console.print(nodes)
 
-    eng = Table(title=f"engines ({plan.engine_kind})")
+    eng = Table(title=f"engines ({plan.engine_kind}); command of node_rank 0, addresses filled in where it runs")
     for c in ("#", "node(s)", "GPUs", "port", "command"):
         eng.add_column(c, overflow="fold")
     for e in plan.engines:
-        eng.add_row(str(e.index), ",".join(map(str, e.nodes)), str(e.gpus), str(e.port), redact(shlex.join(e.command)))
+        eng.add_row(str(e.index), ",".join(map(str, e.nodes)), f"{e.gpus:g}", str(e.port or "free"),
+                    redact(engine_command_preview(cfg, e)))
     console.print(eng)
     envs = {k: v for e in plan.engines for k, v in e.env.items()}
     if envs:

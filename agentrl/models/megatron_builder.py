@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from agentrl.config.layout import Layout
 from agentrl.models.mapping import arch_from_hf, dsa_schedule, num_mtp_layers
-from agentrl.models.sharding import ShardLayout
 
 # Only HF rope types with a Megatron equivalent (MLATransformerConfig.rope_type "rope" / "yarn").
 _YARN_KEYS = {"factor": "rotary_scaling_factor", "original_max_position_embeddings": "original_max_position_embeddings",
@@ -45,41 +45,43 @@ def _rope_fields(hf_config: Any) -> dict[str, Any]:
     raise ValueError(f"rope_parameters.rope_type {kind!r} has no Megatron MLA equivalent (supported: default, yarn)")
 
 
-def _parallel_fields(hf_config: Any, parallel: Any) -> dict[str, Any]:
-    if parallel is None:
-        return {}
-    layout = ShardLayout.from_parallel(parallel, hf_config.num_hidden_layers)
-    stages = [len(s) for s in layout.stages(hf_config.num_hidden_layers)]
+def _parallel_fields(hf_config: Any, layout: Layout | None, recompute: str, cp_comm: str) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if recompute == "full":
+        fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if layout is None:
+        return fields
+    if layout.num_layers != hf_config.num_hidden_layers:
+        raise ValueError(f"the layout splits {layout.num_layers} layers; the model has {hf_config.num_hidden_layers}")
+    stages = list(layout.pp_split)
     arch = arch_from_hf(hf_config)
-    starts = [sum(stages[:i]) + 1 for i in range(len(stages))]
-    if bad := [s for s in starts if not arch.computes_index(s)]:
+    if bad := [s for s in layout.stage_first_layers if not arch.computes_index(s)]:
         raise ValueError(f"pipeline stages start at layers {bad}, which reuse a DSA top-k; valid starts: "
                          f"{arch.computing_layers()} (fix train.parallel.pp_layer_split / first / last)")
-    tp = parallel.tp or 1
-    fields: dict[str, Any] = {
-        "tensor_model_parallel_size": tp,
-        "pipeline_model_parallel_size": len(stages),
-        "context_parallel_size": parallel.cp or 1,
+    fields.update({
+        "tensor_model_parallel_size": layout.tp,
+        "pipeline_model_parallel_size": layout.pp,
+        "context_parallel_size": layout.cp,
         "expert_model_parallel_size": layout.ep,
         "expert_tensor_parallel_size": layout.etp,
-        "sequence_parallel": bool(parallel.sequence_parallel and tp > 1),
-    }
+        "sequence_parallel": layout.sequence_parallel,
+    })
     if len(stages) > 1:
         middle = stages[1:-1]
         if len(set(middle)) > 1:
             raise ValueError(f"Megatron splits pipelines as first / uniform middle / last; got stages {stages}")
         fields["num_layers_in_first_pipeline_stage"] = stages[0]
         fields["num_layers_in_last_pipeline_stage"] = stages[-1]
-    if (parallel.cp or 1) > 1:
-        fields["cp_comm_type"] = {"allgather": "all_gather", "p2p": "p2p"}[parallel.cp_comm]
-    if parallel.recompute == "full":
-        fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if layout.cp > 1:
+        fields["cp_comm_type"] = {"allgather": "all_gather", "p2p": "p2p"}[cp_comm]
     return fields
 
 
-def megatron_config_fields(hf_config: Any, parallel: Any = None, *, use_te: bool = False, bf16: bool = True,
+def megatron_config_fields(hf_config: Any, layout: Layout | None = None, *, recompute: str = "none",
+                           cp_comm: str = "allgather", use_te: bool = False, bf16: bool = True,
                            mtp_loss_scale: float = 0.1, expert_bias_update_rate: float = 0.0) -> dict[str, Any]:
-    """The MLATransformerConfig keyword arguments for an HF GlmMoeDsaConfig (plain dict, testable)."""
+    """The MLATransformerConfig keyword arguments for an HF GlmMoeDsaConfig (plain dict, testable).
+    `layout`: the plan's trainer layout (None: one rank); `recompute` / `cp_comm`: train.parallel's."""
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
         raise ValueError("attention_bias / mlp_bias are set, but Megatron's DSA (AbsorbedMLA) has no linear biases")
     if hf_config.num_key_value_heads != hf_config.num_attention_heads:
@@ -153,20 +155,21 @@ def megatron_config_fields(hf_config: Any, parallel: Any = None, *, use_te: bool
         fields.update(moe_router_num_groups=hf_config.n_group, moe_router_group_topk=hf_config.topk_group)
     if num_mtp_layers(hf_config):
         fields.update(mtp_num_layers=num_mtp_layers(hf_config), mtp_loss_scaling_factor=mtp_loss_scale)
-    fields.update(_parallel_fields(hf_config, parallel))
+    fields.update(_parallel_fields(hf_config, layout, recompute, cp_comm))
     return fields
 
 
-def transformer_config_from_hf(hf_config: Any, parallel: Any = None, *, use_te: bool = False, bf16: bool = True,
+def transformer_config_from_hf(hf_config: Any, layout: Layout | None = None, *, recompute: str = "none",
+                               cp_comm: str = "allgather", use_te: bool = False, bf16: bool = True,
                                mtp_loss_scale: float = 0.1, expert_bias_update_rate: float = 0.0,
                                **overrides: Any):
-    """MLATransformerConfig for `hf_config`; `parallel` is agentrl's ParallelConfig (None: one GPU).
+    """MLATransformerConfig for `hf_config`; `layout` is the plan's (None: one rank).
 
     `overrides` set any other TransformerConfig field (e.g. use_cpu_initialization)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    fields = megatron_config_fields(hf_config, parallel, use_te=use_te, bf16=bf16, mtp_loss_scale=mtp_loss_scale,
-                                    expert_bias_update_rate=expert_bias_update_rate)
+    fields = megatron_config_fields(hf_config, layout, recompute=recompute, cp_comm=cp_comm, use_te=use_te, bf16=bf16,
+                                    mtp_loss_scale=mtp_loss_scale, expert_bias_update_rate=expert_bias_update_rate)
     fields.update(overrides)
     if not use_te and fields.get("tensor_model_parallel_size", 1) > 1:
         raise ValueError("tensor parallelism needs TransformerEngine for DSA: AbsorbedMLA requires sequence "
@@ -232,10 +235,10 @@ def local_layer_specs(config: Any, backend: Any, pp_rank: int | None = None, vp_
                                       layer_norm=backend.layer_norm(rms_norm=True, for_qk=False))
 
 
-def build_gpt_model(hf_config: Any, parallel: Any = None, use_te: bool | None = None, *,
+def build_gpt_model(hf_config: Any, layout: Layout | None = None, use_te: bool | None = None, *,
                     qk_norm_eps: float | None = None, **config_kwargs: Any):
     """GPTModel of this pipeline stage. Needs torch.distributed and megatron parallel_state
-    initialised with the same sizes as `parallel`, and a CUDA device.
+    initialised with the sizes of `layout` (None: one rank), and a CUDA device (or cpu_megatron).
 
     use_te: None picks TransformerEngine when importable. `config_kwargs` go to
     transformer_config_from_hf (bf16, mtp_loss_scale, or any TransformerConfig field).
@@ -258,7 +261,7 @@ def build_gpt_model(hf_config: Any, parallel: Any = None, use_te: bool | None = 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("initialise torch.distributed and megatron parallel_state before build_gpt_model")
     use_te = te_available() if use_te is None else use_te
-    config = transformer_config_from_hf(hf_config, parallel, use_te=use_te, **config_kwargs)
+    config = transformer_config_from_hf(hf_config, layout, use_te=use_te, **config_kwargs)
     if use_te:
         if qk_norm_eps is not None:
             raise ValueError("qk_norm_eps is only supported on the local (non-TE) backend")

@@ -31,13 +31,14 @@ from typing import Any
 
 import torch
 
+from agentrl.config.layout import Layout
 from agentrl.models.mapping import (
     MegatronNaming,
     detect_hf_expert_format,
     mapping_rules,
     rule_to_megatron,
 )
-from agentrl.models.sharding import ShardLayout, check_layout
+from agentrl.models.sharding import check_layout
 
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 _EXPERT = re.compile(r"^(.*mlp\.experts\.)(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
@@ -79,12 +80,12 @@ def load_hf_config(hf_dir: Path) -> Any:
     return config
 
 
-def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, parallel: Any = None, *,
+def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, layout: Layout | None = None, *,
                            use_te: bool = False, dtype: torch.dtype | None = None,
                            rank: int = 0, world_size: int = 1) -> Path:
     """Write a Megatron torch_dist checkpoint of the HF checkpoint in `hf_dir` to `out_dir`.
 
-    parallel: the training ParallelConfig, checked here (DSA stage starts, expert / head
+    layout: the plan's trainer layout, checked here (DSA stage starts, expert / head
     divisibility) so a bad layout fails before hours of conversion; the files do not depend on it.
     use_te: name the dense pre-MLP norm as the TE spec does (fused into linear_fc1).
     dtype: cast floating tensors (router.expert_bias stays fp32, as Megatron keeps it).
@@ -95,8 +96,7 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, parallel: An
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     config = load_hf_config(hf_dir)
-    if parallel is not None:
-        layout = ShardLayout.from_parallel(parallel, config.num_hidden_layers)
+    if layout is not None:
         check_layout(config, layout)
         if config.num_attention_heads % layout.tp or config.vocab_size % layout.tp:
             raise ValueError(f"tp={layout.tp} must divide {config.num_attention_heads} heads and vocab {config.vocab_size}")

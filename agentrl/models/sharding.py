@@ -20,11 +20,11 @@ MTP layers on the last. Every stage must start on a DSA index-computing layer.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 import torch
 
+from agentrl.config.layout import Layout, RankCoords
 from agentrl.models.mapping import arch_from_hf, num_mtp_layers
 
 TpKind = Literal["replicated", "column", "row", "glu"]
@@ -42,53 +42,21 @@ _GLU_SUFFIXES = ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"
 
 
 class RankCoord(NamedTuple):
+    """The coordinates that decide what a rank holds: its stage, TP rank and EP rank (CP and DP
+    ranks hold copies)."""
+
     pp: int
     tp: int
     ep: int
 
 
-@dataclass(frozen=True)
-class ShardLayout:
-    tp: int = 1
-    ep: int = 1
-    etp: int = 1
-    pp_split: tuple[int, ...] | None = None  # layers per stage; None = one stage
+def shard_keys(layout: Layout) -> list[RankCoord]:
+    """Every distinct shard of `layout`, in (pp, tp, ep) order."""
+    return [RankCoord(p, t, e) for p in range(layout.pp) for t in range(layout.tp) for e in range(layout.ep)]
 
-    @classmethod
-    def from_parallel(cls, parallel: Any, num_layers: int) -> ShardLayout:
-        """From agentrl.config.schema.ParallelConfig (None sizes mean 1)."""
-        pp = parallel.pp or 1
-        split = parallel.pp_layer_split
-        if split is None and pp > 1:
-            first, last = parallel.pp_first_stage_layers, parallel.pp_last_stage_layers
-            if first is None or last is None:
-                if num_layers % pp:
-                    raise ValueError(f"pp={pp} does not divide {num_layers} layers; set train.parallel.pp_layer_split")
-                split = [num_layers // pp] * pp
-            else:
-                rest, mid = num_layers - first - last, pp - 2
-                if mid == 0 and rest == 0:
-                    split = [first, last]
-                elif mid > 0 and rest > 0 and rest % mid == 0:
-                    split = [first] + [rest // mid] * mid + [last]
-                else:
-                    raise ValueError(f"first={first}/last={last} stage layers do not split {num_layers} layers over pp={pp}")
-        return cls(tp=parallel.tp or 1, ep=parallel.ep or 1, etp=parallel.etp,
-                   pp_split=tuple(split) if split is not None else None)
 
-    def stages(self, num_layers: int) -> list[range]:
-        split = self.pp_split or (num_layers,)
-        if sum(split) != num_layers or any(s < 1 for s in split):
-            raise ValueError(f"pp_split {list(split)} must be positive and sum to the model's {num_layers} layers")
-        out, at = [], 0
-        for size in split:
-            out.append(range(at, at + size))
-            at += size
-        return out
-
-    def coords(self, num_layers: int) -> list[RankCoord]:
-        return [RankCoord(p, t, e) for p in range(len(self.stages(num_layers)))
-                for t in range(self.tp) for e in range(self.ep)]
+def shard_key(coords: RankCoords) -> RankCoord:
+    return RankCoord(coords.pp, coords.tp, coords.ep)
 
 
 def tp_kind(name: str) -> TpKind:
@@ -130,12 +98,16 @@ def join_tensors(pieces: list[torch.Tensor], kind: TpKind, name: str) -> torch.T
     return torch.cat(pieces, dim=1 if kind == "row" else 0)
 
 
-def check_layout(config: Any, layout: ShardLayout) -> list[range]:
+def check_layout(config: Any, layout: Layout) -> list[range]:
+    """The layout's stages, after checking that it fits this model config (the same rules the
+    planner applied to the named model: a checkpoint's config may differ)."""
     if layout.etp not in (1, layout.tp):
         raise ValueError(f"expert tensor parallel size {layout.etp} must be 1 or tp={layout.tp}")
     if config.n_routed_experts % layout.ep:
         raise ValueError(f"ep={layout.ep} does not divide {config.n_routed_experts} routed experts")
-    stages = layout.stages(config.num_hidden_layers)
+    if layout.num_layers != config.num_hidden_layers:
+        raise ValueError(f"the layout splits {layout.num_layers} layers but the model has {config.num_hidden_layers}")
+    stages = layout.stages()
     arch = arch_from_hf(config)
     bad = [s.start + 1 for s in stages if not arch.computes_index(s.start + 1)]
     if bad:
@@ -167,7 +139,7 @@ class _Placement(NamedTuple):
     kind: TpKind  # split over tp (non-expert) or etp (expert)
 
 
-def _place(name: str, stages: list[range], n_experts: int, layout: ShardLayout, has_mtp: bool) -> _Placement:
+def _place(name: str, stages: list[range], n_experts: int, layout: Layout, has_mtp: bool) -> _Placement:
     last = len(stages) - 1
     if m := _LAYER.match(name):
         layer, rest = int(m.group(1)), m.group(2)
@@ -195,11 +167,11 @@ def _place(name: str, stages: list[range], n_experts: int, layout: ShardLayout, 
 
 
 def shard_state_dict(state_dict: dict[str, torch.Tensor], config: Any,
-                     layout: ShardLayout) -> dict[RankCoord, dict[str, torch.Tensor]]:
+                     layout: Layout) -> dict[RankCoord, dict[str, torch.Tensor]]:
     """Full Megatron state dict -> one state dict per (pp, tp, ep) rank coordinate."""
     stages = check_layout(config, layout)
     has_mtp = num_mtp_layers(config) > 0
-    shards: dict[RankCoord, dict[str, torch.Tensor]] = {c: {} for c in layout.coords(config.num_hidden_layers)}
+    shards: dict[RankCoord, dict[str, torch.Tensor]] = {c: {} for c in shard_keys(layout)}
     for name, tensor in state_dict.items():
         p = _place(name, stages, config.n_routed_experts, layout, has_mtp)
         if p.ep_rank is None:
@@ -231,10 +203,10 @@ def _global_name(local: str, stage: int, ep_rank: int, stages: list[range], per_
 
 
 def unshard_state_dict(shards: dict[RankCoord, dict[str, torch.Tensor]], config: Any,
-                       layout: ShardLayout) -> dict[str, torch.Tensor]:
+                       layout: Layout) -> dict[str, torch.Tensor]:
     """Inverse of shard_state_dict; replicated copies must agree bitwise."""
     stages = check_layout(config, layout)
-    expected = set(layout.coords(config.num_hidden_layers))
+    expected = set(shard_keys(layout))
     if set(shards) != expected:
         raise ValueError(f"shards cover ranks {sorted(shards)}, the layout needs {sorted(expected)}")
     per_rank = config.n_routed_experts // layout.ep

@@ -37,7 +37,10 @@ from agentrl.agent.trajectory import Trajectory
 from agentrl.config.schema import AlgorithmConfig, TrainConfig
 from agentrl.train.loss import LossConfig, LossInputs, grpo_tis_loss, step_advantages
 from agentrl.train.megatron_export import full_megatron_tensor, hf_named_weights
+from agentrl.config.layout import Layout
+from agentrl.train.capabilities import backend_refusal
 from agentrl.train.megatron_parallel import (
+    DistInit,
     PackedBatch,
     clip_grad_norm,
     cpu_megatron,
@@ -54,18 +57,21 @@ _SUM_KEYS = ("tis_clip_frac_sum", "tis_weight_sum", "pg_clip_frac_sum", "mismatc
 
 
 class MegatronBackend:
-    def __init__(self, hf_config: Any, train: TrainConfig, algo: AlgorithmConfig, *,
+    def __init__(self, hf_config: Any, train: TrainConfig, algo: AlgorithmConfig, *, layout: Layout | None = None,
+                 dist_init: DistInit | None = None,
                  hf_state: dict[str, torch.Tensor] | None = None, megatron_checkpoint: str | Path | None = None,
                  temperature: float = 1.0, run_dir: str | Path | None = None, seed: int = 0,
                  qk_norm_eps: float | None = 1e-6, advantage_sign: float = 1.0):
-        """`hf_state`: full HF-named weights (e.g. a transformers model's state_dict); or
+        """`layout`: the plan's trainer layout (None: one rank); `dist_init`: how this rank joins the
+        trainer's world (None: already initialised, or a world of one).
+        `hf_state`: full HF-named weights (e.g. a transformers model's state_dict); or
         `megatron_checkpoint`: a folder written by agentrl.models.prepare; neither: Megatron's init.
         `qk_norm_eps` 1e-6 is what transformers' GlmMoeDsa (the embedded engine) uses for the q/kv
         latent norms; None uses rms_norm_eps, as SGLang does."""
         from megatron.core import parallel_state as ps
 
         from agentrl.models.megatron_builder import build_gpt_model, to_bf16_keeping_fp32_router_bias
-        from agentrl.models.sharding import RankCoord, ShardLayout, shard_state_dict
+        from agentrl.models.sharding import shard_key, shard_state_dict
 
         self.hf_config, self.train_cfg, self.algo = hf_config, train, algo
         self.temperature, self.advantage_sign = temperature, advantage_sign
@@ -78,13 +84,11 @@ class MegatronBackend:
             raise ValueError("train.optimizer.offload=disk needs the run dir (the state folder is named after it)")
         if hf_state is not None and megatron_checkpoint is not None:
             raise ValueError("pass hf_state or megatron_checkpoint, not both")
-        self.sizes = init_megatron_parallel(train.parallel, seed=seed)
-        if self.sizes.pp > 1:
-            raise ValueError(f"train.parallel.pp={self.sizes.pp}: the Megatron backend trains with pp=1 only (the "
-                             "pipeline schedule between stages is not wired in); use ep/dp to spread the model")
-        if self.sizes.cp > 1:
-            raise ValueError(f"train.parallel.cp={self.sizes.cp}: context parallelism over packed (THD) sequences "
-                             "needs TransformerEngine's attention, which is not installed; use cp=1")
+        self.layout = layout or Layout.single(hf_config.num_hidden_layers)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if why := backend_refusal("megatron", self.layout, device):
+            raise ValueError(why)
+        self.coords = init_megatron_parallel(self.layout, dist_init, seed=seed)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.bf16 = train.dtype == "bfloat16"
         extra: dict[str, Any] = {}
@@ -94,7 +98,8 @@ class MegatronBackend:
             extra["perform_initialization"] = False  # every weight is overwritten next
         torch.manual_seed(seed)
         with cpu_megatron():
-            self.model = build_gpt_model(hf_config, train.parallel, use_te=False, qk_norm_eps=qk_norm_eps,
+            self.model = build_gpt_model(hf_config, self.layout, use_te=False, qk_norm_eps=qk_norm_eps,
+                                         recompute=train.parallel.recompute, cp_comm=train.parallel.cp_comm,
                                          bf16=self.bf16, **extra).to(self.device)
         self.dsa_layers_switched = 0
         if train.dsa_kernels:  # DSA top-k and sparse attention through kernels/ (megatron_dsa_switch)
@@ -106,10 +111,7 @@ class MegatronBackend:
             from agentrl.models.mapping import hf_to_megatron
 
             full = hf_to_megatron({k: v.detach().cpu() for k, v in hf_state.items()}, hf_config)
-            layout = ShardLayout.from_parallel(train.parallel, hf_config.num_hidden_layers)
-            me = RankCoord(ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
-                           ps.get_expert_model_parallel_rank())
-            source = shard_state_dict(full, hf_config, layout)[me]
+            source = shard_state_dict(full, hf_config, self.layout)[shard_key(self.coords)]
             self._load_local(source)
         elif megatron_checkpoint is not None:
             from agentrl.models.prepare import load_megatron_checkpoint
@@ -125,7 +127,7 @@ class MegatronBackend:
         else:
             self.masters = self.named_params
         self.optimizer = make_optimizer([m for _, m in self.masters], train.optimizer, run_dir or "run",
-                                        rank=self.sizes.rank)
+                                        rank=self.coords.rank)
         self._version = 0
 
     def _load_local(self, state: dict[str, torch.Tensor]) -> None:
@@ -278,7 +280,7 @@ class MegatronBackend:
         see the same filesystem path). A crash leaves the previous checkpoint intact."""
         directory = Path(directory)
         tmp = directory.with_name(directory.name + ".tmp")
-        rank = self.sizes.rank
+        rank = self.coords.rank
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -289,7 +291,7 @@ class MegatronBackend:
         state = {
             "model": self.model.state_dict(), "masters": {n: m.detach().cpu() for n, m in self.masters} if self.bf16 else None,
             "optimizer": None if on_disk else self.optimizer.state_dict(), "version": self._version,
-            "sizes": self.sizes.__dict__, "extra": extra,
+            "layout": self.layout.to_json(), "extra": extra,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
         }
         torch.save(state, tmp / f"rank{rank}.pt")
@@ -301,11 +303,15 @@ class MegatronBackend:
         dist.barrier()
 
     def load_checkpoint(self, directory: Path) -> dict:
-        rank = self.sizes.rank
-        state = torch.load(Path(directory) / f"rank{rank}.pt", weights_only=False, map_location=self.device)
-        if state["sizes"] != self.sizes.__dict__:
-            raise ValueError(f"{directory} was written with parallel sizes {state['sizes']}, this run has "
-                             f"{self.sizes.__dict__}; resume with the same train.parallel and world size")
+        rank = self.coords.rank
+        path = Path(directory) / f"rank{rank}.pt"
+        if not path.exists():
+            raise ValueError(f"{path} is missing: {directory} was written by another layout or world size than "
+                             f"this run's {self.layout.describe()}; resume with the same train.parallel and ranks")
+        state = torch.load(path, weights_only=False, map_location=self.device)
+        if state.get("layout") != self.layout.to_json():
+            raise ValueError(f"{directory} was written with layout {state.get('layout')}, this run has "
+                             f"{self.layout.to_json()}; resume with the same train.parallel and world size")
         self.model.load_state_dict(state["model"], strict=False)
         if self.bf16:
             with torch.no_grad():
@@ -320,26 +326,3 @@ class MegatronBackend:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         return state["extra"]
-
-
-def megatron_backend_from_config(cfg: Any, run_dir: Path) -> MegatronBackend:
-    """The backend of a TrainerWorker for a resolved RunConfig: weights from model.local_dir or
-    model.megatron_dir (converted by `prepare`), else the HF model of model.path / model.name."""
-    from agentrl.models.hf_config import hf_config_for
-
-    m = cfg.model
-    common = dict(temperature=cfg.rollout.temperature, run_dir=run_dir, seed=cfg.seed)
-    converted = next((d for d in (m.local_dir, m.megatron_dir) if d is not None and Path(d).exists()), None)
-    if m.path is not None:
-        from transformers import AutoConfig
-
-        hf_config = AutoConfig.from_pretrained(str(m.path), local_files_only=True)
-    else:
-        hf_config = hf_config_for(m.name)
-    if converted is not None:
-        return MegatronBackend(hf_config, cfg.train, cfg.algorithm, megatron_checkpoint=converted, **common)
-    from agentrl.models.policy import load_policy
-
-    model, _ = load_policy(m.path or m.name, seed=cfg.seed, cache_dir=Path(run_dir) / "model_cache")
-    state = model.state_dict()
-    return MegatronBackend(model.config, cfg.train, cfg.algorithm, hf_state=state, **common)

@@ -2,7 +2,7 @@
 
 Kept apart from the backend class so each piece is small and testable on CPU:
 - `init_megatron_parallel`: torch.distributed (NCCL on GPU, gloo on CPU) + megatron parallel_state
-  with the sizes of train.parallel (TP, PP, CP, EP, expert-TP; DP is what is left of the world).
+  with the sizes of the plan's Layout, joined at the address the TrainerGroup passes (DistInit).
 - `cpu_megatron`: megatron-core 0.19.2 builds a few tensors on `torch.cuda.current_device()` (the
   DSA indexer's rotary table, router buffers) and full recompute saves the CUDA RNG state; without a
   GPU those calls raise. Inside this context they answer for the CPU, so the same model builds and
@@ -15,7 +15,6 @@ Kept apart from the backend class so each piece is small and testable on CPU:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from agentrl.agent.trajectory import Trajectory
+from agentrl.config.layout import Layout, RankCoords
 
 
 @contextmanager
@@ -46,61 +46,71 @@ def cpu_megatron() -> Iterator[None]:
 
 
 @dataclass(frozen=True)
-class ParallelSizes:
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    etp: int
-    dp: int
-    world: int
+class DistInit:
+    """How this process joins the trainer's torch.distributed world. The TrainerGroup passes it to
+    every rank as arguments: rank 0's node IP and a port that was free there, this rank's global and
+    node-local rank. Nothing is read from the environment."""
+
     rank: int
+    world: int
+    master_addr: str
+    master_port: int
+    local_rank: int = 0
+    timeout_s: float = 600.0  # a rank that never arrives fails the others instead of hanging them
+
+    @classmethod
+    def single(cls) -> DistInit:
+        """A world of one on a free loopback port (tests, one-rank tools)."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return cls(0, 1, "127.0.0.1", s.getsockname()[1])
 
 
-def parallel_sizes(parallel: Any, world: int, rank: int = 0) -> ParallelSizes:
-    """Sizes from an agentrl ParallelConfig (None = 1), checked against the world size."""
-    tp, pp, cp, ep = (parallel.tp or 1), (parallel.pp or 1), (parallel.cp or 1), (parallel.ep or 1)
-    etp = parallel.etp
-    model = tp * pp * cp
-    if world % model:
-        raise ValueError(f"world size {world} is not a multiple of tp*pp*cp = {tp}*{pp}*{cp}; "
-                         "fix train.parallel or the number of trainer GPUs")
-    if (world // pp) % (ep * etp):
-        raise ValueError(f"world size {world} / pp {pp} is not a multiple of ep*etp = {ep}*{etp}; "
-                         "fix train.parallel.ep / etp")
-    return ParallelSizes(tp, pp, cp, ep, etp, world // model, world, rank)
+def init_megatron_parallel(layout: Layout, dist_init: DistInit | None = None, *, seed: int = 0) -> RankCoords:
+    """torch.distributed (NCCL on GPU, gloo on CPU) and megatron parallel_state for `layout`;
+    returns this rank's coordinates. Already initialised (e.g. by a test harness): the world size
+    and megatron's sizes must match `layout`. `dist_init` None means a world of one."""
+    import datetime
 
-
-def init_megatron_parallel(parallel: Any, *, seed: int = 0) -> ParallelSizes:
-    """torch.distributed from the usual env (RANK, WORLD_SIZE, MASTER_ADDR/PORT; a world of one when
-    unset) and megatron parallel_state. Idempotent when called again with the same sizes."""
     from megatron.core import parallel_state, tensor_parallel
 
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        d = dist_init or DistInit.single()
+        if d.world != layout.world:
+            raise ValueError(f"the trainer world has {d.world} ranks but the layout needs {layout.world}: "
+                             f"{layout.describe()}")
         if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    sizes = parallel_sizes(parallel, dist.get_world_size(), dist.get_rank())
+            torch.cuda.set_device(d.local_rank % torch.cuda.device_count())
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{d.master_addr}:{d.master_port}",
+                                rank=d.rank, world_size=d.world, timeout=datetime.timedelta(seconds=d.timeout_s))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != layout.world:
+        raise ValueError(f"torch.distributed has {world} ranks but the layout needs {layout.world}: {layout.describe()}")
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_pipeline_model_parallel_world_size(),
                 parallel_state.get_context_parallel_world_size(),
                 parallel_state.get_expert_model_parallel_world_size())
-        if have != (sizes.tp, sizes.pp, sizes.cp, sizes.ep):
-            raise RuntimeError(f"megatron parallel_state is initialised with tp/pp/cp/ep {have}, the config "
-                               f"asks for {(sizes.tp, sizes.pp, sizes.cp, sizes.ep)}")
+        if have != (layout.tp, layout.pp, layout.cp, layout.ep):
+            raise RuntimeError(f"megatron parallel_state is initialised with tp/pp/cp/ep {have}, the layout "
+                               f"asks for {(layout.tp, layout.pp, layout.cp, layout.ep)}")
     else:
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=sizes.tp, pipeline_model_parallel_size=sizes.pp,
-            context_parallel_size=sizes.cp, expert_model_parallel_size=sizes.ep,
-            expert_tensor_parallel_size=sizes.etp)
+            tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+            context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp)
+    coords = layout.coords(rank)
+    got = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
+           parallel_state.get_expert_model_parallel_rank())
+    if got != (coords.tp, coords.pp, coords.ep):
+        raise RuntimeError(f"rank {rank}: megatron placed it at tp/pp/ep {got}, the layout at "
+                           f"{(coords.tp, coords.pp, coords.ep)}; the two rank orders disagree")
     if cuda:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return sizes
+    return coords
 
 
 # ---------------------------------------------------------------- THD packing
