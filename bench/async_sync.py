@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from agentrl.bench.machine import machine
+from bench.lognormal_env import ENV_NAME
+from bench.machine import machine
 
 GOAL_SPEEDUP = 2.5
 GOAL_TRAINER_IDLE = 0.10
@@ -69,7 +70,7 @@ def overrides(w: Workload, mode: str, run_dir: Path) -> list[str]:
               "context_words": w.context_words}
     return [
         f"mode={mode}", f"seed={w.seed}", f"logging.run_dir={run_dir}", "cluster.dashboard=false",
-        "env.name=lognormal", f"env.kwargs={json.dumps(kwargs)}", "env.eval_every=0",
+        f"env.name={ENV_NAME}", f"env.kwargs={json.dumps(kwargs)}", "env.eval_every=0",
         "agent.action_format=text", "agent.max_turns=1", f"agent.episode_timeout_s={w.max_s + 120}",
         f"rollout.max_new_tokens={w.max_new_tokens}", "rollout.embedded.max_batch_size=64",
         f"algorithm.group_size={w.group_size}", f"algorithm.prompts_per_step={w.prompts_per_step}",

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.bench.machine import machine
+from bench.machine import machine
 
 
 def _trajectory(gid: str, k: int, tokens: int, rng: random.Random) -> Any:

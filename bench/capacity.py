@@ -13,8 +13,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from agentrl.bench.loop_sim import LoopShape, lognormal_draw, simulate, summarize
 from agentrl.config.memory import GB, HARDWARE, engine_memory, param_counts, trainer_memory
+from bench.loop_sim import LoopShape, lognormal_draw, simulate, summarize
 
 REFERENCE_STEP_S = 6.5 * 60  # REFERENCE section 1: 100 steps in ~21 h, with an eval every 10 steps
 OFFLOAD_STREAM_EFFICIENCY = 0.88  # bench/results/offload_h200.json: 88% of the disk's bandwidth

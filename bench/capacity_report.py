@@ -17,10 +17,10 @@ import random
 from pathlib import Path
 from typing import Any
 
-from agentrl.bench.capacity import Assumptions, plan_capacity
-from agentrl.bench.loop_sim import LoopShape, empirical_draw, simulate, summarize
-from agentrl.bench.machine import machine
 from agentrl.config.memory import param_counts
+from bench.capacity import Assumptions, plan_capacity
+from bench.loop_sim import LoopShape, empirical_draw, simulate, summarize
+from bench.machine import machine
 
 
 def check_param_counts() -> dict:

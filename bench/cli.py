@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-app = typer.Typer(no_args_is_help=True)
+app = typer.Typer(no_args_is_help=True,
+                  help="Benchmarks writing bench/results/*.json (the bench/ package, outside the library).")
 RESULTS = Path("bench/results")
 
 
@@ -18,7 +19,7 @@ def engine(out: Path = typer.Option(RESULTS / "engine.json", help="Where the JSO
            torch_threads: int = typer.Option(1, help="torch threads of the engine; 1 is steadiest on a small "
                                                      "shared CPU machine (2 threads ran ~8x slower under load).")) -> None:
     """Embedded engine throughput at several concurrencies, and the client's per-request overhead."""
-    from agentrl.bench.engine import run_engine_bench
+    from bench.engine import run_engine_bench
 
     report = run_engine_bench(out, tuple(models), tuple(concurrency), new_tokens=new_tokens,
                               torch_threads=torch_threads)
@@ -29,7 +30,7 @@ def engine(out: Path = typer.Option(RESULTS / "engine.json", help="Where the JSO
 def kernels(out: Path = typer.Option(RESULTS / "kernels.json", help="Where the JSON report goes."),
             only: list[str] = typer.Option([], help="Kernel families to run (default: all).")) -> None:
     """Triton kernels at GLM-5.2 dimensions (needs a CUDA GPU for meaningful numbers)."""
-    from agentrl.bench.kernels import run_kernel_bench
+    from bench.kernels import run_kernel_bench
 
     run_kernel_bench(out, only=set(only) or None)
     typer.echo(f"wrote {out}")
@@ -42,7 +43,7 @@ def offload(out: Path = typer.Option(RESULTS / "offload.json", help="Where the J
             bucket_mb: int = typer.Option(64, help="Bucket size (MB of optimizer state).")) -> None:
     """Disk-offloaded Adam: streaming rate against the disk's measured bandwidth, and step-time
     overhead against in-memory AdamW."""
-    from agentrl.bench.offload import run_offload_bench
+    from bench.offload import run_offload_bench
 
     report = run_offload_bench(out, state_gb, directory=directory, bucket_mb=bucket_mb)
     typer.echo(f"wrote {out} (offload_stream_efficiency = {report.get('offload_stream_efficiency')})")
@@ -53,7 +54,7 @@ def faults(out: Path = typer.Option(RESULTS / "faults.json", help="Where the JSO
            only: list[str] = typer.Option([], help="Scenarios to run (repeatable; default: all)."),
            fast: bool = typer.Option(False, help="Skip the scenarios that need full local training runs.")) -> None:
     """Fault injection into real local components; exit code 1 when any scenario fails."""
-    from agentrl.bench.faults import run_faults
+    from bench.faults import run_faults
 
     try:
         report = run_faults(out, only=only or None, include_slow=not fast, echo=typer.echo)
@@ -80,7 +81,7 @@ def async_vs_sync(out: Path = typer.Option(RESULTS / "async_vs_sync.json", help=
                                                             "trainer steps; engines reuse the shared prefix)."),
                   mode: list[str] = typer.Option(["sync", "async"], help="Modes to run (repeatable).")) -> None:
     """The same heavy-tailed workload through the real run loop in sync and async mode."""
-    from agentrl.bench.async_sync import Workload, run_async_vs_sync
+    from bench.async_sync import Workload, run_async_vs_sync
 
     w = Workload(steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, median_s=median_s,
                  sigma=sigma, max_s=max_s, in_flight=in_flight, max_staleness=max_staleness, context_words=context_words)
@@ -94,7 +95,7 @@ def weight_sync(out: Path = typer.Option(RESULTS / "weight_sync.json", help="Whe
                 models: list[str] = typer.Option(["tiny", "smollm2-135m"], "--model", help="Models (repeatable)."),
                 rounds: int = typer.Option(5, help="Full updates per model.")) -> None:
     """Time and GB/s of a full weight update into an embedded engine (safetensors tensor path)."""
-    from agentrl.bench.weight_sync import run_weight_sync_bench
+    from bench.weight_sync import run_weight_sync_bench
 
     r = run_weight_sync_bench(out, tuple(models), rounds)
     typer.echo(f"wrote {out} " + ", ".join(f"{m}: {v['gbps_median']:.2f} GB/s" for m, v in r["models"].items()))
@@ -106,7 +107,7 @@ def buffer(out: Path = typer.Option(RESULTS / "buffer.json", help="Where the JSO
            tokens: int = typer.Option(2048, help="Tokens per trajectory."),
            directory: Path | None = typer.Option(None, "--dir", help="Folder (disk) for the log.")) -> None:
     """Replay buffer ingest / serve / recovery rates with fsync on and off."""
-    from agentrl.bench.buffer import run_buffer_bench
+    from bench.buffer import run_buffer_bench
 
     r = run_buffer_bench(out, groups=groups, tokens=tokens, directory=directory)
     typer.echo(f"wrote {out} (durability_cost_x = {r['durability_cost_x']:.2f})")
@@ -118,7 +119,7 @@ def sandbox(out: Path = typer.Option(RESULTS / "sandbox.json", help="Where the J
             concurrency: int = typer.Option(8, help="Sandboxes cycled at once."),
             backend: list[str] = typer.Option(["local", "daytona"], help="Backends (repeatable).")) -> None:
     """Create / exec / delete latency: local bubblewrap and Daytona (real SDK) against its stand-in."""
-    from agentrl.bench.sandbox import run_sandbox_bench
+    from bench.sandbox import run_sandbox_bench
 
     run_sandbox_bench(out, rounds=rounds, concurrency=concurrency, backends=tuple(backend))
     typer.echo(f"wrote {out}")
@@ -135,8 +136,8 @@ def capacity(out: Path = typer.Option(RESULTS / "capacity.json", help="Where the
              mfu: float = typer.Option(0.25, help="Assumed training MFU.")) -> None:
     """Per-GPU memory by role, step time, generation, weight sync and staleness of a plan, validated
     against the local runs and the reference's ~6.5 min per step."""
-    from agentrl.bench.capacity import Assumptions
-    from agentrl.bench.capacity_report import run_capacity
+    from bench.capacity import Assumptions
+    from bench.capacity_report import run_capacity
 
     a = Assumptions(episode_median_s=episode_median_s, tokens_per_trajectory=tokens_per_trajectory, mfu=mfu)
     r = run_capacity(out, config, list(set_), a, measured if measured.exists() else None)
@@ -151,7 +152,7 @@ def learning(run_dir: Path = typer.Argument(..., help="A finished run's director
              concurrency: int = typer.Option(16, min=1, help="Episodes run at once.")) -> None:
     """Held-out pass rate of the model before training vs the run's last checkpoint (many samples,
     the run's own settings), with the train reward curve and a significance test."""
-    from agentrl.bench.learning import run_learning_report
+    from bench.learning import run_learning_report
 
     try:
         r = run_learning_report(run_dir, out, samples, concurrency)
@@ -174,11 +175,11 @@ def megatron(out: Path = typer.Option(RESULTS / "megatron.json", help="Where the
     import sys
     import tempfile
 
-    script = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "megatron_gpu.py"
+    script = Path(__file__).resolve().parent / "gpu" / "megatron_gpu.py"
     with tempfile.TemporaryDirectory(prefix="agentrl-megatron-bench-") as tmp:
         cmd = [sys.executable, str(script), "all", "--out-dir", tmp, "--export-gib", str(export_gib),
                "--bucket-mb", str(bucket_mb), *(["--small"] if small else [])]
-        rc = subprocess.run(cmd).returncode
+        rc = subprocess.run(cmd, check=False).returncode
         produced = Path(tmp) / "megatron.json"
         if produced.exists():
             out.parent.mkdir(parents=True, exist_ok=True)

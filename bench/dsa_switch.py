@@ -1,6 +1,6 @@
 """DSA layer speed: Megatron's unfused DSA vs the kernel switch, on a Megatron GPTModel (GPU only).
 
-`python -m kernels.bench_dsa --out dsa.json [--arch GLM-5.2_5layer] [--seqlens 4096]`
+`python -m bench.dsa_switch --out dsa.json [--arch GLM-5.2_5layer] [--seqlens 4096]`
 Builds the model with agentrl/models/megatron_builder.py on one GPU (bf16), runs one packed
 forward + backward per variant (unswitched, then `apply_dsa_kernels`), and reports the median
 step time, the peak memory and the logit difference. Routed-expert weights are frozen (no

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agentrl.bench.machine import machine
+from bench.machine import machine
 
 GOAL_BATCHING_SPEEDUP_32 = 8.0
 

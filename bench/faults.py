@@ -61,7 +61,7 @@ class Scenario:
 
 
 def scenarios() -> list[Scenario]:
-    from agentrl.bench import faults_input, faults_run, faults_sandbox, faults_security
+    from bench import faults_input, faults_run, faults_sandbox, faults_security
 
     found = [*faults_sandbox.SCENARIOS, *faults_input.SCENARIOS, *faults_security.SCENARIOS, *faults_run.SCENARIOS]
     names = [s.name for s in found]
@@ -107,7 +107,7 @@ async def _awaited(aw):
 def run_faults(out: Path | None, only: list[str] | None = None, include_slow: bool = True,
                echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the selected scenarios with a progress line each; write the report to `out`."""
-    from agentrl.bench.machine import machine
+    from bench.machine import machine
 
     chosen = select(only, include_slow)
     entries = []

@@ -10,9 +10,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from agentrl.bench.faults import Checks, Outcome, Scenario
+from bench.faults import Checks, Outcome, Scenario
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def malformed_task_toml(tmp: Path) -> Outcome:

@@ -18,11 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from agentrl.bench.faults import Checks, Outcome, Scenario, lost_trajectories, trained_groups_by_step
-from agentrl.bench.faults_sandbox import PLANTED_KEY
-from agentrl.bench.faults_security import files_containing
+from bench.faults import Checks, Outcome, Scenario, lost_trajectories, trained_groups_by_step
+from bench.faults_sandbox import PLANTED_KEY
+from bench.faults_security import files_containing
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "launchers" / "run_glm5_2_daytona.py"
 SMALLEST = ["cluster.dashboard=false", "rollout.max_new_tokens=24", "agent.max_turns=2", "algorithm.group_size=2"]
 RUN_TIMEOUT_S = 900

@@ -13,7 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from agentrl.bench.faults import Checks, Outcome, Scenario, lost_trajectories
+from bench.faults import Checks, Outcome, Scenario, lost_trajectories
 
 PLANTED_KEY = "sk-dtn-FAULTS-0c5e8a1f3b7d9e2a4c6b"  # must never show up anywhere
 
@@ -38,11 +38,11 @@ async def daytona(**faults):
     """A stand-in Daytona server with `faults` and a provider on it (fast backoff)."""
     from agentrl.config.schema import SandboxConfig
     from agentrl.sandbox.daytona import DaytonaSandboxProvider
-    from agentrl.sandbox.daytona_standin import start_standin
+    from bench.doubles import start_daytona_standin
 
     cfg = faults.pop("provider", {})
     with planted_env(DAYTONA_API_KEY=PLANTED_KEY, DAYTONA_USE_DEPRECATED_POLLING="true"):
-        url, handle = start_standin(api_key=PLANTED_KEY, **faults)
+        url, handle = start_daytona_standin(api_key=PLANTED_KEY, **faults)
         p = DaytonaSandboxProvider(SandboxConfig(backend="daytona", daytona_api_url=url, retry_backoff_min_s=0.01,
                                                  retry_backoff_max_s=0.05, **cfg), f"faults-{uuid.uuid4().hex[:6]}",
                                    orphan_recheck_s=(0.3, 1.0))

@@ -12,10 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from agentrl.bench.faults import Checks, Outcome, Scenario
-from agentrl.bench.faults_sandbox import PLANTED_KEY, daytona, local_box, planted_env
+from bench.faults import Checks, Outcome, Scenario
+from bench.faults_sandbox import PLANTED_KEY, daytona, local_box, planted_env
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def files_containing(root: Path, secret: str) -> list[str]:
@@ -154,7 +154,7 @@ async def secret_in_daytona_logs(tmp: Path) -> Outcome:
 
 
 def _spec():
-    from agentrl.bench.faults_sandbox import _spec as spec
+    from bench.faults_sandbox import _spec as spec
 
     return spec()
 

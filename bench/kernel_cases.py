@@ -1,4 +1,4 @@
-"""One benchmark case per kernel family, used by agentrl/bench/kernels.py.
+"""One benchmark case per kernel family, used by bench/kernels.py.
 
 Each case builds inputs at the given shapes, checks the kernel against its torch reference on a
 slice that fits in memory, times kernel and reference, and yields report entries (see
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from agentrl.bench.kernels import make_entry
+from bench.kernels import make_entry
 
 
 def _rel(torch, a, b) -> float:

@@ -1,4 +1,4 @@
-"""Kernel benchmark at GLM-5.2 dimensions: `python -m agentrl.bench.kernels --out PATH`.
+"""Kernel benchmark at GLM-5.2 dimensions: `python -m bench.kernels --out PATH`.
 
 Runs the four Triton kernels of kernels/ on a CUDA device (warm-up, the kernels' own autotuning,
 then CUDA-event timing, median of several runs), checks each against its torch reference, times
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from agentrl.bench.machine import machine
+from bench.machine import machine
 
 CEILINGS = {"bf16_tflops": 799.0, "fp8_tflops": 1458.0, "copy_gbps": 4240.0}
 
@@ -112,7 +112,7 @@ def run_kernel_bench(out_path: str | Path, shapes: BenchShapes = GLM52, only: se
     """Benchmark every kernel family (or those in ``only``) and write the JSON report to out_path."""
     import torch
 
-    from kernels import bench_cases as kernel_cases
+    from bench import kernel_cases
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out_path = Path(out_path)

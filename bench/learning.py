@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.bench.machine import machine
+from bench.machine import machine
 
 
 def two_proportion_p_value(passed_a: int, n_a: int, passed_b: int, n_b: int) -> float | None:

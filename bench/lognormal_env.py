@@ -12,7 +12,8 @@ first non-space character is one of `target_chars` (default: a vowel; ~23% of th
 tokenizer's tokens start with one), else 0.0. Use agent.action_format=text so the whole reply is
 the action. `context_words` adds a fixed per-task description to the prompt: agentic trajectories
 are long, so training costs scale with their tokens while engines reuse the shared prefix.
-Registered as entry point `lognormal` in group `agentrl.envs`.
+A benchmark's env, not a product one: runs name it by import path, env.name="bench.lognormal_env:LognormalEnv"
+(ENV_NAME), which agentrl/envs/registry.py resolves; it is registered as no entry point.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from agentrl.envs.base import Action, Observation, State
 from agentrl.sandbox.base import Sandbox, SandboxError, SandboxProvider, SandboxSpec
 
 PROMPT = "Answer with one word."
+ENV_NAME = "bench.lognormal_env:LognormalEnv"  # what a run config sets env.name to
 
 
 class LognormalEnv:

@@ -134,8 +134,8 @@ def parity_run(rec: dict, config: Any, *, steps: int, n: int, length: int, lr: f
 
 
 def run_single(out: Path, *, five_layer: bool = True, five_layer_experts: int = 8, five_layer_len: int = 512) -> dict:
-    from agentrl.bench.machine import machine
     from agentrl.models.hf_config import hf_config_for
+    from bench.machine import machine
 
     report: dict[str, Any] = {"machine": machine(), "driver": driver_version()}
     with stage(report, "tiny_parity") as rec:
@@ -215,12 +215,13 @@ def tp2_attempt() -> dict:
         for sp in (True, False):
             fields = megatron_config_fields(hf_config_for("tiny"), ParallelConfig(tp=2, sequence_parallel=sp), bf16=False)
             try:
+                from megatron.core.models.gpt import GPTModel
+
                 from agentrl.models.megatron_builder import (
                     _point_absorbed_mla_at_local_linear,
                     local_dsa_backend,
                     local_layer_specs,
                 )
-                from megatron.core.models.gpt import GPTModel
 
                 with cpu_megatron():
                     config = MLATransformerConfig(**fields)

@@ -1,4 +1,4 @@
-"""Disk-offloaded AdamW benchmark: `python -m agentrl.bench.offload --out PATH --state-gb N`.
+"""Disk-offloaded AdamW benchmark: `python -m bench.offload --out PATH --state-gb N`.
 
 1. The disk under --dir: sequential write (fdatasync'd), sequential read, and both at once (one
    file read while another is written, which is what an optimizer step does), in bucket-sized
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.bench.machine import machine
+from bench.machine import machine
 
 GB = 1e9
 

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from agentrl.bench.machine import machine
+from bench.machine import machine
 
 STANDIN_KEY = "standin-bench-key"  # the stand-in's own key, not a secret
 
@@ -116,9 +116,9 @@ def run_sandbox_bench(out_path: str | Path, rounds: int = 10, execs: int = 5, co
         with tempfile.TemporaryDirectory(prefix="agentrl-sandbox-bench-") as tmp:
             report["backends"]["local"] = asyncio.run(_local(rounds, execs, concurrency, Path(tmp)))
     if "daytona" in backends:
-        from agentrl.sandbox.daytona_standin import start_standin
+        from bench.doubles import start_daytona_standin
 
-        url, handle = start_standin(api_key=STANDIN_KEY)
+        url, handle = start_daytona_standin(api_key=STANDIN_KEY)
         try:
             with _standin_env():
                 report["backends"]["daytona_standin"] = asyncio.run(_daytona(url, rounds, execs, concurrency))

@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from agentrl.bench.machine import machine
+from bench.machine import machine
 
 
 async def _bench_model(url: str, model: Any, rounds: int, bucket_mb: int) -> dict:
@@ -51,8 +51,8 @@ def run_weight_sync_bench(out_path: str | Path, models: tuple[str, ...] = ("tiny
     """Full updates of each model into its own embedded engine; writes and returns the report."""
     import torch
 
-    from agentrl.bench.engine import _EngineProcess
     from agentrl.models.policy import load_policy
+    from bench.engine import _EngineProcess
 
     if rounds < 1 or bucket_mb < 1 or not models:
         raise ValueError("need rounds >= 1, bucket_mb >= 1 and at least one model")

@@ -5,9 +5,10 @@ import json
 
 import pytest
 
-from agentrl.bench.async_sync import Workload, _headline, _idle_after_first, overrides, run_async_vs_sync
 from agentrl.config.loader import load_config
 from agentrl.config.plan import resolve_plan
+from bench.async_sync import Workload, _headline, _idle_after_first, overrides, run_async_vs_sync
+from bench.lognormal_env import ENV_NAME
 
 
 def test_workload_becomes_a_valid_lognormal_run_config(tmp_path):
@@ -15,7 +16,7 @@ def test_workload_becomes_a_valid_lognormal_run_config(tmp_path):
     for mode in ("sync", "async"):
         cfg = load_config("local", overrides(w, mode, tmp_path / mode))
         resolve_plan(cfg)
-        assert cfg.mode == mode and cfg.env.name == "lognormal" and cfg.agent.action_format == "text"
+        assert cfg.mode == mode and cfg.env.name == ENV_NAME and cfg.agent.action_format == "text"
         assert cfg.env.kwargs["median_s"] == 0.5 and cfg.buffer.max_episodes_in_flight == 24
         assert cfg.train.max_steps == 3 and cfg.algorithm.prompts_per_step * cfg.algorithm.group_size == w.batch
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.bench.capacity import Assumptions, plan_capacity
-from agentrl.bench.loop_sim import LoopShape, empirical_draw, lognormal_draw, simulate, summarize
 from agentrl.config.loader import load_config
 from agentrl.config.memory import engine_memory, param_counts, trainer_memory
 from agentrl.config.plan import resolve_plan
+from bench.capacity import Assumptions, plan_capacity
+from bench.loop_sim import LoopShape, empirical_draw, lognormal_draw, simulate, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,5 +1,5 @@
 """The lognormal env: heavy-tailed durations spent in a real sandbox, a learnable reward rule,
-registered by entry point, and the `text` action format that hands it the whole reply."""
+named by import path (no entry point), and the `text` action format that hands it the whole reply."""
 
 import math
 import shutil
@@ -11,8 +11,8 @@ import pytest
 from agentrl.agent.actions import make_action_format
 from agentrl.config.schema import SandboxConfig
 from agentrl.envs.base import Action
-from agentrl.envs.lognormal import LognormalEnv
-from agentrl.envs.registry import available_envs
+from agentrl.envs.registry import available_envs, load_env_factory
+from bench.lognormal_env import ENV_NAME, LognormalEnv
 
 
 class _Recorder:
@@ -77,8 +77,9 @@ def test_bad_settings_name_the_field():
         asyncio.run(LognormalEnv(_Recorder()).reset("nope"))
 
 
-def test_registered_as_entry_point_and_text_format_passes_the_reply():
-    assert available_envs()["lognormal"].value == "agentrl.envs.lognormal:LognormalEnv"
+def test_named_by_import_path_not_registered_and_text_format_passes_the_reply():
+    assert load_env_factory(ENV_NAME) is LognormalEnv
+    assert not any("lognormal" in ep.value for ep in available_envs().values())  # no production entry point
     turn = make_action_format("text").parse("<think>x</think> echo hi ")
     assert [a.text for a in turn.actions] == ["echo hi"] and turn.error is None
 

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from agentrl.bench.machine import machine
+from bench.machine import machine
 
 
 def test_machine_reports_host_cpu_memory_and_versions():
@@ -18,7 +18,7 @@ def test_machine_reports_host_cpu_memory_and_versions():
 def test_importing_machine_and_gpu_benches_pulls_in_no_third_party_module():
     # kernels/offload run on the GPU machine with only stdlib + torch: importing them (and the
     # helper) must not import pydantic, ray, typer, numpy or transformers.
-    code = ("import sys; import agentrl.bench.machine, agentrl.bench.offload, agentrl.bench.kernels; "
+    code = ("import sys; import bench.machine, bench.offload, bench.kernels; "
             "bad = [m for m in ('pydantic', 'ray', 'typer', 'transformers', 'torch') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

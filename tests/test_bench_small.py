@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from agentrl.bench.buffer import run_buffer_bench
-from agentrl.bench.sandbox import run_sandbox_bench
+from bench.buffer import run_buffer_bench
+from bench.sandbox import run_sandbox_bench
 
 
 def test_buffer_bench_measures_both_durability_settings(tmp_path):
@@ -51,7 +51,7 @@ def test_sandbox_bench_rejects_unknown_backend(tmp_path):
 
 @pytest.mark.slow
 def test_weight_sync_bench_updates_the_engine(tmp_path):
-    from agentrl.bench.weight_sync import run_weight_sync_bench
+    from bench.weight_sync import run_weight_sync_bench
 
     r = run_weight_sync_bench(tmp_path / "w.json", models=("tiny",), rounds=2)
     m = r["models"]["tiny"]

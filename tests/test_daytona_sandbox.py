@@ -13,7 +13,7 @@ from agentrl.config.schema import SandboxConfig
 from agentrl.sandbox.base import Sandbox, SandboxError, SandboxProvider, SandboxSpec
 from agentrl.sandbox.daytona import DaytonaSandboxProvider
 from agentrl.sandbox.daytona_exec import wrap_command
-from agentrl.sandbox.daytona_standin import start_standin
+from tests.doubles.daytona_standin import start_standin
 
 KEY = "sk-dtn-TEST-5f3a9c1e7b2d4e6f8a0b"  # planted; must never show up anywhere
 SPEC = SandboxSpec(image="ubuntu:22.04", workdir=".", labels={"task": "t1", "episode": "e1"})

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from agentrl.bench.learning import two_proportion_p_value
 from agentrl.evaluate import summarise, wilson_interval
+from bench.learning import two_proportion_p_value
 
 
 def test_wilson_interval_brackets_the_rate_and_stays_in_range():

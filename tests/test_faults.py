@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from agentrl.bench.faults import (
+from bench.faults import (
     Checks,
     Outcome,
     Scenario,
@@ -76,7 +76,7 @@ def test_unknown_scenario_is_named(tmp_path):
 
 
 def test_report_has_the_fields_and_a_failure_is_reported(tmp_path, monkeypatch):
-    from agentrl.bench import faults
+    from bench import faults
 
     def broken(tmp):
         raise RuntimeError("boom")

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from agentrl.bench.faults import run_scenario, select
+from bench.faults import run_scenario, select
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("bwrap") is None, reason="local runs need bubblewrap")]

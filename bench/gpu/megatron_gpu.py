@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Megatron backend on the GPU machine, in one command (see agentrl/bench/megatron.py):
+"""Megatron backend on the GPU machine, in one command (see bench/megatron.py):
 
   python bench/gpu/megatron_gpu.py all --out-dir $OUT
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--five-layer-experts", type=int, default=8)
     p.add_argument("--offload-json", type=Path, default=ROOT / "bench/results/offload_h200.json")
     a = p.parse_args(argv)
-    from agentrl.bench import megatron as mb
+    from bench import megatron as mb
 
     single, dual, merged = a.out_dir / "single.json", a.out_dir / "dual.json", a.out_dir / "megatron.json"
     if a.mode == "single":

@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 
 from aiohttp import web
 
-from agentrl.sandbox.daytona_standin_toolbox import Box, Fail, ToolboxRoutes, error_response, fail_middleware
+from tests.doubles.daytona_standin_toolbox import Box, Fail, ToolboxRoutes, error_response, fail_middleware
 
 DEFAULT_KEY = "standin-key"
 

@@ -1,5 +1,5 @@
 """The kernel benchmark harness: entries, error recording, JSON report (kernels stubbed out:
-the real cases need an H200 and run there via `python -m agentrl.bench.kernels`)."""
+the real cases need an H200 and run there via `python -m bench.kernels`)."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from agentrl.bench import kernels as kb
-from kernels import bench_cases
+from bench import kernel_cases
+from bench import kernels as kb
 
 
 def test_make_entry_rates_and_fractions():
@@ -28,7 +28,7 @@ def test_failures_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
         raise RuntimeError("out of resource: shared memory")
         yield  # pragma: no cover
 
-    monkeypatch.setattr(bench_cases, "CASES", {"bad": bad, "good": good, "skipped": bad})
+    monkeypatch.setattr(kernel_cases, "CASES", {"bad": bad, "good": good, "skipped": bad})
     out = tmp_path / "r" / "kernels.json"
     report = kb.run_kernel_bench(out, kb.TINY, only={"bad", "good"}, device="cpu")
     saved = json.loads(out.read_text())
@@ -38,7 +38,7 @@ def test_failures_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     assert "out of resource" in saved["kernels"][0]["error"] and "traceback" in saved["kernels"][0]
     assert saved["kernels"][1]["correct"] is True and saved["kernels"][1]["ms"] >= 0
     assert {"machine", "versions", "ceilings", "kernels", "tuning"} <= set(saved)
-    # versions come from the installed distributions' metadata (agentrl/bench/machine.py)
+    # versions come from the installed distributions' metadata (bench/machine.py)
     assert saved["versions"]["torch"] == importlib.metadata.version("torch")
 
 
