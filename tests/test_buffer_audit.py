@@ -11,9 +11,9 @@ from agentrl.buffer.replay import LOG_NAME, ReplayBuffer
 
 
 def traj(gid, k, version=0, outcome=SCORED):
-    return Trajectory(episode_id=f"{gid}-{k}", task_id=f"task-{gid}", group_id=gid, prompt_len=1, token_ids=[1, 2],
-                      loss_mask=[0, 1], rollout_logprobs=[0.0, -0.1], weight_versions=[-1, version],
-                      outcome=outcome, reward=1.0 if outcome == SCORED else None)
+    return Trajectory(episode_id=f"{gid}-{k}", task_id=f"task-{gid}", group_id=gid, prompt_len=1,
+                      token_ids=[1, 2], loss_mask=[0, 1], rollout_logprobs=[0.0, -0.1],
+                      weight_versions=[-1, version], outcome=outcome, reward=1.0 if outcome == SCORED else None)
 
 
 def fill(buf, gid, n=2, **kw):

@@ -99,9 +99,10 @@ def _load(ep: EntryPoint, name: str) -> Callable[..., Env]:
         factory = ep.load()
     except Exception as err:  # an entry point's import can fail in any way; say which one
         if _is_import_path(ep, name):
+            installed = ", ".join(available_envs()) or "none"
             raise EnvRegistryError(
-                f"env.name {name!r} is no installed env (installed: {', '.join(available_envs()) or 'none'}) and "
-                f"cannot be imported as \"package.module:ClassName\": {type(err).__name__}: {err}"
+                f"env.name {name!r} is no installed env (installed: {installed}) and cannot be imported "
+                f"as \"package.module:ClassName\": {type(err).__name__}: {err}"
             ) from err
         raise EnvRegistryError(
             f"env {name!r}: cannot load entry point {ep.value!r} (package {_dist_name(ep)}): "
