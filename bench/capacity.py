@@ -105,8 +105,8 @@ def plan_capacity(cfg: Any, plan: Any, a: Assumptions = Assumptions()) -> dict:
     gen_tokens = cfg.algorithm.prompts_per_step * cfg.algorithm.group_size * a.tokens_per_trajectory * 0.3
     gen_capacity = len(plan.engines) * a.engine_decode_tps
     return {"plan": {"model": plan.model, "hardware": plan.hardware, "nodes": plan.num_nodes,
-                     "train_gpus": plan.train_gpus, "engines": len(plan.engines), "parallel": asdict(plan.parallel),
-                     "pp_layer_split": plan.pp_layer_split, "max_tokens_per_gpu": plan.max_tokens_per_gpu},
+                     "train_gpus": plan.train_gpus, "engines": len(plan.engines), "layout": plan.layout.to_json(),
+                     "max_tokens_per_gpu": plan.max_tokens_per_gpu},
             "assumptions": asdict(a), "params_b": {k: v / 1e9 for k, v in param_counts(plan.model).items()},
             "memory_gb_per_gpu": mem, "step": step, "loop": loop,
             "generation": {"generated_tokens_per_step": gen_tokens, "engine_tokens_per_s": gen_capacity,
