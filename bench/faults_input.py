@@ -10,7 +10,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from bench.faults import Checks, Outcome, Scenario
+from bench.faults_base import Checks, Outcome, Scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.faults import Checks, Outcome, Scenario, lost_trajectories, trained_groups_by_step
+from bench.faults_base import Checks, Outcome, Scenario, lost_trajectories
 from bench.faults_sandbox import PLANTED_KEY
 from bench.faults_security import files_containing
 
@@ -218,12 +218,16 @@ def _traj_records(run_dir: Path) -> list[dict]:
 
 
 def _check_training_record(c: Checks, run_dir: Path, steps: int) -> None:
-    """Steps 1..steps each trained once, weight version == step, no group in two steps, and no group
-    with an infra error ever trained."""
-    by_step = trained_groups_by_step(run_dir)
+    """Steps 1..steps each trained (a step trained again after a resume counts with its last record),
+    weight version == step, no group in two steps, and no group with an infra error ever trained."""
+    from agentrl.buffer.audit import audit_log
+
+    audit = audit_log(run_dir)
+    by_step = audit.groups_by_step
     c(sorted(by_step) == list(range(1, steps + 1)), f"optimizer steps in the log: {sorted(by_step)}")
     groups = [g for gs in by_step.values() for g in gs]
-    c(len(groups) == len(set(groups)), f"{len(groups)} groups trained, none in two steps")
+    c(not audit.groups_in_two_steps, f"{len(groups)} groups trained, none in two steps "
+      f"(in two: {list(audit.groups_in_two_steps)[:3]})")
     last = {r["step"]: r for r in _metrics(run_dir)}
     c(all(r["weight_version"] == s for s, r in last.items()) and sorted(last) == list(range(1, steps + 1)),
       f"weight versions continuous: {[last[s]['weight_version'] for s in sorted(last)]}")
@@ -356,7 +360,9 @@ DISK_FULL_CHILD = r"""
 import json, sys
 from agentrl.agent.trajectory import Trajectory
 from agentrl.buffer.log import LogWriteError
+from agentrl.buffer.audit import audit_log
 from agentrl.buffer.replay import LOG_NAME, ReplayBuffer
+from bench.faults_base import lost_trajectories
 d = sys.argv[1]
 buf = ReplayBuffer(d, group_size=2, max_staleness=10)
 acked, error = [], None
@@ -373,10 +379,12 @@ for i in range(100000):
     acked.append(t.episode_id)
 lines = open(f"{d}/{LOG_NAME}", "rb").read().split(b"\n")
 parsed = all(json.loads(x) for x in lines if x)
-again = ReplayBuffer(d, group_size=2, max_staleness=10)
-back = {e for g in list(again._ready.values()) + list(again._pending.values()) for e in g.trajectories}
+ReplayBuffer(d, group_size=2, max_staleness=10).close()  # a restart's reopen, on the full disk
+logged = set(audit_log(d).accepted)
+lost, counts = lost_trajectories(d)
 print(json.dumps({"acked": len(acked), "error": error, "parsed": parsed, "ends_with_newline": lines[-1] == b"",
-                  "missing": sorted(set(acked) - back), "extra": sorted(back - set(acked))}))
+                  "missing": sorted(set(acked) - logged), "extra": sorted(logged - set(acked)), "lost": lost,
+                  "back_in_buffer": counts["back_in_buffer"]}))
 """
 
 
@@ -397,8 +405,10 @@ def replay_log_disk_full(tmp: Path) -> Outcome:
       f"after {out['acked']} acknowledged trajectories: LogWriteError: {out['error']}")
     c(out["parsed"] and out["ends_with_newline"], "the log is whole (every line parses, no torn tail)")
     c(not out["missing"] and not out["extra"],
-      f"reopened: all {out['acked']} acknowledged trajectories are back, nothing unacknowledged")
-    return c.outcome(len(out["missing"]))
+      f"the log holds all {out['acked']} acknowledged trajectories and nothing unacknowledged")
+    c(out["lost"] == 0 and out["back_in_buffer"] == out["acked"],
+      f"reopened: {out['back_in_buffer']} of them are back in the buffer")
+    return c.outcome(len(out["missing"]) + out["lost"])
 
 
 SCENARIOS = (

@@ -13,7 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.faults import Checks, Outcome, Scenario, lost_trajectories
+from bench.faults_base import Checks, Outcome, Scenario, lost_trajectories
 
 PLANTED_KEY = "sk-dtn-FAULTS-0c5e8a1f3b7d9e2a4c6b"  # must never show up anywhere
 

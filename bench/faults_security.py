@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.faults import Checks, Outcome, Scenario
+from bench.faults_base import Checks, Outcome, Scenario
 from bench.faults_sandbox import PLANTED_KEY, daytona, local_box, planted_env
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,15 +10,8 @@ import shutil
 
 import pytest
 
-from bench.faults import (
-    Checks,
-    Outcome,
-    Scenario,
-    lost_trajectories,
-    run_faults,
-    run_scenario,
-    select,
-)
+from bench.faults import run_faults, run_scenario, select
+from bench.faults_base import Checks, Outcome, Scenario, lost_trajectories
 
 HAVE_TOOLS = bool(shutil.which("bwrap") and shutil.which("tmux"))
 # Scenarios that import transformers and build models cost ~20-30 s each on a loaded 2-core machine;
@@ -106,23 +99,25 @@ def test_report_has_the_fields_and_a_failure_is_reported(tmp_path, monkeypatch):
 
 def test_lost_trajectories_counts_from_the_log(tmp_path, monkeypatch):
     from agentrl.agent.trajectory import Trajectory
-    from agentrl.buffer.replay import ReplayBuffer
+    from agentrl.buffer.log import DurableLog
+    from agentrl.buffer.replay import LOG_NAME, ReplayBuffer
 
     def traj(gid, k):
-        return Trajectory(episode_id=f"{gid}-{k}", task_id="t", group_id=gid, prompt_len=1, token_ids=[1, 2],
-                          loss_mask=[0, 1], rollout_logprobs=[0.0, -0.1], weight_versions=[-1, 0],
-                          outcome="scored", reward=1.0)
+        t = Trajectory(episode_id=f"{gid}-{k}", task_id="t", group_id=gid, prompt_len=1, token_ids=[1, 2],
+                       loss_mask=[0, 1], rollout_logprobs=[0.0, -0.1], weight_versions=[-1, 0],
+                       outcome="scored", reward=1.0)
+        return {"type": "traj", **t.to_dict()}
 
-    buf = ReplayBuffer(tmp_path, group_size=2, max_staleness=5)
-    for g in ("a", "b", "c"):
-        buf.add(traj(g, 0))
-        buf.add(traj(g, 1))
-    buf.add(traj("d", 0))  # half a group, still in the buffer
-    buf.mark_trained(1, buf.take_batch(1, 0).group_ids)
-    buf.close()
+    log = DurableLog(tmp_path / LOG_NAME, fsync=False)  # what a buffer of group size 2 wrote
+    for rec in [traj(g, k) for g in ("a", "b", "c") for k in (0, 1)] + [traj("d", 0)]:
+        log.append(rec)
+    log.append({"type": "trained", "step": 1, "groups": ["a"]})
+    log.close()
+    before = (tmp_path / LOG_NAME).read_bytes()
     assert lost_trajectories(tmp_path)[0] == 0
     _, counts = lost_trajectories(tmp_path)
     assert counts == {"accepted": 7, "in_trained_groups": 2, "in_retired_groups": 0, "back_in_buffer": 5, "lost": 0}
+    assert (tmp_path / LOG_NAME).read_bytes() == before  # the evidence is left as it was
     # A recovery that drops a group (the bug this count exists to catch) shows as lost.
     real = ReplayBuffer._insert
     monkeypatch.setattr(ReplayBuffer, "_insert", lambda self, t: t.group_id != "c" and real(self, t))

@@ -7,10 +7,11 @@ the buffer's recovery rule (agentrl/buffer/replay.py): resuming from the checkpo
   trained    when a `trained` record of a step <= resume_step names it,
   retired    when a `retired` record names it (stale, or an infra error in the group),
   untrained  otherwise: acknowledged, and what a buffer reopened at `resume_step` must hold.
-Every acknowledged trajectory is in exactly one of the three. A step with more than one `trained`
-record was trained again after a resume (its first update was lost with the crash); the run's
-final history keeps each step's last record, and a group in two steps of that history was
-trained twice.
+Every acknowledged trajectory is in exactly one of the three. A `rollback` record (written by a
+resume from the checkpoint of `to_step`) voids the `trained` records before it of later steps:
+their updates were lost with the crash. A step with more than one `trained` record was trained
+again after such a resume; the surviving history keeps each step's last record, and a group in
+two steps of that history was trained twice.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def audit_log(directory: str | Path, resume_step: int | None = None) -> LogAudit
     accepted: dict[str, str] = {}
     retired: set[str] = set()
     trained_records: list[tuple[int, list[str]]] = []
+    all_steps: list[int] = []  # every trained record's step, rolled back or not
     for rec in DurableLog.read(Path(directory) / LOG_NAME):
         kind = rec["type"]
         if kind == "traj":
@@ -67,6 +69,9 @@ def audit_log(directory: str | Path, resume_step: int | None = None) -> LogAudit
             retired.add(rec["group"])
         elif kind == "trained":
             trained_records.append((int(rec["step"]), list(rec["groups"])))
+            all_steps.append(int(rec["step"]))
+        elif kind == "rollback":
+            trained_records = [(s, gs) for s, gs in trained_records if s <= int(rec["to_step"])]
         else:
             raise ValueError(f"replay log {Path(directory) / LOG_NAME}: unknown record type {kind!r}")
     step = max((s for s, _ in trained_records), default=0) if resume_step is None else resume_step
@@ -75,7 +80,7 @@ def audit_log(directory: str | Path, resume_step: int | None = None) -> LogAudit
     for s, gs in trained_records:
         if s <= step:
             history[s] = tuple(gs)
-    per_step = Counter(s for s, _ in trained_records)
+    per_step = Counter(all_steps)
     in_history = Counter(g for gs in history.values() for g in set(gs))
     groups = set(accepted.values())
     return LogAudit(
