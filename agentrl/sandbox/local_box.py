@@ -1,7 +1,8 @@
-"""One local sandbox: the bubblewrap init, commands entered into it, files, close.
+"""One local sandbox: the bubblewrap init, commands entered into it, files, kill_all, close.
 
-The provider (agentrl/sandbox/local.py) builds the root folder and hands it to LocalSandbox; the
-module docstring there explains the design (one init per sandbox, nsenter per exec, rlimits).
+The provider (agentrl/sandbox/local.py) builds the stage (the sandbox's first files) and hands it to
+LocalSandbox; the module docstring there explains the design (one init per sandbox, nsenter per
+exec, rlimits), local_isolation.py what keeps the host safe (user namespace, disk image, masks).
 """
 
 from __future__ import annotations
@@ -19,10 +20,24 @@ from pathlib import Path
 
 from agentrl.sandbox.base import ExecResult, SandboxError, SandboxSpec
 from agentrl.sandbox.dockerfile import DEFAULT_PATH, DockerfilePlan
+from agentrl.sandbox.local_isolation import (
+    LAUNCH_SCRIPT,
+    MIN_DISK_MB,
+    SLIRP_NAMESERVER,
+    SlirpNetwork,
+    kernel_args,
+    mask_args,
+    masks,
+    memfd_with,
+    new_user_namespace,
+    shared_mountpoint,
+)
 from agentrl.sandbox.local_procs import (
+    end_all_but,
     kill_exec_tree,
     open_capped_pipe,
     pid_namespace,
+    start_time,
     wait_namespace_empty,
 )
 
@@ -37,6 +52,9 @@ _READY_TIMEOUT_S = 30.0
 # as low as 32768: a watchdog counts the sandbox's own /proc and kills its pid namespace above this.
 MAX_PIDS = 1024
 _PIDS_POLL_S = 0.1
+# kill_all: SIGKILL rounds until the sandbox is quiet. A process in uninterruptible sleep (D) may
+# take a moment to die; one that outlives this is reported, and scoring does not start beside it.
+KILL_ALL_TIMEOUT_S = 10.0
 # Write to a temp file and rename over the target, so a symlink the agent planted at the target
 # is replaced rather than followed.
 _UPLOAD_SCRIPT = (
@@ -66,10 +84,14 @@ class LocalSandbox:
         limits: LocalLimits,
         tools: dict[str, str],
         allow_network: bool,
+        disk_kind: str = "ext4",
     ):
         self.id = sid
         self.host_dir = host_dir
-        self.root = host_dir / "root"
+        self.stage = host_dir / "stage"  # the first files; the provider builds it, the disk copies it
+        self.mountpoint = shared_mountpoint()  # where the disk is mounted, in the sandbox's own namespace
+        self.disk_kind = disk_kind  # "ext4" (a loop-mounted image) or "tmpfs"
+        self.disk_mb = max(spec.disk_mb, MIN_DISK_MB)
         self.spec = spec
         self.limits = limits
         self.allow_network = allow_network
@@ -88,6 +110,9 @@ class LocalSandbox:
         self._tools = tools
         self._bwrap: asyncio.subprocess.Process | None = None
         self._init_pid = 0
+        self._keeper_pid = 0  # the init's one child (`sleep infinity`): its exit would end the sandbox
+        self._network: SlirpNetwork | None = None
+        self.owner_lock_fd = -1  # held while this process owns the sandbox (sweep_stale reads it)
         self._ns = ""
         self._ns_flags: list[str] = []
         self._closed = False
@@ -98,23 +123,45 @@ class LocalSandbox:
     def __repr__(self) -> str:
         return f"LocalSandbox(id={self.id!r}, workdir={self.workdir!r}, closed={self._closed})"
 
+    @property
+    def root(self) -> Path:
+        """The sandbox's / as the host's root sees it (through the init's /proc entry): its disk
+        is mounted in a mount namespace of its own, so no host path shows it."""
+        return Path(f"/proc/{self._init_pid}/root")
+
     # --- lifecycle -------------------------------------------------------------------------------
 
-    async def _start(self) -> None:
-        argv = [self._tools["bwrap"], "--unshare-all", "--die-with-parent", "--new-session"]
-        if self.allow_network:
-            argv.append("--share-net")
-        argv += ["--bind", str(self.root), "/"]
+    def _bwrap_argv(self, info_fd: int, data_fd) -> list[str]:
+        """bubblewrap's argv: runs as the root of the sandbox's user namespace, so the namespaces it
+        makes belong to that namespace; the shared mountpoint holds this sandbox's disk (LAUNCH_SCRIPT)."""
+        argv = [self._tools["bwrap"], "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+                "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+                "--bind", str(self.mountpoint), "/"]  # fmt: skip
         for name in ("usr", "etc", "bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             host = Path("/") / name
             if host.is_dir() and not host.is_symlink():
                 argv += ["--ro-bind", str(host), f"/{name}"]
-        for secret in ("/etc/shadow", "/etc/gshadow"):  # the host's password hashes stay hidden
-            if os.path.exists(secret):
-                argv += ["--ro-bind", "/dev/null", secret]
-        argv += ["--proc", "/proc", "--dev", "/dev", "--hostname", "sandbox", "--chdir", "/"]
+        argv += ["--proc", "/proc", "--dev", "/dev", *kernel_args(), *mask_args(*masks(), data_fd)]
+        if self.allow_network:  # slirp4netns' DNS forwarder; the host's resolver may be on its loopback
+            argv += ["--ro-bind-data", str(data_fd(f"nameserver {SLIRP_NAMESERVER}\n".encode())), "/etc/resolv.conf"]
+        argv += ["--hostname", "sandbox", "--chdir", "/", "--info-fd", str(info_fd), "--",
+                 self._tools["bash"], "-c", "echo ready; exec sleep infinity"]  # fmt: skip
+        return argv
+
+    async def _start(self) -> None:
+        t = self._tools
+        holder, userns = await asyncio.to_thread(new_user_namespace, t["unshare"], t["cat"])
+        data_fds: list[int] = []
+
+        def data_fd(data: bytes) -> int:
+            data_fds.append(memfd_with(data))
+            return data_fds[-1]
+
         r, w = os.pipe()
-        argv += ["--info-fd", str(w), "--", self._tools["bash"], "-c", "echo ready; exec sleep infinity"]
+        src = self.host_dir / ("disk.img" if self.disk_kind == "ext4" else "stage")
+        argv = [t["unshare"], "--mount", "--propagation", "private", "--", t["sh"], "-c", LAUNCH_SCRIPT, "sh",
+                str(self.mountpoint), str(src), self.disk_kind, str(self.disk_mb), userns,
+                *self._bwrap_argv(w, data_fd)]  # fmt: skip
         log_fd = os.open(self.host_dir / "bwrap.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             self._bwrap = await asyncio.create_subprocess_exec(
@@ -122,15 +169,15 @@ class LocalSandbox:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log_fd,
-                pass_fds=(w,),
+                pass_fds=(w, *data_fds),
                 env={"PATH": DEFAULT_PATH},
             )
         except OSError as err:
             os.close(r)
             raise SandboxError("create", f"cannot start bwrap: {err}") from err
         finally:
-            os.close(w)
-            os.close(log_fd)
+            for fd in (w, log_fd, *data_fds):
+                os.close(fd)
         info_reader = asyncio.StreamReader()
         info_pipe, _ = await asyncio.get_running_loop().connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(info_reader), os.fdopen(r, "rb", buffering=0)
@@ -142,10 +189,17 @@ class LocalSandbox:
             raise SandboxError("create", f"bwrap did not start: {err!r}; {self._bwrap_log()}") from err
         finally:
             info_pipe.close()
+            holder.stdin.close()  # bwrap's processes are in the user namespace now: the holder may go
+            await asyncio.to_thread(holder.wait, 5)
         if line.strip() != b"ready":
             raise SandboxError("create", f"bwrap init did not come up; {self._bwrap_log()}")
         self._init_pid = int(info["child-pid"])
-        (self.host_dir / "init.pid").write_text(f"{self._bwrap.pid} {self._init_pid}\n")
+        self._keeper_pid = _only_child(self._init_pid)
+        (self.host_dir / "init.pid").write_text(json.dumps(
+            {"bwrap": self._bwrap.pid, "init": self._init_pid, "init_start": start_time(self._init_pid)}
+        ))  # fmt: skip
+        if self.disk_kind == "tmpfs":  # copied onto the tmpfs by LAUNCH_SCRIPT
+            await asyncio.to_thread(shutil.rmtree, self.stage, True)
         self._ns = pid_namespace(self._init_pid) or ""
         for kind, flag in _NS_FLAGS.items():
             try:
@@ -153,8 +207,15 @@ class LocalSandbox:
                     self._ns_flags.append(flag)
             except OSError:
                 continue
-        if "-p" not in self._ns_flags or "-m" not in self._ns_flags:
-            raise SandboxError("create", "bwrap did not create private pid and mount namespaces")
+        if not {"-U", "-p", "-m", "-n"} <= set(self._ns_flags):
+            raise SandboxError("create", "bwrap did not create private user, pid, mount and net namespaces")
+        if self.allow_network:
+            try:
+                self._network = await asyncio.to_thread(
+                    SlirpNetwork, t["slirp4netns"], self._init_pid, self.host_dir / "slirp.log"
+                )
+            except OSError as err:
+                raise SandboxError("create", f"sandbox {self.id}: {err}") from err
         self._watchdog = asyncio.create_task(self._watch_pids())
 
     async def _watch_pids(self) -> None:
@@ -199,14 +260,34 @@ class LocalSandbox:
                 except TimeoutError:
                     kill_pid(self._bwrap.pid)
                     await asyncio.wait_for(self._bwrap.wait(), 10)
+            if self._network is not None:
+                await asyncio.to_thread(self._network.stop)
             if self._ns and not await asyncio.to_thread(wait_namespace_empty, self._ns, 10.0):
                 log.warning("sandbox %s: processes still alive 10 s after close", self.id)
             await asyncio.to_thread(shutil.rmtree, self.host_dir, True)
         except Exception as err:  # noqa: BLE001 - close never raises: log and move on, sweep() retries the files
             log.warning("sandbox %s: close failed: %s", self.id, err)
         finally:
+            if self.owner_lock_fd >= 0:
+                os.close(self.owner_lock_fd)
+                self.owner_lock_fd = -1
             if self._on_close is not None:
                 self._on_close(self)
+
+    async def kill_all(self) -> int:
+        """Sandbox protocol: SIGKILL every process but the init (bwrap's pid 1 and its one child),
+        in rounds until none is left; returns how many were ended. Raises SandboxError(kill) when
+        some survive KILL_ALL_TIMEOUT_S, (closed)/(lost) when the sandbox itself is gone."""
+        self._check_alive()
+        ended, left = await asyncio.to_thread(
+            end_all_but, self._ns, {self._init_pid, self._keeper_pid}, KILL_ALL_TIMEOUT_S
+        )
+        self._check_alive()
+        if left:
+            raise SandboxError(
+                "kill", f"sandbox {self.id}: {len(left)} process(es) outlived SIGKILL for {KILL_ALL_TIMEOUT_S:g} s"
+            )
+        return ended
 
     @property
     def closed(self) -> bool:
@@ -363,6 +444,18 @@ async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
         proc.stdin.close()
     except (BrokenPipeError, ConnectionResetError):
         pass  # the command exited without reading all of it; its exit code says why
+
+
+def _only_child(pid: int) -> int:
+    """The one child of `pid` (the init's keeper, read right after it said ready)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(x) for x in f.read().split()]
+    except OSError:
+        kids = []
+    if len(kids) != 1:
+        raise SandboxError("create", f"the sandbox init {pid} has children {kids}, expected one")
+    return kids[0]
 
 
 def kill_pid(pid: int) -> None:

@@ -111,6 +111,15 @@ def _stat(pid: int) -> tuple[int, int] | None:
         return None
 
 
+def start_time(pid: int) -> int | None:
+    """When the process started (clock ticks since boot): with the pid, it names one process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _has_marker(pid: int, marker: bytes) -> bool:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
@@ -136,6 +145,25 @@ def exec_tree(ns: str, marker: bytes) -> set[int]:
     return tree
 
 
+def kill_in_namespace(pid: int, ns: str) -> bool:
+    """SIGKILL `pid` only if it still is a process of pid namespace `ns`: the pid is pinned with a
+    pidfd first, so a pid that died and was reused by a host process since the scan is never hit.
+    True when the signal was sent."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        if pid_namespace(pid) != ns:  # checked after pinning: the pidfd now names this very process
+            return False
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def kill_exec_tree(ns: str, marker: bytes, *, rounds: int = 50, pause_s: float = 0.01) -> int:
     """SIGKILL an exec's tree, rescanning until it is empty (a process may fork while we scan).
     Returns how many processes were signalled. Blocking: call through asyncio.to_thread."""
@@ -144,14 +172,25 @@ def kill_exec_tree(ns: str, marker: bytes, *, rounds: int = 50, pause_s: float =
         tree = exec_tree(ns, marker)
         if not tree:
             break
-        for pid in tree:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
+        killed += sum(kill_in_namespace(pid, ns) for pid in tree)
         time.sleep(pause_s)
     return killed
+
+
+def end_all_but(ns: str, keep: set[int], timeout_s: float, *, pause_s: float = 0.005) -> tuple[int, list[int]]:
+    """SIGKILL every live process of pid namespace `ns` except the host pids in `keep`, rescanning
+    until none is left (a process may fork between a scan and its kill; a killed one cannot fork).
+    Returns (how many were signalled, the pids still alive at the deadline). Blocking."""
+    deadline = time.monotonic() + timeout_s
+    signalled: set[int] = set()
+    while True:
+        victims = [pid for pid in pids_in_namespace(ns) if pid not in keep]
+        if not victims:
+            return len(signalled), []
+        if time.monotonic() > deadline:
+            return len(signalled), victims
+        signalled.update(pid for pid in victims if kill_in_namespace(pid, ns))
+        time.sleep(pause_s)
 
 
 def wait_namespace_empty(ns: str, timeout_s: float) -> bool:
