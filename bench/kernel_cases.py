@@ -10,7 +10,29 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from bench.kernels import make_entry
+# Ceilings (REFERENCE.md section 7, measured on the project's H200): bf16 GEMM 799 TFLOP/s,
+# fp8 GEMM 1458 TFLOP/s, device copy 4.24 TB/s.
+CEILINGS = {"bf16_tflops": 799.0, "fp8_tflops": 1458.0, "copy_gbps": 4240.0}
+
+
+def make_entry(name: str, shape: dict, ms: float, *, flops: float | None = None, nbytes: float | None = None,
+               ceiling: str = "bf16_tflops", reference_ms: float | None = None, correct: bool | None = None,
+               **extra: Any) -> dict:
+    """One report entry: the time, the rate from the minimum FLOPs (or bytes) and its fraction of
+    the ceiling, and the speedup over the torch reference."""
+    entry: dict[str, Any] = {"name": name, "shape": shape, "ms": round(ms, 4)}
+    if flops is not None:
+        entry["tflops"] = round(flops / ms / 1e9, 2)
+        entry["fraction_of_ceiling"] = round(entry["tflops"] / CEILINGS[ceiling], 4)
+    else:
+        entry["gbps"] = round(nbytes / ms / 1e6, 1)
+        entry["fraction_of_ceiling"] = round(entry["gbps"] / CEILINGS["copy_gbps"], 4)
+    entry["ceiling"] = ceiling if flops is not None else "copy_gbps"
+    entry["reference_ms"] = None if reference_ms is None else round(reference_ms, 4)
+    entry["speedup"] = None if reference_ms is None else round(reference_ms / ms, 3)
+    entry["correct"] = correct
+    entry.update(extra)
+    return entry
 
 
 def _rel(torch, a, b) -> float:

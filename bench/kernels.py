@@ -8,8 +8,7 @@ that reference where it fits in memory, and writes JSON:
 A kernel that fails records its error and the run goes on; the JSON is rewritten after every
 kernel, so a run cut short still leaves what it measured. Imports only the stdlib at module
 level (torch, triton and kernels/ are imported when the run starts): no Ray, no agentrl deps.
-Ceilings (REFERENCE.md section 7, measured on the project's H200): bf16 GEMM 799 TFLOP/s,
-fp8 GEMM 1458 TFLOP/s, device copy 4.24 TB/s.
+The cases and the entry format (`make_entry`, the ceilings) are in bench/kernel_cases.py.
 """
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import kernel_cases
 from bench.machine import machine
-
-CEILINGS = {"bf16_tflops": 799.0, "fp8_tflops": 1458.0, "copy_gbps": 4240.0}
 
 
 @dataclass(frozen=True)
@@ -84,24 +82,6 @@ class Timer:
         return statistics.median(times)
 
 
-def make_entry(name: str, shape: dict, ms: float, *, flops: float | None = None, nbytes: float | None = None,
-               ceiling: str = "bf16_tflops", reference_ms: float | None = None, correct: bool | None = None,
-               **extra: Any) -> dict:
-    entry: dict[str, Any] = {"name": name, "shape": shape, "ms": round(ms, 4)}
-    if flops is not None:
-        entry["tflops"] = round(flops / ms / 1e9, 2)
-        entry["fraction_of_ceiling"] = round(entry["tflops"] / CEILINGS[ceiling], 4)
-    else:
-        entry["gbps"] = round(nbytes / ms / 1e6, 1)
-        entry["fraction_of_ceiling"] = round(entry["gbps"] / CEILINGS["copy_gbps"], 4)
-    entry["ceiling"] = ceiling if flops is not None else "copy_gbps"
-    entry["reference_ms"] = None if reference_ms is None else round(reference_ms, 4)
-    entry["speedup"] = None if reference_ms is None else round(reference_ms / ms, 3)
-    entry["correct"] = correct
-    entry.update(extra)
-    return entry
-
-
 def _machine_info(device) -> tuple[dict, dict]:
     host = {**machine(), "device": str(device)}
     return host, host["versions"]
@@ -112,12 +92,10 @@ def run_kernel_bench(out_path: str | Path, shapes: BenchShapes = GLM52, only: se
     """Benchmark every kernel family (or those in ``only``) and write the JSON report to out_path."""
     import torch
 
-    from bench import kernel_cases
-
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out_path = Path(out_path)
     host, versions = _machine_info(dev)
-    report: dict[str, Any] = {"machine": host, "versions": versions, "ceilings": CEILINGS,
+    report: dict[str, Any] = {"machine": host, "versions": versions, "ceilings": kernel_cases.CEILINGS,
                               "shapes": asdict(shapes), "kernels": [], "tuning": {}}
     if dev.type != "cuda":
         report["warning"] = "no CUDA device: timings are CPU/interpreter times, not kernel performance"

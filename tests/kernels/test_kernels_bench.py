@@ -13,16 +13,16 @@ from bench import kernels as kb
 
 
 def test_make_entry_rates_and_fractions():
-    e = kb.make_entry("gemm", {"n": 1}, 2.0, flops=2 * 799e9, reference_ms=8.0, correct=True)
+    e = kernel_cases.make_entry("gemm", {"n": 1}, 2.0, flops=2 * 799e9, reference_ms=8.0, correct=True)
     assert e["tflops"] == 799.0 and e["fraction_of_ceiling"] == 1.0 and e["speedup"] == 4.0
-    e = kb.make_entry("copy", {"n": 1}, 1.0, nbytes=2.12e9, correct=None)
+    e = kernel_cases.make_entry("copy", {"n": 1}, 1.0, nbytes=2.12e9, correct=None)
     assert e["gbps"] == 2120.0 and e["fraction_of_ceiling"] == 0.5 and e["speedup"] is None
 
 
 def test_failures_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     def good(torch_mod, dev, shapes, timer):
         ms = timer(lambda: torch_mod.ones(4).sum(), warmup=1, min_iters=2, max_iters=2)
-        yield kb.make_entry("good", {"n": 4}, ms, nbytes=16.0, correct=True)
+        yield kernel_cases.make_entry("good", {"n": 4}, ms, nbytes=16.0, correct=True)
 
     def bad(torch_mod, dev, shapes, timer):
         raise RuntimeError("out of resource: shared memory")
