@@ -47,14 +47,18 @@ def _one(directory: Path, fsync: bool, groups: int, group_size: int, groups_per_
         step += 1
         buf.mark_trained(step, batch.group_ids)
     serve = time.perf_counter() - t0
+    buf.close()
     t0 = time.perf_counter()
-    ReplayBuffer(directory, group_size, max_staleness=4, fsync=fsync, resume_step=step)
+    again = ReplayBuffer(directory, group_size, max_staleness=4, fsync=fsync, resume_step=step)
     recover = time.perf_counter() - t0
+    left = again.ready_groups()  # every group was trained: a resume at the last step has none
+    again.close()
     n = len(trajs)
     return {"fsync": fsync, "trajectories": n, "log_mb": log_bytes / 1e6, "ingest_s": ingest,
             "ingest_traj_per_s": n / ingest, "ingest_mb_per_s": log_bytes / ingest / 1e6, "ms_per_add": ingest / n * 1e3,
             "serve_steps": step, "serve_s": serve, "serve_traj_per_s": n / serve if serve else None,
-            "recover_s": recover, "recover_traj_per_s": n / recover if recover else None}
+            "recover_s": recover, "recover_traj_per_s": n / recover if recover else None,
+            "groups_ready_after_recovery": left}
 
 
 def run_buffer_bench(out_path: str | Path, groups: int = 64, group_size: int = 8, groups_per_step: int = 8,

@@ -44,7 +44,7 @@ async def _cycle(provider: Any, spec: Any, execs: int) -> dict[str, float]:
 
 
 def _stats(cycles: list[dict[str, float]]) -> dict[str, float]:
-    out = {}
+    out: dict[str, float] = {"cycles": len(cycles)}
     for k in ("create_s", "exec_s", "delete_s"):
         xs = sorted(c[k] for c in cycles)
         out[f"{k[:-2]}_ms_median"] = statistics.median(xs) * 1e3
@@ -85,9 +85,12 @@ async def _local(rounds: int, execs: int, concurrency: int, root: Path) -> dict:
 
     provider = LocalSandboxProvider(SandboxConfig(max_concurrent_creates=concurrency), "bench-local", root_dir=root)
     try:
-        return await _bench(provider, SandboxSpec(), rounds, execs, concurrency)
+        report = await _bench(provider, SandboxSpec(), rounds, execs, concurrency)
     finally:
         await provider.aclose()
+    base = provider.base_dir
+    report["left_behind"] = len(list(base.iterdir())) if base.exists() else 0  # sandbox folders not removed
+    return report
 
 
 async def _daytona(url: str, rounds: int, execs: int, concurrency: int) -> dict:
@@ -122,7 +125,10 @@ def run_sandbox_bench(out_path: str | Path, rounds: int = 10, execs: int = 5, co
         try:
             with _standin_env():
                 report["backends"]["daytona_standin"] = asyncio.run(_daytona(url, rounds, execs, concurrency))
-            report["backends"]["daytona_standin"]["left_behind"] = len(handle.live())
+            d = report["backends"]["daytona_standin"]
+            d["left_behind"] = len(handle.live())
+            d["standin_created"], d["standin_deleted"] = len(handle.created), len(handle.deleted)
+            d["standin_commands"] = len(handle.commands_run)
         finally:
             handle.stop()
     out_path = Path(out_path)
