@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agentrl.secrets import check_no_secret_keys
 
@@ -110,6 +110,17 @@ class AlgorithmConfig(Section):
     tis_clip_low: float = Field(0.5, ge=0)
     tis_clip: float = Field(2.0, gt=0)
     kl_coef: float = Field(0.0, ge=0)
+    # Small-signal RL (issue G): see agentrl/train/loss.py and agentrl/policy/dynamic_sampling.py.
+    advantage_norm: Literal["std", "none"] = Field(
+        "std", description="std: GRPO's (r - mean) / std per group; none: r - mean (Dr. GRPO, Liu et al. 2025), "
+        "which does not inflate groups whose rewards barely differ.")
+    dynamic_sampling: bool = Field(
+        False, description="Leave groups whose rewards are all equal (no gradient) out of the batch and replace "
+        "them with new groups (DAPO's dynamic sampling).")
+    dynamic_sampling_max_skips: int = Field(
+        32, ge=0, description="Zero-variance groups dropped in a row before one is let through, so a run whose "
+        "tasks are all failed (or all solved) still steps.")
+
     entropy_coef: float = Field(0.0, ge=0)
 
 
@@ -188,6 +199,49 @@ class AgentConfig(Section):
     observation_max_chars: int = Field(4000, ge=1)
     episode_timeout_s: float = Field(3600.0, gt=0)
     command_timeout_s: float = Field(60.0, gt=0)
+    # Per-turn tokens are rollout.max_new_tokens; these bound the episode (agentrl/agent/episode.py).
+    max_generated_tokens: int | None = Field(
+        None, ge=1, description="Tokens the model may generate over a whole episode (all turns); reaching it ends "
+        "the episode as truncated. None: only max_turns x rollout.max_new_tokens and max_context_tokens bound it.")
+    truncated_reward: Literal["test", "zero"] = Field(
+        "test", description="What a truncated episode (context or token budget reached) scores: test runs the "
+        "task's tests (its state may already solve the task); zero gives reward 0 without running them.")
+
+
+class GeneratedTasksConfig(Section):
+    """A task set built by envs/tbench2/generate into a cache (~/.cache/agentrl/tasks/<hash>), the same
+    bytes for the same fields; it takes the place of env.tasks_dir."""
+
+    families: list[str] | None = Field(
+        None, description="Families to train on (the whole set is training); None: the repo's held-out splits "
+        "(envs/tbench2/generate/SPLITS.json): training families, held-out families as the eval split, held-out "
+        "instances as the eval_instances split.")
+    instances: int = Field(8, ge=1, description="Instances per training family.")
+    seed: int = Field(0, description="Seed of the training instances (the held-out sets have their own fixed seeds).")
+    cache_dir: Path | None = Field(None, description="Default: $XDG_CACHE_HOME/agentrl/tasks, else ~/.cache/agentrl/tasks.")
+
+
+class CurriculumConfig(Section):
+    """Which training task each new group plays (agentrl/policy/curriculum.py)."""
+
+    sampler: Literal["round_robin", "pass_rate"] = Field(
+        "round_robin", description="round_robin: every task in turn; pass_rate: by difficulty band of each task's "
+        "pass rate (prime-rl's DifficultyPoolSampler idea).")
+    ema: float = Field(0.5, gt=0, le=1, description="Weight of a group's mean reward in its task's pass rate "
+                       "(1: the latest group only).")
+    hard_below: float = Field(0.25, ge=0, le=1, description="Pass rate under which a task is hard.")
+    easy_above: float = Field(0.75, ge=0, le=1, description="Pass rate over which a task is easy.")
+    hard_weight: float = Field(0.2, ge=0, description="Share of groups drawn from the hard band.")
+    normal_weight: float = Field(0.7, ge=0, description="Share from the normal band (and tasks not tried yet).")
+    easy_weight: float = Field(0.1, ge=0, description="Share from the easy band.")
+
+    @model_validator(mode="after")
+    def _bands(self) -> CurriculumConfig:
+        if self.hard_below >= self.easy_above:
+            raise ValueError(f"env.curriculum.hard_below ({self.hard_below}) must be below easy_above ({self.easy_above})")
+        if self.hard_weight + self.normal_weight + self.easy_weight <= 0:
+            raise ValueError("env.curriculum: hard_weight, normal_weight and easy_weight cannot all be 0")
+        return self
 
 
 class EnvConfig(Section):
@@ -198,6 +252,15 @@ class EnvConfig(Section):
     eval_every: int = Field(10, ge=0, description="Evaluate every N steps; 0 disables.")
     eval_samples: int = Field(1, ge=1)
     kwargs: dict[str, object] = Field(default_factory=dict, description="Passed to the env's constructor.")
+    generate: GeneratedTasksConfig | None = Field(
+        None, description="Build the tasks with envs/tbench2/generate instead of reading tasks_dir (tbench2 env).")
+    curriculum: CurriculumConfig = CurriculumConfig()
+
+    @model_validator(mode="after")
+    def _one_task_source(self) -> EnvConfig:
+        if self.generate is not None and self.tasks_dir is not None:
+            raise ValueError("env.generate and env.tasks_dir both set: a generated set replaces tasks_dir; drop one")
+        return self
 
 
 class SandboxConfig(Section):

@@ -15,7 +15,10 @@ from typing import Annotated
 
 import typer
 
+from agentrl.envs.tasks_generate import generate as generate_tasks_command
+
 app = typer.Typer(no_args_is_help=True, add_completion=False)
+app.command("generate")(generate_tasks_command)  # agentrl/envs/tasks_generate.py
 
 
 @app.command("check")

@@ -82,6 +82,10 @@ class TB2Env:
             "observation_max_chars": agent.observation_max_chars,
             "command_timeout_s": agent.command_timeout_s,
         }
+        if cfg.env.generate is not None:  # a generated set (envs/tbench2/generate), built once into a cache
+            from envs.tbench2.generate.cache import ensure_generated
+
+            kwargs["tasks_dir"] = ensure_generated(**cfg.env.generate.model_dump())
         kwargs.update(cfg.env.kwargs)
         kwargs.update(overrides)
         return cls(**kwargs)
