@@ -65,6 +65,17 @@ class Sandbox(Protocol):
 
     async def download(self, path: str) -> bytes: ...
 
+    async def kill_all(self) -> int:
+        """End every process in the sandbox except its init (what keeps the sandbox itself up):
+        processes of earlier execs, daemons that left their session (`setsid`, `nohup`, double
+        forks) and tmux servers included, and wait until none is left. Files stay; later execs
+        work as before. Returns how many processes were ended. Raises SandboxError(kind="kill")
+        when a process outlives the kill (the caller must not go on as if it were gone) and
+        SandboxError(closed|lost) when the sandbox itself is gone; never raises otherwise.
+        The verifier calls it before it runs the tests, so nothing the agent started can forge
+        or change the verdict."""
+        ...
+
     async def close(self) -> None:
         """Destroy the sandbox and every process in it. Idempotent; never raises."""
         ...
@@ -78,6 +89,11 @@ class SandboxProvider(Protocol):
 
     async def sweep(self) -> int:
         """Delete sandboxes this run left behind; returns how many."""
+        ...
+
+    async def sweep_stale(self) -> int:
+        """At run start: delete sandboxes whose owning run (or process) is dead, by the backend's
+        stated rule, never one a live run still uses; returns how many."""
         ...
 
     async def aclose(self) -> None: ...

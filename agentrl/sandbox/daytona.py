@@ -22,11 +22,21 @@ import collections
 import logging
 import math
 import os
+import shlex
+import time
 import uuid
 from typing import TYPE_CHECKING
 
 from agentrl.sandbox.base import ExecResult, SandboxError, SandboxSpec
-from agentrl.sandbox.daytona_exec import CALL_TIMEOUT_S, classify_create_error, retry_after_s, run_command
+from agentrl.sandbox.daytona_exec import (
+    CALL_TIMEOUT_S,
+    KILL_ALL_EXEC_TIMEOUT_S,
+    KILL_ALL_SCRIPT,
+    classify_create_error,
+    kill_all_result,
+    retry_after_s,
+    run_command,
+)
 from agentrl.sandbox.limiter import Backoff, shared_create_limiter
 
 if TYPE_CHECKING:
@@ -38,6 +48,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_API_URL = "https://app.daytona.io/api"
 RUN_LABEL, CREATE_LABEL = "agentrl_run", "agentrl_create"
+STARTED_LABEL = "agentrl_started"  # when the creating provider started (Unix seconds): see sweep_stale
 ORPHAN_RECHECK_S = (1.0, 5.0, 30.0)  # a cancelled create may still land server-side: look again
 DELETE_TIMEOUT_S = 60.0
 SWEEP_PARALLEL_DELETES = 16  # a sweep of hundreds must not become its own 429 storm
@@ -98,6 +109,7 @@ class DaytonaSandboxProvider:
         self._client: AsyncDaytona | None = None
         self._open: set[DaytonaSandbox] = set()
         self._background: set[asyncio.Task] = set()
+        self.started_at = int(time.time())
         self.counters: collections.Counter[str] = collections.Counter()
 
     def __repr__(self) -> str:
@@ -135,7 +147,7 @@ class DaytonaSandboxProvider:
 
         if not spec.image:
             raise ValueError("SandboxSpec.image is required by the Daytona backend (the task's docker_image)")
-        reserved = {RUN_LABEL, CREATE_LABEL} & set(spec.labels)
+        reserved = {RUN_LABEL, CREATE_LABEL, STARTED_LABEL} & set(spec.labels)
         if reserved:
             raise ValueError(f"SandboxSpec.labels must not set {sorted(reserved)}: the provider owns them")
         c = self.config
@@ -145,6 +157,7 @@ class DaytonaSandboxProvider:
             **spec.labels,
             RUN_LABEL: self.run_id,
             CREATE_LABEL: tag,
+            STARTED_LABEL: str(self.started_at),
         }
         return CreateSandboxFromImageParams(
             image=spec.image,
@@ -264,16 +277,38 @@ class DaytonaSandboxProvider:
         return await self._delete(sdk_sb)
 
     async def sweep(self) -> int:
-        """Delete every sandbox labelled with this run id (call at run start and end: it also
-        removes sandboxes other workers of the run still use)."""
+        """Delete every sandbox labelled with this run id (call at run end: it also removes
+        sandboxes other workers of the run still use; sweep_stale is the one for run start)."""
+        return await self._delete_all(await self._run_sandboxes(), "swept")
+
+    async def sweep_stale(self) -> int:
+        """At run start: delete the sandboxes an earlier, killed attempt of this run left behind.
+        The rule: a sandbox labelled with this run id whose STARTED_LABEL (the Unix second its
+        creating provider started; missing on sandboxes of older agentrl versions) is before this
+        provider's start. Providers of the live attempt start after the one that sweeps, so their
+        sandboxes are never taken, and sandboxes of other runs are never touched (a run that is
+        never resumed loses its sandboxes to Daytona itself: without keepalive they auto-stop
+        after 3 missed beats and are deleted when stopped, see `_params`)."""
+
+        def stale(sb) -> bool:
+            try:
+                return int((sb.labels or {}).get(STARTED_LABEL, "")) < self.started_at
+            except ValueError:
+                return True
+
+        return await self._delete_all([sb for sb in await self._run_sandboxes() if stale(sb)], "swept_stale")
+
+    async def _run_sandboxes(self) -> list:
         from daytona import ListSandboxesQuery
 
         try:
-            found = [sb async for sb in self._sdk().list(ListSandboxesQuery(labels={RUN_LABEL: self.run_id}))]
+            return [sb async for sb in self._sdk().list(ListSandboxesQuery(labels={RUN_LABEL: self.run_id}))]
         except Exception as e:
             raise self._error(
                 "sweep", f"listing sandboxes of run {self.run_id} failed", e, retryable=True
             ) from None
+
+    async def _delete_all(self, found: list, counter: str) -> int:
         gate = asyncio.Semaphore(SWEEP_PARALLEL_DELETES)
 
         async def delete(sb: AsyncSandbox) -> int:
@@ -281,9 +316,9 @@ class DaytonaSandboxProvider:
                 return await self._delete(sb)
 
         n = sum(await asyncio.gather(*(delete(sb) for sb in found)))
-        self.counters["swept"] += n
+        self.counters[counter] += n
         if n:
-            log.info("swept %d sandbox(es) of run %s", n, self.run_id)
+            log.info("%s: deleted %d sandbox(es) of run %s", counter, n, self.run_id)
         return n
 
     async def aclose(self) -> None:
@@ -403,6 +438,20 @@ class DaytonaSandbox:
             if err.kind != "lost" and isinstance(e, DaytonaNotFoundError):
                 raise FileNotFoundError(f"{path} does not exist in sandbox {self.id}") from None
             raise err from None
+
+    async def kill_all(self) -> int:
+        """Sandbox protocol: KILL_ALL_SCRIPT through the SDK's process exec (one short call, not a
+        session: the session's own shell would be one of the processes it ends)."""
+        self._check_usable("kill_all")
+        try:
+            resp = await self._sdk.process.exec(
+                "sh -c " + shlex.quote(KILL_ALL_SCRIPT), timeout=KILL_ALL_EXEC_TIMEOUT_S
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise await self._failure("kill_all", e, "kill") from None
+        return kill_all_result(resp.exit_code, resp.result, self.id)
 
     async def close(self) -> None:
         """Delete the sandbox. Idempotent; never raises (a failed delete is logged and left to

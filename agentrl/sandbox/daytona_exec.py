@@ -124,6 +124,70 @@ async def _delete_session(process: Any, session: str) -> None:
         log.debug("deleting exec session %s failed: %s", session, type(e).__name__)
 
 
+# kill_all inside a Daytona sandbox (a container: its own pid namespace). SIGKILL every process but
+# pid 1 (the container's init; its exit would end the sandbox), this script's own ancestors (the
+# daemon that runs commands, the shell it started) and this script's own helpers, in rounds until
+# a scan finds nothing, then print "ended N". Exit 3 with the survivors after KILL_ALL_ROUNDS
+# rounds. Exit 4, killing nothing, in the host's pid namespace (kthreadd, pid 2 with parent 0
+# and no command line, is visible only there): run anywhere else it would end every process.
+# POSIX sh, builtins only in the loop (read, set, kill), so it works in busybox images too.
+KILL_ALL_ROUNDS = 200  # x ~0.05 s: a process that outlives ~10 s of SIGKILLs is reported
+KILL_ALL_EXEC_TIMEOUT_S = 60
+KILL_ALL_SCRIPT = r"""
+if [ -r /proc/2/stat ] && [ -z "$(tr -d '\000' < /proc/2/cmdline 2>/dev/null)" ]; then
+  read -r st < /proc/2/stat
+  case "$st" in "2 (kthreadd) "?" 0 "*) echo "refused: this shell runs in the host's pid namespace"; exit 4;; esac
+fi
+self=$$
+keep=" 1 $self "
+p=$self
+while [ "$p" -gt 1 ]; do
+  read -r st 2>/dev/null < "/proc/$p/stat" || break
+  set -- ${st##*) }
+  p=$2
+  keep="$keep$p "
+done
+ended=0
+killed=" "
+round=0
+while :; do
+  victims=""
+  for d in /proc/[0-9]*; do
+    pid=${d#/proc/}
+    case "$keep" in *" $pid "*) continue;; esac
+    read -r st 2>/dev/null < "$d/stat" || continue
+    set -- ${st##*) }
+    [ "$1" = Z ] && continue
+    [ "$2" = "$self" ] && continue
+    victims="$victims $pid"
+  done
+  [ -z "$victims" ] && break
+  round=$((round + 1))
+  if [ "$round" -gt @ROUNDS@ ]; then echo "survivors:$victims"; exit 3; fi
+  for pid in $victims; do
+    if kill -9 "$pid" 2>/dev/null; then
+      case "$killed" in *" $pid "*) ;; *) killed="$killed$pid "; ended=$((ended + 1));; esac
+    fi
+  done
+  sleep 0.05 2>/dev/null || sleep 1
+done
+echo "ended $ended"
+""".replace("@ROUNDS@", str(KILL_ALL_ROUNDS))
+
+
+def kill_all_result(exit_code: int | None, output: str, sandbox_id: str) -> int:
+    """How many processes KILL_ALL_SCRIPT ended; SandboxError(kill) when it could not finish."""
+    from agentrl.sandbox.base import SandboxError
+
+    text = (output or "").strip()
+    last = text.splitlines()[-1] if text else ""
+    if exit_code == 0 and last.startswith("ended "):
+        return int(last.split()[1])
+    if exit_code == 3:
+        raise SandboxError("kill", f"sandbox {sandbox_id}: processes outlived SIGKILL ({last[:200]})")
+    raise SandboxError("kill", f"kill_all in sandbox {sandbox_id} failed (exit {exit_code}): {text[-300:]}")
+
+
 def classify_create_error(exc: BaseException) -> str:
     """create error -> kind: throttled and capacity are retried; the rest are not."""
     from daytona import (

@@ -2,7 +2,9 @@
 
 Split from daytona_standin.py to keep files small; `ToolboxRoutes` is mixed into the server
 state there, which provides `f` (the faults), `lock`, `commands_run` and `_box()`.
-Commands run as real local subprocesses, one process group each, so a kill reaches children.
+Commands run as real local subprocesses, one process group each, so a kill reaches children, and
+all commands of one sandbox share a pid namespace with its own /proc (as a container's processes
+do), so a kill of "every process but pid 1" inside one reaches that sandbox's processes only.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import threading
 import urllib.parse
@@ -48,6 +51,15 @@ def killpg(cmd: Cmd) -> None:
             pass
 
 
+def _first_child(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = f.read().split()
+    except OSError:
+        return 0
+    return int(kids[0]) if kids else 0
+
+
 @dataclass
 class Cmd:
     id: str
@@ -69,6 +81,8 @@ class Box:
     error_reason: str | None = None
     sessions: dict[str, dict[str, Cmd]] = field(default_factory=dict)
     commands: int = 0
+    init: asyncio.subprocess.Process | None = None  # `unshare --pid` holding the pid namespace
+    init_pid: int = 0  # its child, pid 1 of the namespace (host pid)
 
     @property
     def labels(self) -> dict[str, str]:
@@ -94,11 +108,15 @@ class ToolboxRoutes:
         box.commands += 1
         cmd = Cmd(uuid.uuid4().hex[:12], command)
         base_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": box.root, "LANG": "C.UTF-8"}
+        workdir = os.path.join(box.root, cwd) if cwd else box.root
+        pid = await self._pid_namespace(box)  # (entering its mount namespace resets the cwd: --wd)
+        enter = ["nsenter", "-t", str(pid), "-p", "-m", f"--wd={workdir}", "--"] if pid else []
         cmd.proc = await asyncio.create_subprocess_exec(
+            *enter,
             "/bin/sh",
             "-c",
             command,
-            cwd=os.path.join(box.root, cwd) if cwd else box.root,
+            cwd=workdir,
             env={**base_env, **(box.body.get("env") or {}), **(env or {})},
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
@@ -124,11 +142,34 @@ class ToolboxRoutes:
             await self._kill_all(box)
             box.state, box.error_reason = "error", "runner lost the sandbox"
 
+    async def _pid_namespace(self, box: Box) -> int:
+        """Host pid of pid 1 of the box's pid namespace, made on first use; 0 where it cannot be
+        made (not root): commands then run in the host's, where agentrl's kill_all refuses to run."""
+        if box.init is None and shutil.which("unshare") and os.geteuid() == 0:
+            box.init = await asyncio.create_subprocess_exec(
+                "unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "--", "sleep", "infinity",
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+            for _ in range(400):
+                box.init_pid = _first_child(box.init.pid)
+                if box.init_pid:
+                    break
+                await asyncio.sleep(0.005)
+        return box.init_pid
+
     async def _kill_all(self, box: Box) -> None:
         for cmds in box.sessions.values():
             for c in cmds.values():
                 killpg(c)
         box.sessions.clear()
+        if box.init is not None and box.init.returncode is None:
+            for pid in (box.init_pid, box.init.pid):  # pid 1 first: the kernel ends the namespace
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            await box.init.wait()
 
     async def create_session(self, request: web.Request) -> web.Response:
         box = self._box(request, toolbox=True)
