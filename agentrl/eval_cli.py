@@ -25,15 +25,15 @@ def eval_command(
     """Play SAMPLES episodes of each task in real sandboxes and report pass rates with 95% intervals."""
     import asyncio
 
-    from agentrl.config.loader import ConfigError, load_config
+    from agentrl.config.front import FrontDoorError, error_line, resolve_run
     from agentrl.evaluate import evaluate
 
     try:
-        cfg = load_config(config, overrides)
-    except ConfigError as e:
-        typer.echo(f"error: {e}", err=True)
+        cfg, _ = resolve_run(config=config, overrides=overrides, check_runnable=False)
+        task_ids = [t for item in tasks for t in item.split(",") if t] or split_tasks(cfg, split)
+    except (FrontDoorError, ValueError) as e:
+        typer.echo(error_line(e), err=True)
         raise typer.Exit(2) from None
-    task_ids = [t for item in tasks for t in item.split(",") if t] or split_tasks(cfg, split)
     work_dir = (out.parent if out else Path(cfg.logging.run_dir)) / "eval"
     work_dir.mkdir(parents=True, exist_ok=True)
     total = len(task_ids) * samples
@@ -50,7 +50,7 @@ def eval_command(
         report = asyncio.run(evaluate(cfg, task_ids, samples, checkpoint=checkpoint, concurrency=concurrency,
                                       work_dir=work_dir, on_episode=progress))
     except (FileNotFoundError, ValueError) as e:
-        typer.echo(f"error: {e}", err=True)
+        typer.echo(error_line(e), err=True)
         raise typer.Exit(2) from None
     text = json.dumps(report, indent=2)
     if out:
@@ -60,14 +60,17 @@ def eval_command(
 
 
 def split_tasks(cfg, split: str) -> list[str]:
-    from agentrl.envs.registry import available_envs
+    """The task ids of `split` ("eval" or "train") of the run's env, as the run loop splits them."""
+    from agentrl.agent.runner import split_tasks as run_split
+    from agentrl.envs.base import SplitEnv
+    from agentrl.envs.registry import make_run_env
 
     if split not in ("eval", "train"):
         raise typer.BadParameter(f"--split {split!r}: use eval or train")
-    env_cls = available_envs()[cfg.env.name].load()
-    env = env_cls.from_config(cfg) if hasattr(env_cls, "from_config") else env_cls(**cfg.env.kwargs)
-    splits = env.splits() if hasattr(env, "splits") else {}
-    chosen = (cfg.env.eval_tasks if split == "eval" else cfg.env.train_tasks) or splits.get(split)
+    env = make_run_env(cfg)
+    suggested = dict(env.splits()) if isinstance(env, SplitEnv) else {}
+    train, held_out = run_split(cfg, list(env.task_ids()), suggested)
+    chosen = held_out if split == "eval" else train
     if not chosen:
         raise typer.BadParameter(f"the env has no {split!r} split; pass --task ids or set env.{split}_tasks")
     return list(chosen)

@@ -37,6 +37,8 @@ def wilson_interval(passed: int, n: int, z: float = 1.96) -> tuple[float, float]
 
 def summarise(episodes: list[dict]) -> dict[str, Any]:
     """Pass rates per task and overall from episode summaries ({task_id, outcome, reward})."""
+    from agentrl.agent.runner import passed
+
     per_task: dict[str, dict[str, Any]] = {}
     for e in episodes:
         t = per_task.setdefault(e["task_id"], {"samples": 0, "passed": 0, "infra_errors": 0})
@@ -44,56 +46,56 @@ def summarise(episodes: list[dict]) -> dict[str, Any]:
             t["infra_errors"] += 1
             continue
         t["samples"] += 1
-        t["passed"] += int((e["reward"] or 0.0) >= 1.0)
+        t["passed"] += int(passed(e["outcome"], e["reward"]))
     for t in per_task.values():
         t["pass_rate"] = t["passed"] / t["samples"] if t["samples"] else None
     n = sum(t["samples"] for t in per_task.values())
-    passed = sum(t["passed"] for t in per_task.values())
-    low, high = wilson_interval(passed, n)
-    return {"pass_rate": passed / n if n else None, "passed": passed, "samples": n,
+    n_pass = sum(t["passed"] for t in per_task.values())
+    low, high = wilson_interval(n_pass, n)
+    return {"pass_rate": n_pass / n if n else None, "passed": n_pass, "samples": n,
             "infra_errors": sum(t["infra_errors"] for t in per_task.values()),
             "ci95": [round(low, 4), round(high, 4)],
             "outcomes": dict(Counter(e["outcome"] for e in episodes)),
             "per_task": dict(sorted(per_task.items()))}
 
 
-def checkpoint_weights(directory: Path) -> tuple[dict, int]:
-    """(state dict, weight version) of a torch-backend checkpoint folder (its state.pt)."""
-    import torch
+def checkpoint_weights(cfg: RunConfig, directory: Path, work_dir: Path) -> tuple[list, int]:
+    """(HF-named weights, weight version) of a run's checkpoint folder, loaded through the run's
+    own trainer backend (torch or Megatron) on one rank, so every backend's checkpoint works."""
+    from agentrl.config.plan import resolve_plan
+    from agentrl.train.factory import make_backend
+    from agentrl.train.megatron_parallel import DistInit
 
-    path = Path(directory) / "state.pt"
-    if not path.is_file():
-        raise FileNotFoundError(f"--checkpoint {directory}: no state.pt there; pass a run's "
-                                "checkpoints/latest folder (written every train.checkpoint_every steps)")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    return state["model"], int(state["version"])
+    directory = Path(directory)
+    if not directory.is_dir() or not any(directory.iterdir()):
+        raise FileNotFoundError(f"--checkpoint {directory}: not a checkpoint folder; pass a run's "
+                                "checkpoints/latest (written every train.checkpoint_every steps)")
+    one = cfg.model_copy(deep=True)
+    one.cluster.cpu_trainer_ranks = 1
+    backend = make_backend(one, resolve_plan(one), DistInit.single(), work_dir)
+    backend.load_checkpoint(directory)
+    return [(n, t.detach().cpu().clone()) for n, t in backend.named_weights()], backend.version
 
 
 async def evaluate(cfg: RunConfig, tasks: list[str], samples: int, *, checkpoint: Path | None = None,
                    concurrency: int = 8, work_dir: Path, on_episode: Callable[[dict], None] | None = None) -> dict:
     """Play `samples` episodes of each task against one engine; returns the report dict."""
-    from agentrl.agent.episode import run_episode
-    from agentrl.cluster.engine_process import EngineProcess, local_engine_argv
+    from agentrl.agent.runner import EpisodeRunner
+    from agentrl.cluster.engine_process import EngineProcess, free_port
     from agentrl.config.plan import resolve_plan
-    from agentrl.envs.registry import available_envs
-    from agentrl.models.tokenizer import load_tokenizer, stop_token_ids
     from agentrl.rollout.client import EngineClient
-    from agentrl.rollout.types import SamplingParams
+    from agentrl.rollout.engine_cmd import engine_argv
     from agentrl.sandbox.factory import make_provider
 
-    plan = resolve_plan(cfg)
+    plan = resolve_plan(cfg, check_runnable=False)
     spec = plan.engines[0]
-    argv, url = local_engine_argv(spec.command, cfg.cluster.host, 0)
-    engine = EngineProcess(argv, url, work_dir / "logs" / "eval_engine.log", env=spec.env)
-    envs = available_envs()
-    if cfg.env.name not in envs:
-        raise ValueError(f"env.name={cfg.env.name!r} is not installed; known: {', '.join(envs)}")
-    env_cls = envs[cfg.env.name].load()
-    tokenizer = load_tokenizer(cfg.model.path or cfg.model.name)
+    host = cfg.cluster.host if cfg.cluster.host != "node_ip" else "127.0.0.1"
+    port = free_port(host)
+    url = f"http://{host}:{port}"
+    engine = EngineProcess(engine_argv(cfg, spec, node_rank=0, host=host, port=port, dist_init_addr=None), url,
+                           work_dir / "logs" / "eval_engine.log", env=spec.env)
     r = cfg.rollout
-    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              stop_token_ids=stop_token_ids(tokenizer))
-    weights, version = checkpoint_weights(checkpoint) if checkpoint is not None else (None, 0)
+    weights, version = checkpoint_weights(cfg, checkpoint, work_dir) if checkpoint is not None else (None, 0)
     run_id = f"eval-{uuid.uuid4().hex[:8]}"
     provider = make_provider(cfg.sandbox, run_id)
     started = time.perf_counter()
@@ -102,21 +104,18 @@ async def evaluate(cfg: RunConfig, tasks: list[str], samples: int, *, checkpoint
         if weights is not None:
             from agentrl.sync.weights import push_weights
 
-            sync = await push_weights([url], weights.items(), version, pause_mode=r.pause_mode)
+            sync = await push_weights([url], weights, version, pause_mode=r.pause_mode)
             if sync["failed_engines"]:
                 raise RuntimeError(f"the engine refused the checkpoint's weights: {sync['failed_engines']}")
         client = EngineClient(url, timeout_s=r.request_timeout_s)
+        runner = EpisodeRunner(cfg, client, provider)
         gate = asyncio.Semaphore(concurrency)
 
         async def one(task_id: str, k: int) -> dict:
             async with gate:
-                env = env_cls.from_config(cfg, provider=provider) if hasattr(env_cls, "from_config") \
-                    else env_cls(**cfg.env.kwargs)
                 gid = f"{run_id}-{task_id}"
-                traj = await run_episode(env, client, tokenizer, task_id, cfg.agent, sampling, f"{gid}-{k}", gid)
-                summary = {"task_id": task_id, "sample": k, "outcome": traj.outcome, "reward": traj.reward,
-                           "turns": traj.num_turns, "generated": traj.num_generated,
-                           "text": tokenizer.decode(traj.token_ids[traj.prompt_len:])}
+                traj, s = await runner.run(task_id, f"{gid}-{k}", gid, evaluate=True)
+                summary = {**s.to_dict(), "sample": k, "text": runner.decode_reply(traj)}
                 if on_episode:
                     on_episode(summary)
                 return summary

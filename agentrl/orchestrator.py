@@ -1,29 +1,36 @@
 """The run loop: admit episodes, drain complete groups into training, sync weights, repeat.
 
 async mode: generation never waits for training. Groups are admitted whenever the staleness-
-aware capacity allows; the trainer takes a batch as soon as enough complete groups are in the
-buffer; weights go to the engines after every step while episodes keep running.
-sync mode (for comparison): admit one step's groups, wait for all of them, train, sync, repeat.
+aware capacity allows (agentrl.policy.admission); the trainer takes a batch as soon as enough
+complete groups are in the buffer; weights go to the engines after every step while episodes keep
+running. sync mode (for comparison): admit one step's groups, wait for all of them, train, sync.
+
+Everything is built from the resolved plan: the trainer ranks (TrainerGroup), the engines
+(EngineGroup), the weight transport. The loop sleeps until something happens (a group completes
+or retires in the buffer, a group's episodes end, a step finishes), at most LOOP_TICK_S.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
-import random
 import sys
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from agentrl.buffer.staleness import AdmissionControl
 from agentrl.config.plan import RunPlan
 from agentrl.config.schema import RunConfig
 from agentrl.loggers import RunLoggers
+from agentrl.policy.admission import AdmissionPolicy
+from agentrl.policy.retry import RetryPolicy
 from agentrl.progress import Progress
+
+LOOP_TICK_S = 1.0  # longest the loop sleeps with nothing happening (progress panel, health checks)
+ENGINE_CHECK_INTERVAL_S = 5.0  # how often dead engines are looked for (and server info refreshed)
+PLOT_EVERY_STEPS = 5  # curves.png redrawn every this many steps, and at the end
 
 
 class Orchestrator:
@@ -33,106 +40,141 @@ class Orchestrator:
         self.run_id = f"{cfg.recipe}-{uuid.uuid4().hex[:8]}"
         self.progress = progress or Progress()
         a = cfg.algorithm
-        self.admission = AdmissionControl(a.prompts_per_step, a.group_size, cfg.buffer.max_staleness,
-                                          cfg.buffer.max_episodes_in_flight, cfg.buffer.max_tokens_in_flight)
+        self.admission = AdmissionPolicy(a.prompts_per_step, a.group_size, cfg.buffer.max_staleness,
+                                         cfg.buffer.max_episodes_in_flight)
+        self.retry = RetryPolicy()
         self.outcomes: Counter[str] = Counter()
         self.generated_tokens = 0
-        self.regen: deque[str] = deque()
+        self.readmit: list[tuple[str, str]] = []  # (task, lineage) of groups to run again
         self.version = 0
         self.step = 0
         self.trainer_busy_s = 0.0
+        self.loop_started: float | None = None
+        self.startup_s = 0.0
         self.eval_results: dict[int, dict] = {}
+        self._lineage: dict[str, str] = {}  # group id -> the group id of its first admission
+        self._handled: set[str] = set()  # groups whose loss the loop accounted for itself (lost worker)
         self._group_tasks: set[asyncio.Task] = set()
         self._eval_tasks: set[asyncio.Task] = set()
         self._worker_load: list[int] = []
         self._engines_suspect = False
         self._training: asyncio.Task | None = None  # the optimizer step in flight, if any
         self._ready_cache = 0  # complete groups in the buffer, as of this loop iteration
-        self._out_of_rotation: set[str] = set()  # restarted engines still waiting for current weights
+        self._wake = asyncio.Event()
+        self._out_of_rotation: set[int] = set()  # restarted engines still waiting for current weights
         self.loggers = RunLoggers([])  # tensorboard / wandb, opened in _start when configured
+        self.ray = None
 
     # -- set-up --------------------------------------------------------------------------------
     async def _start(self) -> None:
         import ray
 
         from agentrl.buffer.replay import ReplayBuffer
-        from agentrl.cluster.actors import EngineActor, EpisodeWorker, TrainerWorker
-        from agentrl.cluster.ray_env import engine_bundles, in_bundle, init_ray, role_placement_group, trainer_bundles
+        from agentrl.cluster.engines import EngineGroup
+        from agentrl.cluster.episode_worker import EpisodeWorker
+        from agentrl.cluster.ray_env import init_ray
+        from agentrl.cluster.trainer_group import TrainerGroup
+        from agentrl.metrics import RunMetrics
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(self.cfg.model_dump_json(indent=2))
+        (self.run_dir / "plan.json").write_text(json.dumps(self.plan.to_json(), indent=2))
         self.loggers = RunLoggers.open(self.cfg.logging, self.run_dir, self.run_id,
                                        self.cfg.model_dump(mode="json"), note=self.progress.note)
-        self.ray = init_ray(self.cfg)
-        from agentrl.metrics import RunMetrics
-
+        self.ray = init_ray(self.cfg, self.plan)
         self.metrics = RunMetrics(self.run_id)
         if self.ray.dashboard_url:
             self.progress.note(f"Ray dashboard: {self.ray.dashboard_url}")
         self.progress.begin(self.run_id, self.cfg.mode, self.cfg.train.max_steps, self.ray.dashboard_url)
-        cfg_dict = self.cfg.model_dump(mode="json")
+        await self._sweep_sandboxes(stale_only=True)
 
-        self.train_pg = role_placement_group("train", trainer_bundles(self.plan), f"{self.run_id}-train")
-        self.infer_pg = role_placement_group("inference", engine_bundles(self.plan), f"{self.run_id}-inference")
-        self.progress.note(f"loading {self.cfg.model.name} in the trainer")
-        self.trainer = ray.remote(TrainerWorker).options(num_cpus=1, **in_bundle(self.train_pg, 0)).remote(
-            cfg_dict, str(self.run_dir))
-        resumed = await self.trainer.resume.remote()
+        lay = self.plan.layout
+        self.progress.note(f"starting {lay.world} trainer rank(s) ({self.plan.backend}, {lay.describe()})")
+        self.trainers = TrainerGroup(self.cfg, self.plan, self.run_id, self.run_dir)
+        await self.trainers.start()
+        resumed = await self.trainers.resume()
+        self.version = await self.trainers.version()
         if resumed:
             self.step = int(resumed["step"])
             self.outcomes.update(resumed.get("outcomes", {}))
-            self.progress.note(f"resumed from step {self.step}")
-        self.version = await self.trainer.version.remote()
+        self._roll_back_metrics()
         # Named, so that episode workers look it up instead of receiving its handle: Ray cannot
         # restart an actor whose constructor arguments hold references (ray issue 53727).
         self.buffer_name = f"{self.run_id}-replay-buffer"
         self.buffer = ray.remote(ReplayBuffer).options(num_cpus=0, name=self.buffer_name).remote(
-            str(self.run_dir), self.cfg.algorithm.group_size, self.cfg.buffer.max_staleness,
-            self.cfg.buffer.stale_policy, self.cfg.buffer.fsync, resume_step=self.step)
+            str(self.run_dir), self.cfg.algorithm.group_size, self.cfg.buffer.max_staleness, self.cfg.buffer.fsync,
+            resume_step=self.step)
+        await self._note_recovery(resumed)
 
-        # engine_bundles() gives one bundle per node an engine spans: engine i starts at the bundle
-        # after all earlier engines' nodes. GPUs are requested so Ray sets CUDA_VISIBLE_DEVICES.
-        self.engines, first_bundle = [], 0
-        for e in self.plan.engines:
-            gpus = e.gpus // len(e.nodes) if e.gpus else 0
-            self.engines.append(ray.remote(EngineActor).options(
-                num_cpus=0, num_gpus=gpus, max_concurrency=4, **in_bundle(self.infer_pg, first_bundle)).remote(
-                e.index, e.command, self.cfg.cluster.host, e.port, e.env, str(self.run_dir)))
-            first_bundle += len(e.nodes)
-        self.progress.note(f"starting {len(self.engines)} {self.plan.engine_kind} engine(s)")
-        self.urls = list(await asyncio.gather(*(e.start.remote() for e in self.engines)))
-        sync = await self.trainer.push_weights.remote(self.urls)
+        self.engines = EngineGroup(self.cfg, self.plan, self.run_dir, self.run_id)
+        self.progress.note(f"starting {len(self.plan.engines)} {self.plan.engine_kind} engine(s)")
+        self.urls = await self.engines.start()
+        sync = await self.trainers.push_weights(self.urls)
         if sync["failed_engines"]:
             raise RuntimeError(f"engines refused the initial weights: {sync['failed_engines']}")
         self.progress.note(f"engines at weight version {self.version} ({sync['sync_bytes'] / 1e6:.0f} MB in "
                            f"{sync['sync_s']:.1f} s)")
+        worker = ray.remote(EpisodeWorker)
         self.workers = [
             # max_restarts: a worker that dies (OOM, a crash) is started again; the groups it held
-            # fail and are re-admitted by _run_group.
-            ray.remote(EpisodeWorker).options(num_cpus=0, max_concurrency=10_000, max_restarts=-1).remote(
-                cfg_dict, self.urls, self.buffer_name, self.run_id, i, str(self.run_dir))
+            # fail and are handled by the retry policy (_run_group).
+            worker.options(num_cpus=0, max_concurrency=10_000, max_restarts=-1, name=f"{self.run_id}-episodes-{i}")
+            .remote(self.cfg.model_dump(mode="json"), self.urls, self.buffer_name, self.run_id, i, str(self.run_dir))
             for i in range(self.cfg.cluster.episode_workers)
         ]
         self._worker_load = [0] * len(self.workers)
-        self.train_tasks, self.eval_tasks = await self._splits()
-        rng = random.Random(self.cfg.seed)
-        order = list(self.train_tasks)
-        rng.shuffle(order)
-        self.task_iter = itertools.cycle(order)
-        self.progress.note(f"{len(self.train_tasks)} training task(s), {len(self.eval_tasks)} eval task(s)")
+        await self._set_up_tasks(resumed)
 
-    async def _splits(self) -> tuple[list[str], list[str]]:
-        """Training and eval tasks: the config's lists, else the env's own splits, else all tasks."""
-        all_ids, splits = await self.workers[0].task_ids.remote()
-        env = self.cfg.env
-        eval_ids = list(env.eval_tasks or splits.get("eval", []))
-        train = list(env.train_tasks or splits.get("train") or [t for t in all_ids if t not in eval_ids])
-        unknown = [t for t in train + eval_ids if t not in all_ids]
-        if unknown:
-            raise ValueError(f"env.train_tasks / env.eval_tasks name unknown task(s) {unknown}; known: {all_ids}")
-        if not train:
-            raise ValueError("no training task: set env.train_tasks or point env.tasks_dir at a folder of tasks")
-        return train, eval_ids
+    async def _note_recovery(self, resumed: dict | None) -> None:
+        rec = await self.buffer.recovery.remote()
+        for why in rec["malformed"][:5]:
+            self.progress.note(f"replay log: skipped {why}")
+        kept = rec["recovered_trajectories"]
+        if resumed:
+            self.progress.note(f"resumed from step {self.step}: {kept} acknowledged trajectories from the replay log, "
+                               f"{rec['recovered_untrained_groups']} group(s) waiting to train")
+        elif kept:
+            self.progress.note(f"no checkpoint: starting at step 0, {kept} acknowledged trajectories kept "
+                               f"({rec['recovered_untrained_groups']} complete group(s) waiting to train)")
+        if rec["rolled_back_steps"]:
+            self.progress.note(f"{rec['rolled_back_steps']} step(s) after the checkpoint were lost with the crash; "
+                               "their groups train again")
+        if rec["incomplete_at_resume"]:
+            self.progress.note(f"{rec['incomplete_at_resume']} group(s) were incomplete at the crash: retired and "
+                               "admitted again")
+        retired = await self.buffer.pop_retired.remote()
+        self.admission.on_resume(self.version, rec["recovered_untrained_groups"] + len(retired))
+        self._handle_retired(retired)
+
+    def _roll_back_metrics(self) -> None:
+        """metrics.jsonl keeps only the steps of the surviving history: rows of steps after the
+        checkpoint (their update was lost) move to metrics.rolled_back.jsonl."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return
+        keep, drop = [], []
+        for line in path.read_text().splitlines():
+            try:
+                (keep if json.loads(line).get("step", 0) <= self.step else drop).append(line)
+            except ValueError:
+                drop.append(line)
+        if drop:
+            with open(self.run_dir / "metrics.rolled_back.jsonl", "a") as f:
+                f.write("\n".join(drop) + "\n")
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            tmp.replace(path)
+
+    async def _set_up_tasks(self, resumed: dict | None) -> None:
+        from agentrl.agent.runner import split_tasks
+        from agentrl.policy.sampling import RoundRobinSampler
+
+        all_ids, suggested = await self.workers[0].task_ids.remote()
+        self.train_tasks, self.eval_tasks = split_tasks(self.cfg, all_ids, suggested)
+        self.sampler = RoundRobinSampler(self.train_tasks, self.cfg.seed)
+        if resumed and resumed.get("sampler"):
+            self.sampler.load_state_dict(resumed["sampler"])
+        self.progress.note(f"{len(self.train_tasks)} training task(s), {len(self.eval_tasks)} eval task(s)")
 
     # -- episodes ------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -143,47 +185,75 @@ class Orchestrator:
         else:
             cap = self.admission.capacity(self.version)
         for _ in range(max(cap, 0)):
-            task_id = self.regen.popleft() if self.regen else next(self.task_iter)
-            self._launch_group(task_id)
+            if self.readmit:
+                task_id, lineage = self.readmit.pop(0)
+            else:
+                task_id, lineage = self.sampler.next_task(), None
+            self._launch_group(task_id, lineage)
 
-    def _launch_group(self, task_id: str) -> None:
+    def _launch_group(self, task_id: str, lineage: str | None) -> None:
         n = self.cfg.algorithm.group_size
         gid = f"g{uuid.uuid4().hex[:10]}"
+        self._lineage[gid] = lineage or gid
         w = min(range(len(self.workers)), key=lambda i: self._worker_load[i])
         self._worker_load[w] += n
-        self.admission.on_start(n)
+        self.admission.on_start()
         t = asyncio.create_task(self._run_group(w, task_id, gid, n))
         self._group_tasks.add(t)
-        t.add_done_callback(self._group_tasks.discard)
+        t.add_done_callback(self._group_done)
+
+    def _group_done(self, t: asyncio.Task) -> None:
+        self._group_tasks.discard(t)
+        self._wake.set()
 
     async def _run_group(self, w: int, task_id: str, gid: str, n: int) -> None:
         try:
             summaries = await self.workers[w].run_group.remote(task_id, gid, n)
         except Exception as e:  # the worker actor died: the group cannot complete
-            self.progress.note(f"episode worker {w} failed ({type(e).__name__}); re-admitting task {task_id}")
+            self.admission.on_episodes_end(n)
+            self.progress.note(f"episode worker {w} failed ({type(e).__name__}) during group {gid} of {task_id}")
+            self._handled.add(gid)
             try:  # what the worker had sent of this group can never complete: retire it, counted
                 await self.buffer.retire_incomplete.remote(gid, "worker_lost")
             except Exception as err:  # noqa: BLE001 - the log keeps the trajectories; resume sees them
                 self.progress.note(f"could not retire group {gid} of the failed worker: {err}")
             self.outcomes["infra_error:worker"] += n
             self.metrics.on_episodes_lost(n)
-            for _ in range(n):
-                self.admission.on_episode_end()
-            self.admission.on_group_retired()
-            self.regen.append(task_id)
+            self._on_group_left(gid, task_id, ["infra_error:worker"])
             return
         finally:
             self._worker_load[w] -= n
+        self.admission.on_episodes_end(n)
         for s in summaries:
             self.metrics.on_episode(s)
             self.outcomes[s["outcome"]] += 1
             self.generated_tokens += s["generated"]
-            self.admission.on_episode_end(s["tokens"])
+        trainable = [s["reward"] or 0.0 for s in summaries if not s["outcome"].startswith("infra_error")]
+        if len(trainable) == n:
+            self.sampler.observe(task_id, trainable)
 
-    async def _collect_regenerations(self) -> None:
-        for item in await self.buffer.pop_regenerate.remote():
-            self.admission.on_group_retired()
-            self.regen.append(item["task_id"])
+    def _handle_retired(self, retired: list) -> None:
+        for r in retired:
+            if r.group_id in self._handled:
+                self._handled.discard(r.group_id)
+                continue
+            self._on_group_left(r.group_id, r.task_id, list(r.outcomes) or [f"infra_error:{r.reason}"],
+                                stale=r.reason.startswith("stale"))
+
+    def _on_group_left(self, gid: str, task_id: str, outcomes: list[str], stale: bool = False) -> None:
+        """A started group left untrained: its admission slot frees up and the policies say whether
+        it runs again."""
+        self.admission.on_group_retired()
+        lineage = self._lineage.pop(gid, gid)
+        if stale:
+            if self.cfg.buffer.stale_policy == "regenerate":
+                self.readmit.append((task_id, lineage))
+            return
+        decision = self.retry.decide(lineage, outcomes)
+        if decision.retry:
+            self.readmit.append((task_id, lineage))
+        else:
+            self.progress.note(f"group of task {task_id}: {decision.reason}")
 
     # -- evaluation ----------------------------------------------------------------------------
     def _start_eval(self, at_version: int) -> None:
@@ -195,6 +265,8 @@ class Orchestrator:
         t.add_done_callback(self._eval_tasks.discard)
 
     async def _eval(self, at_version: int) -> None:
+        from agentrl.agent.runner import passed
+
         n = self.cfg.env.eval_samples
         runs = [self.workers[i % len(self.workers)].run_group.remote(task, f"eval{at_version}-{task}", n, True)
                 for i, task in enumerate(self.eval_tasks)]
@@ -202,42 +274,52 @@ class Orchestrator:
         for s in summaries:
             self.metrics.on_episode(s)
         scored = [s for s in summaries if not s["outcome"].startswith("infra_error")]
-        passed = sum(1 for s in scored if (s["reward"] or 0.0) >= 1.0)
+        n_pass = sum(1 for s in scored if passed(s["outcome"], s["reward"]))
         self.eval_results[at_version] = {
-            "eval_version": at_version, "eval_pass_rate": passed / len(scored) if scored else None,
+            "eval_version": at_version, "eval_pass_rate": n_pass / len(scored) if scored else None,
             "eval_samples": len(scored), "eval_infra_errors": len(summaries) - len(scored)}
-        self.progress.note(f"eval at version {at_version}: {passed}/{len(scored)} passed")
+        self.progress.note(f"eval at version {at_version}: {n_pass}/{len(scored)} passed")
 
     # -- training ------------------------------------------------------------------------------
     async def _train(self, batch: Any) -> dict:
         t0 = time.perf_counter()
-        group_ids = [t.group_id for t in batch.trajectories]
-        metrics = await self.trainer.train_step.remote(batch.trajectories, group_ids)
+        # The trajectories go buffer -> object store -> every rank; the driver holds only the reference.
+        metrics = await self.trainers.train_step(self.buffer.batch_trajectories.remote(batch.batch_id))
         step = self.step + 1
-        await self.buffer.mark_trained.remote(step, batch.group_ids)
-        sync = await self.trainer.push_weights.remote(self.urls)
+        await self.buffer.mark_trained.remote(step, batch.batch_id)
+        for g in batch.group_ids:
+            self.retry.on_trained(self._lineage.pop(g, g))
+        sync = await self.trainers.push_weights(self._in_rotation())
         failed = sync.pop("failed_engines")
         if failed:  # a dead engine: restarted and re-sent these weights by the next health check
             self.progress.note(f"weight sync skipped {len(failed)} engine(s) that failed: {sorted(failed)}")
             self._engines_suspect = True
-        self.version = await self.trainer.version.remote()
-        for i in range(len(self.engines)):
-            self.metrics.set_engine(i, version=self.version)
+        self.version = await self.trainers.version()
+        for i in range(len(self.urls)):
+            if i not in self._out_of_rotation:
+                self.metrics.set_engine(i, version=self.version)
         self.step = step
         if step % self.cfg.train.checkpoint_every == 0 or step == self.cfg.train.max_steps:
-            await self.trainer.save_checkpoint.remote({"step": step, "outcomes": dict(self.outcomes)})
+            await self.trainers.save_checkpoint({"step": step, "outcomes": dict(self.outcomes),
+                                                 "sampler": self.sampler.state_dict()})
         self.trainer_busy_s += time.perf_counter() - t0
         return {**metrics, **sync, "staleness_max": max(batch.staleness), "staleness_mean":
                 sum(batch.staleness) / len(batch.staleness), "staleness": batch.staleness}
 
+    def _in_rotation(self) -> list[str]:
+        return [u for i, u in enumerate(self.urls) if i not in self._out_of_rotation]
+
     def _record(self, metrics: dict, started: float) -> dict:
-        wall = time.perf_counter() - started
+        now = time.perf_counter()
+        wall, loop = now - started, now - (self.loop_started or started)
         row = {"step": self.step, "weight_version": self.version, "reward_mean": metrics["reward_mean"],
                "staleness_max": metrics["staleness_max"], "staleness_mean": metrics["staleness_mean"],
                "episodes_infra_error": sum(v for k, v in self.outcomes.items() if k.startswith("infra_error")),
                "episodes_finished": sum(self.outcomes.values()), "outcomes": dict(self.outcomes),
                "episodes_per_s": sum(self.outcomes.values()) / wall, "gen_tokens_per_s": self.generated_tokens / wall,
-               "trainer_idle_ratio": 1.0 - self.trainer_busy_s / wall, "wall_s": wall, "time": time.time(),
+               # Over the loop only: start-up (model load, engine start) is its own field.
+               "trainer_idle_ratio": 1.0 - self.trainer_busy_s / max(loop, 1e-9), "startup_s": self.startup_s,
+               "wall_s": wall, "time": time.time(), "retries": dict(self.retry.counters),
                **{k: v for k, v in metrics.items() if k not in ("reward_mean", "staleness_max", "staleness_mean")}}
         done_evals = [r for r in self.eval_results.values() if r.get("eval_pass_rate") is not None]
         if done_evals:
@@ -255,48 +337,68 @@ class Orchestrator:
         last_row: dict = {}
         try:
             await self._start()
+            self.loop_started = time.perf_counter()
+            self.startup_s = self.loop_started - started
             if self.cfg.env.eval_every:
                 self._start_eval(self.version)
             last_health = time.monotonic()
+            B = self.cfg.algorithm.prompts_per_step  # noqa: N806 - the batch size of the formulas
             while self.step < self.cfg.train.max_steps or self._training is not None:
-                await self._collect_regenerations()
+                self._handle_retired(await self.buffer.pop_retired.remote())
                 self._ready_cache = await self.buffer.ready_groups.remote()
                 self._admit()
-                self.metrics.set_in_flight(self.admission.running_episodes, self.admission.tokens_in_flight)
-                self.metrics.set_buffer(self._ready_cache)
-                self.progress.update(step=self.step, version=self.version, in_flight=self.admission.running_episodes,
-                                     buffer=self._ready_cache, outcomes=self.outcomes, metrics=self.metrics)
-                if (self._training is None and self.step < self.cfg.train.max_steps
-                        and self._ready_cache >= self.cfg.algorithm.prompts_per_step):
-                    batch = await self.buffer.take_batch.remote(self.cfg.algorithm.prompts_per_step, self.version)
+                self._update_gauges()
+                if self._training is None and self.step < self.cfg.train.max_steps and self._ready_cache >= B:
+                    batch = await self.buffer.take_batch.remote(B, self.version)
                     if batch is not None:
                         self._training = asyncio.create_task(self._train(batch))
                 if self._training is not None and self._training.done():
                     metrics = self._training.result()
                     self._training = None
                     last_row = self._record(metrics, started)
-                    if self.step % 5 == 0:
+                    if self.step % PLOT_EVERY_STEPS == 0:
                         self._plot()
                     if self.cfg.env.eval_every and self.step % self.cfg.env.eval_every == 0:
                         self._start_eval(self.version)
-                if time.monotonic() - last_health > 5.0 or self._engines_suspect:
+                    continue
+                if time.monotonic() - last_health > ENGINE_CHECK_INTERVAL_S or self._engines_suspect:
                     self._engines_suspect = False
                     await self._check_engines()
                     last_health = time.monotonic()
-                await asyncio.sleep(0.05)
+                await self._sleep(B)
             if self.cfg.env.eval_every:
                 self._start_eval(self.version)
             await asyncio.gather(*self._eval_tasks)
             self._plot()
-            summary = {"steps": self.step, "wall_s": time.perf_counter() - started, "last": last_row,
+            summary = {"steps": self.step, "wall_s": time.perf_counter() - started, "startup_s": self.startup_s,
+                       "last": last_row,
                        "evals": sorted(self.eval_results.values(), key=lambda r: r.get("eval_version", 0)),
-                       "buffer": await self.buffer.stats.remote()}
+                       "buffer": await self.buffer.stats.remote(), "retries": dict(self.retry.counters)}
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             return summary
         finally:
             self.progress.end()
             self.loggers.close(failed=sys.exc_info()[0] is not None)
             await self._shutdown()
+
+    async def _sleep(self, batch_groups: int) -> None:
+        """Until the buffer has a batch (or a retired group), a group's episodes end, the step in
+        flight finishes, or LOOP_TICK_S passes."""
+        self._wake.clear()
+        waits = [asyncio.ensure_future(self.buffer.wait_ready.remote(batch_groups, LOOP_TICK_S)),
+                 asyncio.ensure_future(self._wake.wait())]
+        if self._training is not None:
+            waits.append(self._training)
+        done, pending = await asyncio.wait(waits, timeout=LOOP_TICK_S + 1.0, return_when=asyncio.FIRST_COMPLETED)
+        for f in pending:
+            if f is not self._training:
+                f.cancel()
+
+    def _update_gauges(self) -> None:
+        self.metrics.set_in_flight(self.admission.running_episodes, 0)
+        self.metrics.set_buffer(self._ready_cache)
+        self.progress.update(step=self.step, version=self.version, in_flight=self.admission.running_episodes,
+                             buffer=self._ready_cache, outcomes=self.outcomes, metrics=self.metrics)
 
     def _plot(self) -> None:
         from agentrl.plot import plot_run
@@ -307,49 +409,51 @@ class Orchestrator:
             self.progress.note(f"could not draw curves.png: {e}")
 
     async def _check_engines(self) -> None:
-        for i, e in enumerate(self.engines):
-            url = self.urls[i]
-            if not await e.alive.remote():
-                # Routers stop sending to it first; it rejoins only once it holds the current
-                # weights, so no episode is served by the restarted engine's initial weights.
-                await asyncio.gather(*(w.engine_down.remote(url) for w in self.workers))
-                await e.ensure_alive.remote()
-                self.progress.note(f"engine {i} restarted; re-sending weights version {self.version}")
-                self._out_of_rotation.add(url)
-            if url in self._out_of_rotation:
-                sync = await self.trainer.push_weights.remote([url])
-                if not sync["failed_engines"]:
-                    self._out_of_rotation.discard(url)
-                    await asyncio.gather(*(w.engine_up.remote(url) for w in self.workers))
+        # Routers stop sending to a restarted engine; it rejoins only once it holds the current
+        # weights, so no episode is served by the restarted engine's initial weights.
+        for i in await self.engines.check(on_down=self._engine_down):
+            self.progress.note(f"engine {i} restarted; re-sending weights version {self.version}")
+            self._out_of_rotation.add(i)
+        for i in sorted(self._out_of_rotation):
+            sync = await self.trainers.push_weights([self.urls[i]])
+            if not sync["failed_engines"]:
+                self._out_of_rotation.discard(i)
+                await asyncio.gather(*(w.engine_up.remote(self.urls[i]) for w in self.workers))
+        for i in range(len(self.urls)):
             try:
-                self.metrics.set_engine_from_server_info(i, await e.server_info.remote())
-            except Exception:  # an engine between restarts has no info; the next check retries
+                self.metrics.set_engine_from_server_info(i, await self.engines.server_info(i))
+            except Exception:  # noqa: BLE001 - an engine between restarts has no info; the next check retries
                 pass
 
-    async def _sweep_sandboxes(self) -> None:
-        """Delete the run's sandboxes that episode workers did not close: a worker interrupted by
-        Ctrl-C (the whole process group gets SIGINT) or killed leaves its sandboxes behind."""
+    async def _engine_down(self, i: int) -> None:
+        await asyncio.gather(*(w.engine_down.remote(self.urls[i]) for w in self.workers))
+
+    async def _sweep_sandboxes(self, stale_only: bool = False) -> None:
+        """Delete the sandboxes episode workers did not close (a worker interrupted by Ctrl-C or
+        killed leaves its sandboxes behind); at start, those of earlier runs that died."""
         from agentrl.sandbox.factory import make_provider
 
         try:
             provider = make_provider(self.cfg.sandbox, self.run_id)
-            n = await provider.sweep()
+            n = await (provider.sweep_stale() if stale_only else provider.sweep())
             await provider.aclose()
-        except Exception as e:  # noqa: BLE001 - shutting down: report and go on
-            self.progress.note(f"could not sweep this run's sandboxes: {e}")
+        except Exception as e:  # noqa: BLE001 - report and go on
+            self.progress.note(f"could not sweep sandboxes: {e}")
             return
         if n:
-            self.progress.note(f"deleted {n} sandbox(es) the episode workers left behind")
+            what = "of earlier runs that died" if stale_only else "the episode workers left behind"
+            self.progress.note(f"deleted {n} sandbox(es) {what}")
 
     async def _shutdown(self) -> None:
-        import ray
-
         for t in list(self._group_tasks) + list(self._eval_tasks):
             t.cancel()
         if getattr(self, "workers", None):
             await asyncio.gather(*(w.shutdown.remote() for w in self.workers), return_exceptions=True)
             await self._sweep_sandboxes()
         if getattr(self, "engines", None):
-            await asyncio.gather(*(e.stop.remote() for e in self.engines), return_exceptions=True)
-        if getattr(self, "ray", None) and self.ray.started_here:
-            ray.shutdown()
+            try:
+                await self.engines.stop()
+            except Exception as e:  # noqa: BLE001 - shutting down: report and go on
+                self.progress.note(f"could not stop every engine: {e}")
+        if self.ray is not None:
+            self.ray.shutdown()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -26,15 +26,6 @@ app = typer.Typer(
     add_completion=False,
     rich_markup_mode=None,
 )
-
-# Which recipe a model name starts from when --config is not given.
-DEFAULT_RECIPE = {
-    "GLM-5.2": "glm5_2_tbench2",
-    "GLM-5.2_5layer": "glm5_2_5layer_1node",
-    "tiny": "local",
-    "smollm2-135m": "local_smollm2",
-}
-
 
 class Hardware(str, Enum):
     H200 = "H200"
@@ -51,7 +42,9 @@ class SandboxBackend(str, Enum):
 NumNodes = Annotated[int | None, typer.Option("--num-nodes", help="Nodes in the cluster (default: the recipe's).")]
 GpusPerNode = Annotated[int | None, typer.Option("--gpus-per-node", help="GPUs per node (0 = CPU).")]
 HardwareOpt = Annotated[Hardware | None, typer.Option("--hardware", help="H200, B200, GB300 or cpu.")]
-ModelName = Annotated[str, typer.Option("--model-name", help=f"One of {', '.join(DEFAULT_RECIPE)}.")]
+ModelName = Annotated[str | None, typer.Option(
+    "--model-name", help="GLM-5.2 (default), GLM-5.2_5layer, tiny or smollm2-135m; picks the recipe when --config "
+    "is not given, overrides the recipe's model when it is.")]
 ConfigOpt = Annotated[str | None, typer.Option("--config", help="Recipe name (configs/NAME.yaml) or YAML path.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.key=value (repeatable).")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved plan and start nothing.")]
@@ -61,44 +54,21 @@ RunDir = Annotated[Path | None, typer.Option("--run-dir", help="Where metrics, l
 
 
 def resolve(model_name, num_nodes, gpus_per_node, hardware, config, overrides, sandbox=None, run_dir=None):
-    """Recipe -> launcher options -> --set overrides; exits with a clear message on bad input."""
-    from agentrl.config.loader import ConfigError, load_config
-    from agentrl.config.plan import PlanError, resolve_plan
+    """The front door (agentrl.config.front); exits with a clear, redacted message on bad input."""
+    from agentrl.config.front import FrontDoorError, resolve_run
 
-    if config is None and model_name not in DEFAULT_RECIPE:
-        _fail(f"--model-name {model_name!r} is not a known model; use one of {', '.join(DEFAULT_RECIPE)} "
-              f"or pass --config with a recipe")
-    extra: dict[str, Any] = {"model": {"name": model_name}}
-    cluster: dict[str, Any] = {}
-    if num_nodes is not None:
-        cluster["num_nodes"] = num_nodes
-        if num_nodes == 1:
-            cluster["train_nodes"] = None
-    if gpus_per_node is not None:
-        cluster["gpus_per_node"] = gpus_per_node
-    if hardware is not None:
-        cluster["hardware"] = hardware.value
-    if cluster:
-        extra["cluster"] = cluster
-    if sandbox is not None:
-        extra["sandbox"] = {"backend": sandbox.value}
-    if run_dir is not None:
-        extra["logging"] = {"run_dir": str(run_dir)}
     try:
-        cfg = load_config(config or DEFAULT_RECIPE[model_name], overrides or [], extra)
-        if num_nodes is not None and num_nodes > 1 and cfg.cluster.train_nodes is not None \
-                and cfg.cluster.train_nodes >= num_nodes:
-            cfg.cluster.train_nodes = num_nodes // 2
-        plan = resolve_plan(cfg)
-    except (ConfigError, PlanError, ValueError) as e:
+        return resolve_run(config=config, model_name=model_name, num_nodes=num_nodes, gpus_per_node=gpus_per_node,
+                           hardware=hardware.value if hardware is not None else None, overrides=overrides,
+                           sandbox=sandbox.value if sandbox is not None else None, run_dir=run_dir)
+    except FrontDoorError as e:
         _fail(str(e))
-    return cfg, plan
 
 
 def _fail(msg: str, code: int = 2):
-    from agentrl.secrets import redact
+    from agentrl.config.front import error_line
 
-    typer.echo(f"error: {redact(msg)}", err=True)
+    typer.echo(error_line(msg), err=True)
     raise typer.Exit(code)
 
 
@@ -111,13 +81,8 @@ def _show(cfg, plan, as_json: bool) -> None:
         print_plan(cfg, plan)
 
 
-def _not_built(what: str, issue: str) -> None:
-    _fail(f"{what} is not built yet (issue {issue}); nothing was started. "
-          f"Use --dry-run to see the plan.", code=3)
-
-
 @app.command()
-def prepare(model_name: ModelName = "GLM-5.2", num_nodes: NumNodes = None, gpus_per_node: GpusPerNode = None,
+def prepare(model_name: ModelName = None, num_nodes: NumNodes = None, gpus_per_node: GpusPerNode = None,
             hardware: HardwareOpt = None, config: ConfigOpt = None, set_: SetOpt = None, dry_run: DryRun = False,
             as_json: JsonOpt = False) -> None:
     """Validate the HF checkpoint (model.path) and convert it to Megatron torch_dist (model.megatron_dir)."""
@@ -145,7 +110,7 @@ def _prepare(cfg, plan) -> None:
 
 
 @app.command("prepare-cp")
-def prepare_cp(model_name: ModelName = "GLM-5.2", num_nodes: NumNodes = None, gpus_per_node: GpusPerNode = None,
+def prepare_cp(model_name: ModelName = None, num_nodes: NumNodes = None, gpus_per_node: GpusPerNode = None,
                hardware: HardwareOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
                dry_run: DryRun = False, as_json: JsonOpt = False) -> None:
     """Copy the converted checkpoint to node-local disk (model.local_dir); run on every node."""
@@ -167,7 +132,7 @@ def prepare_cp(model_name: ModelName = "GLM-5.2", num_nodes: NumNodes = None, gp
 
 
 @app.command()
-def train(model_name: ModelName = "GLM-5.2", num_nodes: NumNodes = None, gpus_per_node: GpusPerNode = None,
+def train(model_name: ModelName = None, num_nodes: NumNodes = None, gpus_per_node: GpusPerNode = None,
           hardware: HardwareOpt = None, config: ConfigOpt = None, set_: SetOpt = None, dry_run: DryRun = False,
           as_json: JsonOpt = False, sandbox: SandboxOpt = None, run_dir: RunDir = None,
           quiet: Annotated[bool, typer.Option("--quiet", help="No progress lines or status panel (the final JSON "
@@ -185,13 +150,48 @@ def train(model_name: ModelName = "GLM-5.2", num_nodes: NumNodes = None, gpus_pe
     _train(cfg, plan, quiet)
 
 
+def preflight(cfg, plan) -> None:
+    """What must hold before anything starts (Ray, trainer ranks, engines), each failure one line
+    naming the field: a cluster to run on, the model and rollout checkpoints, the tokenizer."""
+    from agentrl.cluster.ray_env import no_cluster_message, ray_address
+
+    if plan.num_nodes > 1 and not ray_address(cfg) and not cfg.cluster.simulate_nodes:
+        _fail(no_cluster_message(plan))
+    m = cfg.model
+    for field, path in (("model.path", m.path), ("model.rollout_path", m.rollout_path)):
+        if path is not None and not Path(path).is_dir():
+            _fail(f"{field}={path} is not a folder on this machine; point it at the HF checkpoint folder")
+    if plan.engine_kind == "sglang" and m.rollout_local_dir is None and m.rollout_path is None and m.path is None:
+        _fail("the SGLang engines need a checkpoint to load: set model.rollout_path (an HF folder, or the "
+              "pre-converted FP8 HF checkpoint) or model.path; `prepare-cp` copies it node-locally "
+              "(model.rollout_local_dir)")
+    from agentrl.models.tokenizer import load_tokenizer
+
+    try:
+        load_tokenizer(m.path or m.name)
+    except (ValueError, OSError) as e:
+        _fail(f"model.path: the episode workers need the model's tokenizer: {e}")
+    from agentrl.agent.runner import split_tasks
+    from agentrl.envs.base import SplitEnv
+    from agentrl.envs.registry import make_run_env
+
+    try:
+        env = make_run_env(cfg)
+        ids = list(env.task_ids())
+        if not ids:
+            _fail(f"env {cfg.env.name}: no task to play (env.tasks_dir={cfg.env.tasks_dir}); point env.tasks_dir at "
+                  "a folder of task folders")
+        split_tasks(cfg, ids, dict(env.splits()) if isinstance(env, SplitEnv) else {})
+    except (ValueError, LookupError, OSError) as e:
+        _fail(f"env {cfg.env.name}: {e}")
+
+
 def _train(cfg, plan, quiet: bool = False) -> None:
     import asyncio
     import json
 
-    if plan.engine_kind != "embedded":  # the trainer side (torch or megatron backend) is in the loop
-        _not_built(f"the {plan.engine_kind} engine actor in the run loop (SGLang needs its own environment: "
-                   f"it pins another torch; the {plan.backend} trainer backend is ready)", "[R]")
+    preflight(cfg, plan)
+    from agentrl.cluster.ray_env import ClusterError
     from agentrl.orchestrator import Orchestrator
     from agentrl.progress import Progress
 
@@ -199,9 +199,16 @@ def _train(cfg, plan, quiet: bool = False) -> None:
         summary = asyncio.run(Orchestrator(cfg, plan, Progress(quiet=quiet)).run())
     except KeyboardInterrupt:
         _fail("interrupted; engines, workers and sandboxes were stopped", code=130)
+    except ClusterError as e:
+        _fail(str(e))
     except Exception as e:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
 
+        if isinstance(e, RayTaskError):  # an actor method raised: its own message says why
+            cause = e.cause if e.cause is not None else e
+            _fail(f"the run stopped: {type(cause).__name__}: {str(cause).splitlines()[-1] if str(cause) else ''}. "
+                  f"Processes and sandboxes were stopped; accepted trajectories are kept in "
+                  f"{cfg.logging.run_dir}/replay.log.jsonl.", code=1)
         if not isinstance(e, RayActorError):
             raise
         who = next((ln.split(":", 1)[1].strip() for ln in str(e).splitlines() if "class_name:" in ln), "an actor")
@@ -213,7 +220,7 @@ def _train(cfg, plan, quiet: bool = False) -> None:
 
 
 @app.command("full-train")
-def full_train(model_name: ModelName = "GLM-5.2", num_nodes: NumNodes = None, gpus_per_node: GpusPerNode = None,
+def full_train(model_name: ModelName = None, num_nodes: NumNodes = None, gpus_per_node: GpusPerNode = None,
                hardware: HardwareOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
                dry_run: DryRun = False, as_json: JsonOpt = False, sandbox: SandboxOpt = None,
                run_dir: RunDir = None) -> None:

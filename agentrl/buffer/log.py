@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
 class LogWriteError(OSError):
     """The log could not be written (disk full, permissions); nothing was acknowledged."""
+
+
+class MalformedLogError(ValueError):
+    """A complete line of the log is not a record; the message names the file and line."""
 
 
 class DurableLog:
@@ -55,12 +59,25 @@ class DurableLog:
         self._f.close()
 
     @staticmethod
-    def read(path: Path) -> Iterator[dict]:
+    def read(path: Path, on_malformed: Callable[[int, str], None] | None = None) -> Iterator[dict]:
+        """Records in order. A complete line that is not a JSON object (corruption, a stray edit) is
+        skipped and reported to `on_malformed(line_number, why)`, so one bad line never makes the whole
+        log unreadable; without a callback it raises MalformedLogError naming the line."""
         path = Path(path)
         if not path.exists():
             return
         with open(path, "rb") as f:
-            for raw in f:
+            for number, raw in enumerate(f, start=1):
                 if not raw.endswith(b"\n"):
                     return  # torn tail: never acknowledged
-                yield json.loads(raw)
+                try:
+                    record = json.loads(raw)
+                    if not isinstance(record, dict) or not isinstance(record.get("type"), str):
+                        raise ValueError("not a record object with a \"type\"")
+                except ValueError as e:
+                    why = f"{path}:{number}: malformed record ({e}): {raw[:80]!r}"
+                    if on_malformed is None:
+                        raise MalformedLogError(why) from None
+                    on_malformed(number, why)
+                    continue
+                yield record

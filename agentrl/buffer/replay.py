@@ -1,17 +1,29 @@
 """The replay buffer: complete GRPO groups, a staleness bound, and a durable log.
 
 Plain class (no Ray import): the orchestrator turns it into an actor with `ray.remote`, so
-importing it has no side effects. Records in the log:
+importing it has no side effects. It stores and reports facts; what to do about a group that left
+untrained (run it again or drop it) is the run loop's policies' call (agentrl/policy/).
+
+Records in the log:
   {"type": "traj", ...Trajectory}            accepted (written and fsynced before `add` returns)
-  {"type": "retired", "group", "reason"}      left untrained: stale, or an infra error in the group
+  {"type": "retired", "group", "reason"}      left untrained: stale, an infra error in the group,
+                                              its worker lost, or incomplete at a resume
   {"type": "trained", "step", "groups"}       trained by optimizer step `step`
-On restart with the checkpoint's step s, groups trained at steps <= s stay trained, groups of
-later steps (their update was lost with the crash) return to the buffer, and every accepted
-trajectory of an untrained group is back: nothing accepted is lost, nothing is trained twice.
+  {"type": "rollback", "to_step", "steps"}    a resume from the checkpoint of `to_step`: the updates
+                                              of `steps` were lost with the crash; their groups
+                                              are untrained again (and will be trained once more)
+Recovery at checkpoint step s replays the log: groups trained at steps <= s of the surviving
+history stay trained, groups of later steps return to the buffer in their original order, and
+every accepted trajectory of an untrained group is back. Acknowledged trajectories of a group that
+was still incomplete at the crash can never be completed (its other episodes died with the run):
+the group is retired ("incomplete_at_resume") and reported, never stranded. Nothing accepted is
+lost, nothing is trained twice.
 """
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +33,7 @@ from agentrl.buffer.log import DurableLog
 from agentrl.buffer.staleness import StalenessBound
 
 LOG_NAME = "replay.log.jsonl"
+_TRAJ_PREFIX = b'{"type":"traj"'  # how DurableLog writes a trajectory record (compact separators, type first)
 
 
 @dataclass
@@ -36,54 +49,99 @@ class Group:
     def has_infra_error(self) -> bool:
         return any(t.outcome.startswith(INFRA_ERROR_PREFIX) for t in self.trajectories.values())
 
+    def outcomes(self) -> list[str]:
+        return [t.outcome for t in self.trajectories.values()]
+
 
 @dataclass
 class Batch:
+    """A taken batch as the run loop sees it; its trajectories stay here (`batch_trajectories`) and
+    go to the trainer ranks without passing through the driver."""
+
+    batch_id: str
     group_ids: list[str]
-    trajectories: list[Trajectory]
     staleness: list[int]  # per group: version lag of its oldest token at take time
+    num_trajectories: int
+
+
+@dataclass(frozen=True)
+class Retired:
+    """A fact: a group left the buffer untrained."""
+
+    group_id: str
+    task_id: str
+    reason: str  # "infra_error", "stale_lag_<k>", "worker_lost", "incomplete_at_resume"
+    outcomes: tuple[str, ...]  # of its accepted episodes
 
 
 class ReplayBuffer:
-    def __init__(self, directory: str | Path, group_size: int, max_staleness: int, stale_policy: str = "regenerate",
-                 fsync: bool = True, max_group_retries: int = 2, resume_step: int = 0):
-        if stale_policy not in ("drop", "regenerate"):
-            raise ValueError(f"buffer.stale_policy must be 'drop' or 'regenerate', not {stale_policy!r}")
+    def __init__(self, directory: str | Path, group_size: int, max_staleness: int, fsync: bool = True,
+                 resume_step: int = 0):
         self.group_size = group_size
         self.bound = StalenessBound(max_staleness)
-        self.stale_policy = stale_policy
-        self.max_group_retries = max_group_retries
         self.path = Path(directory) / LOG_NAME
         self._pending: dict[str, Group] = {}  # incomplete groups
         self._ready: OrderedDict[str, Group] = OrderedDict()  # complete, not yet trained
+        self._taken: dict[str, list[Group]] = {}  # batch id -> groups given to the trainer
         self._done: set[str] = set()  # trained or retired group ids
         self._seen: set[str] = set()  # accepted episode ids (add is idempotent)
-        self._retries: dict[str, int] = {}  # task id -> infra retries so far
-        self._regenerate: list[dict] = []
-        self.counters = {"accepted": 0, "duplicates": 0, "stale_dropped": 0, "stale_regenerated": 0,
-                         "infra_groups_retried": 0, "infra_groups_dropped": 0, "trained_groups": 0,
-                         "recovered_trajectories": 0, "recovered_untrained_groups": 0}
+        self._retired: list[Retired] = []  # facts not yet collected by the run loop
+        self._changed: asyncio.Event | None = None
+        self.counters = {"accepted": 0, "duplicates": 0, "stale_retired": 0, "infra_groups_retired": 0,
+                         "trained_groups": 0, "recovered_trajectories": 0, "recovered_untrained_groups": 0,
+                         "incomplete_at_resume": 0, "rolled_back_steps": 0, "malformed_log_lines": 0}
+        self.malformed: list[str] = []  # one line per skipped log line: file, line number, why
         self._log = DurableLog(self.path, fsync=fsync)  # opening drops a torn, unacknowledged tail
         self._recover(resume_step)
 
     # -- recovery ------------------------------------------------------------------------------
+    def _on_malformed(self, _number: int, why: str) -> None:
+        if why not in self.malformed:
+            self.malformed.append(why)
+
     def _recover(self, resume_step: int) -> None:
-        for rec in DurableLog.read(self.path):
-            kind = rec.pop("type")
-            if kind == "traj":
-                self._insert(Trajectory.from_dict(rec))
+        done, rolled_back = self._surviving_history(resume_step)
+        for rec in DurableLog.read(self.path, self._on_malformed):
+            if rec["type"] == "traj":
+                rec.pop("type")
+                try:
+                    t = Trajectory.from_dict(rec)
+                except (TypeError, ValueError, KeyError) as e:
+                    self._on_malformed(0, f"{self.path}: trajectory record {rec.get('episode_id')!r} is invalid: {e}")
+                    continue
+                if t.group_id in done:
+                    continue
+                self._insert(t)
                 self.counters["recovered_trajectories"] += 1
-            elif kind == "retired":
-                self._forget(rec["group"])
-            elif kind == "trained":
-                # Groups trained after the checkpoint we resume from were never trained as far
-                # as the resumed model knows: they stay ready, in their original order.
-                if rec["step"] <= resume_step:
-                    for g in rec["groups"]:
-                        self._forget(g)
+        self._done |= done
+        self.counters["malformed_log_lines"] = len(self.malformed)
+        if rolled_back:
+            self._log.append({"type": "rollback", "to_step": resume_step, "steps": rolled_back})
+            self.counters["rolled_back_steps"] = len(rolled_back)
+        for g in list(self._pending.values()):  # its other episodes died with the run: never completes
+            self.counters["incomplete_at_resume"] += 1
+            self._retire(g, "incomplete_at_resume")
         for g in list(self._ready.values()):
             self._check_infra(g)  # a crash may have come between a trajectory and its group's retirement
         self.counters["recovered_untrained_groups"] = len(self._ready)
+
+    def _surviving_history(self, resume_step: int) -> tuple[set[str], list[int]]:
+        """(groups that stay trained or retired, steps rolled back now) from the log's control records."""
+        trained_at: dict[str, int] = {}
+        retired: set[str] = set()
+        for rec in DurableLog.read(self.path, self._on_malformed):
+            kind = rec["type"]
+            if kind == "retired":
+                retired.add(rec["group"])
+            elif kind == "trained":
+                for g in rec["groups"]:
+                    trained_at[g] = int(rec["step"])
+            elif kind == "rollback":
+                to = int(rec["to_step"])
+                trained_at = {g: s for g, s in trained_at.items() if s <= to}
+        lost = sorted({s for s in trained_at.values() if s > resume_step})
+        kept = {g for g, s in trained_at.items() if s <= resume_step}
+        return kept | retired, lost
 
     def _forget(self, group_id: str) -> None:
         self._pending.pop(group_id, None)
@@ -117,25 +175,39 @@ class ReplayBuffer:
         self.counters["accepted"] += 1
         if t.group_id in self._ready:
             self._check_infra(self._ready[t.group_id])
+            self._notify()
         return True
 
     def _check_infra(self, g: Group) -> None:
-        if not g.has_infra_error():
-            return
-        n = self._retries.get(g.task_id, 0)
-        if n < self.max_group_retries:
-            self._retries[g.task_id] = n + 1
-            self.counters["infra_groups_retried"] += 1
-            self._retire(g, "infra_error", regenerate=True)
-        else:
-            self.counters["infra_groups_dropped"] += 1
-            self._retire(g, "infra_error_retries_exhausted", regenerate=False)
+        """A group with an infrastructure failure is never trained (its rewards are not the policy's)."""
+        if g.has_infra_error():
+            self.counters["infra_groups_retired"] += 1
+            self._retire(g, "infra_error")
 
-    def _retire(self, g: Group, reason: str, regenerate: bool) -> None:
+    def _retire(self, g: Group, reason: str) -> None:
         self._log.append({"type": "retired", "group": g.group_id, "reason": reason})
         self._forget(g.group_id)
-        if regenerate:
-            self._regenerate.append({"task_id": g.task_id, "reason": reason, "group_id": g.group_id})
+        self._retired.append(Retired(g.group_id, g.task_id, reason, tuple(g.outcomes())))
+        self._notify()
+
+    # -- waiting -------------------------------------------------------------------------------
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    async def wait_ready(self, min_groups: int, timeout_s: float) -> int:
+        """Return the number of ready groups as soon as it reaches `min_groups`, a retired group is
+        waiting to be collected, or `timeout_s` passes (whichever is first)."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        if len(self._ready) >= min_groups or self._retired:
+            return len(self._ready)
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        return len(self._ready)
 
     # -- serve ---------------------------------------------------------------------------------
     def ready_groups(self) -> int:
@@ -143,60 +215,61 @@ class ReplayBuffer:
 
     def take_batch(self, num_groups: int, current_version: int) -> Batch | None:
         """Oldest-first complete groups within the staleness bound, or None if fewer than
-        `num_groups` are ready. Stale groups met on the way are dropped or sent back for
-        regeneration, per policy, and counted. Taken groups stay in the log until
-        `mark_trained`; a crash before that returns them on restart."""
+        `num_groups` are ready. Stale groups met on the way are retired and reported. Taken groups
+        stay in the log until `mark_trained`; a crash before that returns them on restart."""
         chosen: list[tuple[Group, int]] = []
         for gid in list(self._ready):
             g = self._ready[gid]
             oldest = g.oldest_version()
             lag = 0 if oldest is None else self.bound.lag(oldest, current_version)
             if oldest is not None and not self.bound.admits(oldest, current_version):
-                regen = self.stale_policy == "regenerate"
-                self.counters["stale_regenerated" if regen else "stale_dropped"] += 1
-                self._retire(g, f"stale_lag_{lag}", regenerate=regen)
+                self.counters["stale_retired"] += 1
+                self._retire(g, f"stale_lag_{lag}")
                 continue
             chosen.append((g, lag))
             if len(chosen) == num_groups:
                 break
         if len(chosen) < num_groups:
             return None
+        batch_id = f"b{uuid.uuid4().hex[:10]}"
         for g, _ in chosen:
             del self._ready[g.group_id]
-        trajs = [t for g, _ in chosen for t in g.trajectories.values()]
-        return Batch([g.group_id for g, _ in chosen], trajs, [lag for _, lag in chosen])
+        self._taken[batch_id] = [g for g, _ in chosen]
+        return Batch(batch_id, [g.group_id for g, _ in chosen], [lag for _, lag in chosen],
+                     sum(len(g.trajectories) for g, _ in chosen))
 
-    def give_back(self, batch: Batch) -> None:
-        """Return a taken batch (the step failed before training); order is restored."""
-        groups = {t.group_id: None for t in batch.trajectories}
-        by_id: dict[str, Group] = {}
-        for t in batch.trajectories:
-            by_id.setdefault(t.group_id, Group(t.group_id, t.task_id)).trajectories[t.episode_id] = t
-        old = list(self._ready.items())
-        self._ready.clear()
-        for gid in groups:
-            self._ready[gid] = by_id[gid]
-        self._ready.update(old)
+    def batch_trajectories(self, batch_id: str) -> list[Trajectory]:
+        """The trajectories of a taken batch, group by group."""
+        if batch_id not in self._taken:
+            raise KeyError(f"no taken batch {batch_id!r}")
+        return [t for g in self._taken[batch_id] for t in g.trajectories.values()]
 
-    def mark_trained(self, step: int, group_ids: list[str]) -> None:
-        self._log.append({"type": "trained", "step": step, "groups": list(group_ids)})
-        for g in group_ids:
-            self._done.add(g)
-        self.counters["trained_groups"] += len(group_ids)
+    def mark_trained(self, step: int, batch_id: str) -> None:
+        groups = self._taken.pop(batch_id)
+        ids = [g.group_id for g in groups]
+        self._log.append({"type": "trained", "step": step, "groups": ids})
+        self._done.update(ids)
+        self.counters["trained_groups"] += len(ids)
 
     def retire_incomplete(self, group_id: str, reason: str) -> int:
         """Retire a group that can never complete (the worker running it died), so the log accounts
-        for the part of it that was accepted; the caller admits the task again. Returns how many
-        of its trajectories were accepted."""
+        for the part of it that was accepted. Returns how many of its trajectories were accepted."""
         g = self._pending.get(group_id)
         if g is None:
             return 0
-        self._retire(g, reason, regenerate=False)
+        self._retire(g, reason)
         return len(g.trajectories)
 
-    def pop_regenerate(self) -> list[dict]:
-        out, self._regenerate = self._regenerate, []
+    def pop_retired(self) -> list[Retired]:
+        """Groups that left untrained since the last call (the run loop decides what to re-run)."""
+        out, self._retired = self._retired, []
         return out
+
+    def recovery(self) -> dict:
+        """What the buffer found in its log when it opened (for the run's resume note)."""
+        keys = ("recovered_trajectories", "recovered_untrained_groups", "incomplete_at_resume", "rolled_back_steps",
+                "malformed_log_lines")
+        return {**{k: self.counters[k] for k in keys}, "malformed": list(self.malformed)}
 
     def stats(self) -> dict:
         return {**self.counters, "ready_groups": len(self._ready), "pending_groups": len(self._pending)}

@@ -72,8 +72,10 @@ def role_resources(role: str) -> list[str]:
             "train+inference": [TRAIN_RESOURCE, INFER_RESOURCE]}[role]
 
 
-def start_cluster(plan, nodes_per_raylet: int, temp_dir: str, cpus_per_gpu: int = 2) -> SimCluster:
-    """Head (CPU actors only) plus the raylets; returns once every raylet is alive."""
+def start_cluster(plan, nodes_per_raylet: int, temp_dir: str, cpus_per_gpu: int = 2,
+                  cpus_per_node: int | None = None) -> SimCluster:
+    """Head (CPU actors only) plus the raylets; returns once every raylet is alive. Logical CPUs of a
+    raylet: `cpus_per_node` per node it hosts when given (CPU plans), else `cpus_per_gpu` per GPU."""
     import ray
     from ray._private.node import Node
     from ray._private.parameter import RayParams
@@ -92,7 +94,8 @@ def start_cluster(plan, nodes_per_raylet: int, temp_dir: str, cpus_per_gpu: int 
         for r in raylets:
             resources = {res: float(ROLE_UNITS * len(r.nodes)) for res in role_resources(r.role)}
             resources.update({NODE_RESOURCE.format(n): float(max(gpn, 1)) for n in r.nodes})
-            params = RayParams(num_cpus=max(r.gpus, len(r.nodes)) * cpus_per_gpu, num_gpus=r.gpus,
+            cpus = cpus_per_node * len(r.nodes) if cpus_per_node else max(r.gpus, len(r.nodes)) * cpus_per_gpu
+            params = RayParams(num_cpus=cpus, num_gpus=r.gpus,
                                resources=resources, node_ip_address="127.0.0.1", object_store_memory=80 << 20,
                                gcs_address=head.gcs_address, include_log_monitor=False, node_manager_port=0,
                                min_worker_port=0, max_worker_port=0, dashboard_agent_listen_port=None)

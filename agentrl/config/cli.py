@@ -16,15 +16,13 @@ def show(
     as_json: bool = typer.Option(False, "--json", help="Print the plan and resolved config as one JSON object."),
 ) -> None:
     """Resolve a recipe plus overrides and print the plan (nothing is started)."""
-    from agentrl.config.loader import ConfigError, load_config
-    from agentrl.config.plan import PlanError, resolve_plan
+    from agentrl.config.front import FrontDoorError, error_line, resolve_run
     from agentrl.config.show import plan_json, print_plan
 
     try:
-        cfg = load_config(recipe, overrides)
-        plan = resolve_plan(cfg)
-    except (ConfigError, PlanError) as e:
-        typer.echo(f"error: {e}", err=True)
+        cfg, plan = resolve_run(config=recipe, overrides=overrides)
+    except FrontDoorError as e:
+        typer.echo(error_line(e), err=True)
         raise typer.Exit(2) from None
     if as_json:
         typer.echo(plan_json(cfg, plan))

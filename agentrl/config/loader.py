@@ -45,7 +45,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if data is None:
-        return {}
+        raise ConfigError(f"{path}: the recipe is empty; it needs at least `recipe: NAME` and the sections it sets")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
     return data
@@ -115,12 +115,17 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
         key = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if not key or e["type"] == "value_error" and isinstance(e.get("input"), dict):
+            # A check across fields (a model validator): its message names the fields itself.
+            lines.append(f"  {msg}")
+            continue
         if e["type"] == "extra_forbidden":
             lines.append(f"  {key}: unknown key; remove it or check its spelling (see `agentrl config show`)")
         else:
             got = e.get("input")
             shown = repr(got) if not isinstance(got, dict) else "a mapping"
-            lines.append(f"  {key}: {e['msg']} (got {shown}); fix it in the recipe or with --set {key}=...")
+            lines.append(f"  {key}: {msg} (got {shown}); fix it in the recipe or with --set {key}=...")
     return "\n".join(lines)
 
 

@@ -20,7 +20,8 @@ Hardware = Literal["H200", "B200", "GB300", "cpu"]
 class Section(BaseModel):
     """Base of every section: unknown keys are errors, assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: an infinite learning rate or a NaN temperature is an error here, not a NaN run.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ClusterConfig(Section):
@@ -30,8 +31,17 @@ class ClusterConfig(Section):
     train_nodes: int | None = Field(
         None, ge=1, description="Nodes given to training; default: half the cluster (all of a 1-node run)."
     )
-    ray_address: str | None = Field(None, description="Attach to this Ray cluster; None starts a local one.")
-    host: str = Field("127.0.0.1", description="Bind address of the dashboard, engines and servers.")
+    ray_address: str | None = Field(
+        None, description="Attach to this Ray cluster (head host:port; default: $RAY_ADDRESS); None starts a local one.")
+    ray_auth: Literal["token", "disabled"] = Field(
+        "token", description="Ray token authentication when attaching to a cluster (the token from RAY_AUTH_TOKEN, "
+        "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, never a config). A local Ray on 127.0.0.1 runs without.")
+    simulate_nodes: bool = Field(
+        False, description="CPU runs: start one local raylet per plan node (127.0.0.1, role resources per node), so "
+        "a multi-node plan runs on one machine through the same placement code.")
+    host: str = Field(
+        "127.0.0.1", description="Bind address of the dashboard, engines and servers: an address, or \"node_ip\" for "
+        "each node's own IP (multi-node runs); engines advertise the node IP unless bound to a specific address.")
     dashboard_port: int = Field(8265, ge=1, le=65535)
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of a local Ray; default: max(4, cores).")
     dashboard: bool = Field(True, description="Start Ray's dashboard (local Ray only).")
@@ -121,16 +131,13 @@ class AlgorithmConfig(Section):
         32, ge=0, description="Zero-variance groups dropped in a row before one is let through, so a run whose "
         "tasks are all failed (or all solved) still steps.")
 
-    entropy_coef: float = Field(0.0, ge=0)
-
 
 class SGLangConfig(Section):
     """Options passed to `sglang.launch_server` (SGLang 0.5.23 flag names); one field per flag."""
 
-    launcher: list[str] = Field(
-        ["python"], description="Command prefix that runs SGLang's own Python (venv, container, ...)."
-    )
-    env_name: str = Field("sglang", description="Name of the environment SGLang is installed in (for docs/logs).")
+    python: str = Field(
+        "python", description="The interpreter SGLang is installed in (it pins its own torch), e.g. "
+        "/opt/sglang/bin/python; engines run `{python} -m sglang.launch_server ...`.")
     gpus_per_engine: int = Field(4, ge=1, description="GPUs of one engine (its tp size).")
     mem_fraction_static: float = Field(0.85, gt=0, le=1)
     ep_size: int | None = Field(None, ge=1, description="Expert parallel size; default: the engine's world size.")
@@ -171,6 +178,11 @@ class EmbeddedEngineConfig(Section):
     prefix_cache_tokens: int = Field(
         262144, ge=0, description="Tokens of finished requests' KV kept for prefix reuse (embedded engine)."
     )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Weights and activations of the embedded engine (bfloat16 halves memory on a GPU).")
+    weight_update_timeout_s: float = Field(
+        120.0, gt=0, description="Bound on every weight-update rendezvous and broadcast of the embedded engine "
+        "(/init_weights_update_group to a dead trainer fails after this, instead of hanging).")
 
 
 class RolloutConfig(Section):
@@ -184,6 +196,12 @@ class RolloutConfig(Section):
         "retract", description="How engines pause for a weight update; in_place mixes old KV with new weights."
     )
     request_timeout_s: float = Field(600.0, gt=0)
+    engine_start_timeout_s: float = Field(
+        1800.0, gt=0, description="How long an engine may take to answer /health_generate after its process "
+        "starts (SGLang loading GLM-5.2 from node-local disk takes minutes).")
+    engine_max_restarts: int = Field(
+        5, ge=0, description="Restarts of one engine (all its nodes, backoff 1, 2, 4, ... s) before the run stops "
+        "with an error; the count starts again after the engine has run for 10 minutes.")
     weight_transport: Literal["auto", "http_tensors", "nccl", "cuda_ipc"] = Field(
         "auto", description="How weights reach the engines. auto: http_tensors for embedded engines, cuda_ipc for "
         "an engine colocated with the trainer on one GPU, nccl (one group per pipeline stage) otherwise.")
@@ -256,6 +274,12 @@ class EnvConfig(Section):
         None, description="Build the tasks with envs/tbench2/generate instead of reading tasks_dir (tbench2 env).")
     curriculum: CurriculumConfig = CurriculumConfig()
 
+    @field_validator("kwargs")
+    @classmethod
+    def _no_secrets(cls, v: dict[str, object]) -> dict[str, object]:
+        check_no_secret_keys(v, "env.kwargs")
+        return v
+
     @model_validator(mode="after")
     def _one_task_source(self) -> EnvConfig:
         if self.generate is not None and self.tasks_dir is not None:
@@ -287,7 +311,6 @@ class BufferConfig(Section):
     max_staleness: int = Field(4, ge=0, description="Max version lag of a group's oldest token at training time.")
     stale_policy: Literal["drop", "regenerate"] = "regenerate"
     max_episodes_in_flight: int = Field(128, ge=1)
-    max_tokens_in_flight: int | None = Field(None, ge=1)
     fsync: bool = Field(True, description="fsync the log before acknowledging a trajectory.")
 
 
@@ -331,3 +354,18 @@ class RunConfig(Section):
     sandbox: SandboxConfig = SandboxConfig()
     buffer: BufferConfig = BufferConfig()
     logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        """Contradictions between sections that no single field can catch (each a hang or a wasted run)."""
+        a, r, ag, b = self.algorithm, self.rollout, self.agent, self.buffer
+        if a.use_tis and a.tis_clip_low > a.tis_clip:
+            raise ValueError(f"algorithm.tis_clip_low={a.tis_clip_low} exceeds algorithm.tis_clip={a.tis_clip}; "
+                             "the TIS weight would be clamped to an empty range")
+        if b.max_episodes_in_flight < a.group_size:
+            raise ValueError(f"buffer.max_episodes_in_flight={b.max_episodes_in_flight} is below "
+                             f"algorithm.group_size={a.group_size}: no group could ever start (the run would hang)")
+        if r.max_new_tokens >= ag.max_context_tokens:
+            raise ValueError(f"rollout.max_new_tokens={r.max_new_tokens} does not fit agent.max_context_tokens="
+                             f"{ag.max_context_tokens}: no turn could be generated; lower it below the context")
+        return self

@@ -58,3 +58,18 @@ class Env(Protocol):
     async def close(self) -> None: ...
 
     def task_ids(self) -> list[str]: ...
+
+
+@runtime_checkable
+class ConfigurableEnvFactory(Protocol):
+    """Optional: an env class that builds itself from the run's config tree (and the run's sandbox
+    provider) instead of from `env.kwargs` alone. `registry.make_run_env` uses it when present."""
+
+    def from_config(self, cfg: Any, provider: Any = None) -> Env: ...
+
+
+@runtime_checkable
+class SplitEnv(Protocol):
+    """Optional: an env that suggests train / eval splits of its tasks ({"train": [...], "eval": [...]})."""
+
+    def splits(self) -> dict[str, list[str]]: ...

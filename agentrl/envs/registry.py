@@ -20,6 +20,7 @@ import importlib.metadata
 import re
 from collections.abc import Callable
 from importlib.metadata import EntryPoint
+from typing import Any
 
 from agentrl.envs.base import Env
 
@@ -120,3 +121,15 @@ def _is_import_path(ep: EntryPoint, name: str) -> bool:
 def _dist_name(ep: EntryPoint) -> str:
     dist = getattr(ep, "dist", None)
     return dist.name if dist is not None else "unknown"
+
+
+def make_run_env(cfg: Any, provider: Any = None) -> Env:
+    """The env of a run config (`cfg.env.name`): built with the env class's own `from_config(cfg,
+    provider)` when it declares one (agentrl.envs.base.ConfigurableEnvFactory), else with
+    `cfg.env.kwargs`. The one way the run loop, `agentrl eval` and the benchmarks build an env."""
+    from agentrl.envs.base import ConfigurableEnvFactory
+
+    factory = load_env_factory(cfg.env.name)
+    if isinstance(factory, ConfigurableEnvFactory):
+        return factory.from_config(cfg, provider=provider)
+    return make_env(cfg.env.name, **cfg.env.kwargs)

@@ -1,0 +1,158 @@
+"""The trainer: one TrainerWorker actor per trainer rank, driven together by a TrainerGroup.
+
+- Placement: rank r takes slot r of agentrl.cluster.placement.trainer_slots (ordered by node,
+  then GPU; num_gpus=gpus_per_rank, so Ray sets CUDA_VISIBLE_DEVICES and the rank's device is 0).
+- Rendezvous: rank 0 reports its node IP and a port free there; every rank gets them as
+  arguments (agentrl.train.megatron_parallel.DistInit) with its RANK / WORLD_SIZE / LOCAL_RANK.
+  Nothing is derived from the environment or a pid.
+- Every call (train_step, named weights for a push, save, resume) goes to all ranks at once, since
+  the backend's collectives need every rank; the metrics, versions and checkpoint extras are the
+  same on every rank (the backend reduces them), and rank 0's are returned.
+- Data: train_step receives the batch as the replay buffer's ObjectRef: each rank's node pulls it
+  from the object store; the driver never holds the tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from agentrl.config.plan import RunPlan
+from agentrl.config.schema import RunConfig
+
+
+class TrainerWorker:
+    """One trainer rank (plain class; TrainerGroup makes it a Ray actor)."""
+
+    def __init__(self, cfg: dict, plan: dict, rank: int, run_id: str, run_dir: str):
+        self.cfg = RunConfig.model_validate(cfg)
+        self.plan = RunPlan.from_json(plan)
+        self.rank, self.run_id, self.run_dir = rank, run_id, Path(run_dir)
+        self.coords = self.plan.layout.coords(rank)
+        self.backend = None
+        self.node_ip = _node_ip()
+
+    def __repr__(self) -> str:
+        if not hasattr(self, "coords"):  # a constructor that failed
+            return f"TrainerWorker(rank {getattr(self, 'rank', '?')})"
+        return f"TrainerWorker(rank {self.rank}/{self.plan.layout.world}: {self.coords.label()} on {self.node_ip})"
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0: this node's IP and a TCP port free on it, for torch.distributed's rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return self.node_ip, s.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int) -> dict:
+        """Join the trainer's world and build this rank's backend from the plan."""
+        from agentrl.train.factory import make_backend
+        from agentrl.train.megatron_parallel import DistInit
+
+        world = self.plan.layout.world
+        local = self.rank % self.plan.ranks_per_train_node
+        # For libraries that look (Megatron's logging, NCCL's debug output); agentrl passes them explicitly.
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world), LOCAL_RANK="0" if self.plan.gpus_per_rank else str(local))
+        dist_init = DistInit(self.rank, world, master_addr, master_port, local_rank=0)
+        self.backend = make_backend(self.cfg, self.plan, dist_init, self.run_dir)
+        return {"rank": self.rank, "coords": self.coords.to_json(), "node_ip": self.node_ip, "pid": os.getpid(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def version(self) -> int:
+        return self.backend.version
+
+    def resume(self) -> dict | None:
+        """Load the latest checkpoint if there is one; returns its extra state (step, counters)."""
+        latest = self.run_dir / "checkpoints" / "latest"
+        if not latest.exists():
+            return None
+        return self.backend.load_checkpoint(latest)
+
+    def train_step(self, trajectories: list) -> dict[str, float]:
+        return self.backend.train_step(trajectories, [t.group_id for t in trajectories])
+
+    async def push_weights(self, urls: list[str] | None) -> dict[str, Any]:
+        """Every rank walks the weights (the export's collectives need it); rank 0 sends them to
+        `urls` over the plan's transport, the others discard what they were given."""
+        if not urls:
+            for _ in self.backend.named_weights():
+                pass
+            return {}
+        from agentrl.sync.weights import push_weights
+
+        r = self.cfg.rollout
+        return await push_weights(urls, self.backend.named_weights(), self.backend.version,
+                                  pause_mode=r.pause_mode, fp8=r.weight_sync_fp8, timeout_s=r.request_timeout_s)
+
+    def save_checkpoint(self, extra: dict) -> None:
+        self.backend.save_checkpoint(self.run_dir / "checkpoints" / "latest", extra)
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside a Ray worker: the loopback is this process's node
+        pass
+    return "127.0.0.1"
+
+
+class TrainerGroup:
+    """All trainer ranks of a plan, as one object the orchestrator awaits."""
+
+    def __init__(self, cfg: RunConfig, plan: RunPlan, run_id: str, run_dir: Path):
+        self.cfg, self.plan, self.run_id, self.run_dir = cfg, plan, run_id, Path(run_dir)
+        self.actors: list[Any] = []
+        self.info: list[dict] = []
+
+    async def start(self) -> None:
+        """Place one actor per rank, rendezvous at rank 0's node, build every rank's backend."""
+        import ray
+
+        from agentrl.cluster.placement import trainer_slots
+
+        slots = await asyncio.to_thread(trainer_slots, self.plan, self.run_id)
+        cfg, plan = self.cfg.model_dump(mode="json"), self.plan.to_json()
+        cls = ray.remote(TrainerWorker)
+        self.actors = [cls.options(name=f"{self.run_id}-trainer-{r}", **slots[r].options()).remote(
+            cfg, plan, r, self.run_id, str(self.run_dir)) for r in range(self.plan.layout.world)]
+        addr, port = await self.actors[0].rendezvous_address.remote()
+        self.info = list(await asyncio.gather(*(a.setup.remote(addr, port) for a in self.actors)))
+
+    async def _all(self, method: str, *args: Any) -> list[Any]:
+        return list(await asyncio.gather(*(getattr(a, method).remote(*args) for a in self.actors)))
+
+    async def version(self) -> int:
+        return await self.actors[0].version.remote()
+
+    async def resume(self) -> dict | None:
+        extras = await self._all("resume")
+        if any((e is None) != (extras[0] is None) for e in extras):
+            raise RuntimeError("trainer ranks disagree on whether a checkpoint exists in "
+                               f"{self.run_dir}/checkpoints/latest; is the run dir shared by every training node?")
+        return extras[0]
+
+    async def train_step(self, batch_ref: Any) -> dict[str, float]:
+        """One optimizer step on the batch behind `batch_ref` (an ObjectRef of its trajectories)."""
+        return (await self._all("train_step", batch_ref))[0]
+
+    async def push_weights(self, urls: list[str]) -> dict[str, Any]:
+        results = await asyncio.gather(*(a.push_weights.remote(urls if r == 0 else None)
+                                         for r, a in enumerate(self.actors)))
+        return results[0]
+
+    async def save_checkpoint(self, extra: dict) -> None:
+        await self._all("save_checkpoint", extra)
+
+    def kill(self) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001 - already gone
+                pass

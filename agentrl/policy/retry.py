@@ -1,0 +1,60 @@
+"""Retry: which failed groups run again, classified before they cross an actor boundary.
+
+Two kinds of failure (NeMo-RL's split):
+- infrastructure: the sandbox, the engine, the network, the verifier or the episode worker failed
+  (`infra_error:<kind>` outcomes, a lost worker). Nothing is wrong with the task; the group runs
+  again, up to INFRA_RETRIES times per group lineage, then is dropped and counted.
+- data: the task itself cannot be played (its env refused it: a malformed task, a missing file).
+  Retrying gives the same result: DATA_RETRIES times at most, reported loudly.
+A group's lineage is the chain of groups re-run for one admission; the budget is per lineage, not
+per task for the whole run (a task that failed twice in hour 1 still gets its retries in hour 9).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+INFRA_RETRIES = 2  # re-runs of one group after infrastructure failures; a third failure drops it
+DATA_RETRIES = 0  # a task the env cannot play fails the same way again
+DATA_ERROR_KINDS = ("task",)  # infra_error kinds that mean the task is broken, not the machinery
+
+
+def failure_kind(outcome: str) -> str | None:
+    """"infra" or "data" for a failed outcome, None for a trainable one."""
+    if not outcome.startswith("infra_error"):
+        return None
+    kind = outcome.partition(":")[2]
+    return "data" if kind in DATA_ERROR_KINDS else "infra"
+
+
+@dataclass
+class Decision:
+    retry: bool
+    reason: str  # e.g. "infra_error:sandbox (retry 1 of 2)" or "dropped after 2 infra retries"
+
+
+@dataclass
+class RetryPolicy:
+    infra_retries: int = INFRA_RETRIES
+    data_retries: int = DATA_RETRIES
+    _attempts: dict[str, int] = field(default_factory=dict)  # lineage -> re-runs so far
+    counters: dict[str, int] = field(default_factory=lambda: {"infra_retried": 0, "infra_dropped": 0,
+                                                                "data_retried": 0, "data_dropped": 0})
+
+    def decide(self, lineage: str, outcomes: list[str]) -> Decision:
+        """A retired group of `lineage` whose episodes ended with `outcomes`: run it again?"""
+        kinds = {failure_kind(o) for o in outcomes} - {None}
+        kind = "data" if "data" in kinds else "infra"
+        budget = self.data_retries if kind == "data" else self.infra_retries
+        done = self._attempts.get(lineage, 0)
+        first = next((o for o in outcomes if failure_kind(o)), f"infra_error:{kind}")
+        if done < budget:
+            self._attempts[lineage] = done + 1
+            self.counters[f"{kind}_retried"] += 1
+            return Decision(True, f"{first} (retry {done + 1} of {budget})")
+        self._attempts.pop(lineage, None)
+        self.counters[f"{kind}_dropped"] += 1
+        return Decision(False, f"{first}: dropped after {done} {kind} retr{'y' if done == 1 else 'ies'}")
+
+    def on_trained(self, lineage: str) -> None:
+        self._attempts.pop(lineage, None)
