@@ -94,3 +94,45 @@ def test_torch_backend_with_disk_offloaded_adam_matches_in_memory(tmp_path):
         assert all(torch.equal(v, b2.model.state_dict()[k]) for k, v in b.model.state_dict().items())
     for k in results[0]:
         assert torch.allclose(results[0][k], results[1][k], rtol=1e-5, atol=1e-6), k
+
+
+# -- Dr. GRPO: advantages without std normalisation ---------------------------------------------------
+
+
+def test_advantages_without_std_are_centred_rewards():
+    rewards, groups = [1.0, 0.0, 0.0, 0.0, 0.7, 0.7], ["a"] * 4 + ["b"] * 2
+    r = group_advantages(rewards, groups, normalize_std=False)
+    assert r.advantages == pytest.approx([0.75, -0.25, -0.25, -0.25, 0.0, 0.0])
+    assert r.zero_variance_groups == 1
+    # One success in four: std normalisation inflates it to sqrt(3); Dr. GRPO keeps 0.75.
+    assert group_advantages(rewards, groups).advantages[0] == pytest.approx(3 ** 0.5, abs=1e-4)
+
+
+def test_step_advantages_honours_advantage_norm():
+    from agentrl.agent.trajectory import Trajectory
+    from agentrl.train.loss import step_advantages
+
+    trajs = [Trajectory(f"e{i}", "t", "g", 1, [1, 2], [0, 1], [0.0, -1.0], [-1, 0], "scored", float(i == 0))
+             for i in range(4)]
+    _, std, mean = step_advantages(trajs, ["g"] * 4)
+    _, centred, _ = step_advantages(trajs, ["g"] * 4, -1.0, advantage_norm="none")
+    assert mean == 0.25 and std[0] == pytest.approx(3 ** 0.5, abs=1e-4)
+    assert centred == pytest.approx([-0.75, 0.25, 0.25, 0.25])  # sign applies after
+    with pytest.raises(ValueError, match="algorithm.advantage_norm 'max'"):
+        step_advantages(trajs, ["g"] * 4, advantage_norm="max")
+
+
+def test_torch_backend_passes_the_configured_advantage_norm():
+    from agentrl.agent.trajectory import Trajectory
+    from agentrl.config.schema import AlgorithmConfig, TrainConfig
+    from agentrl.models.tiny import build_tiny_model
+    from agentrl.train.torch_backend import TorchBackend
+
+    trajs = [Trajectory(f"e{i}", "t", "g", 3, [5, 6, 7, 8 + i, 9], [0, 0, 0, 1, 1], [0, 0, 0, -1.0, -1.0],
+                        [-1, -1, -1, 0, 0], "scored", float(i == 0)) for i in range(4)]
+    seen = {}
+    for norm in ("std", "none"):
+        b = TorchBackend(build_tiny_model(0), TrainConfig(logprob_chunk_tokens=64),
+                         AlgorithmConfig(group_size=4, advantage_norm=norm))
+        seen[norm] = b.train_step(trajs, ["g"] * 4)["advantage_abs_mean"]
+    assert seen["std"] == pytest.approx(0.866, abs=1e-3) and seen["none"] == pytest.approx(0.375)

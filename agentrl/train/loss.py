@@ -1,7 +1,11 @@
 """GRPO with PPO-style asymmetric clipping and truncated importance sampling (TIS).
 
 - Advantages: group-normalised rewards, A_i = (r_i - mean_g) / (std_g + eps) (GRPO, Shao et al.
-  2024). A group whose rewards are all equal carries no signal: its advantages are 0, counted.
+  2024), or with `advantage_norm="none"` A_i = r_i - mean_g (Dr. GRPO, Liu et al. 2025: dividing
+  by the std up-weights groups whose rewards barely differ, e.g. 1 success in 8 gets A = 2.65 where
+  the centred reward is 0.875). A group whose rewards are all equal carries no signal: its
+  advantages are 0, counted. (Dr. GRPO's other change, no per-sequence length normalisation, is
+  already how this loss normalises: one token mean over the whole step.)
 - Policy loss per sampled token: max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high)) with
   r = exp(logp_new - logp_old) (PPO; the asymmetric "clip-higher" of DAPO, Yu et al. 2025).
 - TIS (Yao et al. 2025): w = clamp(exp(logp_old - logp_rollout), tis_low, tis_high), detached,
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 ADV_EPS = 1e-6
+ADVANTAGE_NORMS = ("std", "none")
 
 
 @dataclass
@@ -28,14 +33,17 @@ class GroupAdvantages:
     groups: int
 
 
-def step_advantages(trajectories, group_ids: list[str], sign: float = 1.0) -> tuple[GroupAdvantages, list[float], float]:
+def step_advantages(trajectories, group_ids: list[str], sign: float = 1.0,
+                    advantage_norm: str = "std") -> tuple[GroupAdvantages, list[float], float]:
     """A training step's group advantages (a missing reward counts as 0), the per-trajectory
     advantages times `sign` (-1 is the learnability check's negative control) and the mean reward.
-    Both backends start their step with it."""
+    `advantage_norm` is algorithm.advantage_norm. Both backends start their step with it."""
     if not trajectories:
         raise ValueError("train_step needs at least one trajectory")
+    if advantage_norm not in ADVANTAGE_NORMS:
+        raise ValueError(f"algorithm.advantage_norm {advantage_norm!r} is unknown; use one of {ADVANTAGE_NORMS}")
     rewards = [t.reward if t.reward is not None else 0.0 for t in trajectories]
-    adv = group_advantages(rewards, group_ids)
+    adv = group_advantages(rewards, group_ids, normalize_std=advantage_norm == "std")
     return adv, [a * sign for a in adv.advantages], sum(rewards) / len(rewards)
 
 

@@ -95,7 +95,8 @@ class TorchBackend:
     # -- one optimizer step --------------------------------------------------------------------
     def train_step(self, trajectories: list[Trajectory], group_ids: list[str]) -> dict[str, float]:
         t0 = time.perf_counter()
-        adv, advantages, reward_mean = step_advantages(trajectories, group_ids, self.advantage_sign)
+        adv, advantages, reward_mean = step_advantages(trajectories, group_ids, self.advantage_sign,
+                                                       self.algo.advantage_norm)
         device = next(self.model.parameters()).device
         batches = [collate(trajectories, advantages, idx, self.pad_id).to(device)
                    for idx in plan_micro_batches([len(t.token_ids) for t in trajectories],
