@@ -69,7 +69,7 @@ async def run_oracle(provider: SandboxProvider, task: TaskSpec) -> tuple[ScoreRe
             timeout_s=task.agent_timeout_s,
             max_output_bytes=_ORACLE_OUTPUT_BYTES,
         )
-        return await score_task(sandbox, task), run.timed_out
+        return await score_task(sandbox, task, provider=provider), run.timed_out
     finally:
         await sandbox.close()
 
@@ -77,7 +77,7 @@ async def run_oracle(provider: SandboxProvider, task: TaskSpec) -> tuple[ScoreRe
 async def run_empty(provider: SandboxProvider, task: TaskSpec) -> ScoreResult:
     sandbox = await provider.create(task.sandbox_spec(labels={"purpose": "empty"}))
     try:
-        return await score_task(sandbox, task)
+        return await score_task(sandbox, task, provider=provider)
     finally:
         await sandbox.close()
 

@@ -46,9 +46,11 @@ class TB2Env:
         max_keystroke_wait_s: float = 60.0,
         verifier_timeout_s: float | None = None,
         use_terminal: bool = True,
+        verifier_sandbox: str | None = None,
     ):
         """`provider` is shared and not closed by this env; without one, the env makes its own
-        from `sandbox` (a SandboxConfig or its dict) and closes it in close()."""
+        from `sandbox` (a SandboxConfig or its dict) and closes it in close(). `verifier_sandbox`
+        ("same" or "fresh") overrides every task's `[verifier] sandbox` (scorer.py)."""
         self.tasks_dir = Path(tasks_dir) if tasks_dir is not None else DEFAULT_TASKS_DIR
         self.sandbox_config = (
             sandbox if isinstance(sandbox, SandboxConfig) else SandboxConfig(**(sandbox or {}))
@@ -60,6 +62,7 @@ class TB2Env:
         self.max_keystroke_wait_s = max_keystroke_wait_s
         self.verifier_timeout_s = verifier_timeout_s
         self.use_terminal = use_terminal
+        self.verifier_sandbox = verifier_sandbox
         self._provider = provider
         self._owns_provider = provider is None
         self._tasks: dict[str, TaskSpec] = {}
@@ -218,7 +221,13 @@ class TB2Env:
         if self._scored:
             raise RuntimeError("score() called twice in one episode")
         self._scored = True
-        result = await score_task(self._sandbox, self._task, timeout_s=self.verifier_timeout_s)
+        result = await score_task(
+            self._sandbox,
+            self._task,
+            timeout_s=self.verifier_timeout_s,
+            provider=self._provider,
+            verifier_sandbox=self.verifier_sandbox,
+        )
         text = f"{result.status}: {result.detail}"
         return Observation(
             text=text,

@@ -8,6 +8,12 @@ in two schemas, both accepted:
   `docker_image`, `cpus`, `gpus`, `allow_internet`, `build_timeout_sec`, plus `[environment.env]`.
 Both carry `[metadata]`, `[verifier] timeout_sec` (+ `[verifier.env]`) and `[agent] timeout_sec`.
 
+Verifier isolation (agentrl's keys, ignored by other harnesses): `[verifier] sandbox = "fresh"`
+runs the tests in a fresh sandbox of the task's environment instead of the agent's, with only the
+paths in `[verifier] outputs` (absolute; files or folders) carried over, at most
+`outputs_max_mb` (default 64) of them; "same" (the default) runs them in the agent's sandbox once
+every agent process is gone. Harbor's `environment_mode = "separate"` maps onto "fresh".
+
 Fixture conventions (this project's, ignored by other harnesses): `[metadata] expected_status`,
 `expected_reward` and `expected_empty_status` tell `agentrl tasks check` what a deliberately
 adversarial task must end with; a file `expected_error.txt` marks a deliberately invalid task.
@@ -33,6 +39,10 @@ DEFAULT_WORKDIR = "/app"  # what TB2 images use; Docker's own default would be "
 EXPECTED_ERROR_FILE = "expected_error.txt"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
 _UNIT_MB = {"": 1, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1 << 20}  # a bare number means MB
+VERIFIER_SANDBOXES = ("same", "fresh")
+DEFAULT_OUTPUTS_MAX_MB = 64.0
+# Carried outputs may not land where the verifier keeps its own things or the kernel's.
+_NOT_OUTPUTS = ("/tests", "/logs/verifier", "/solution", "/proc", "/sys", "/dev")
 
 
 class TaskFormatError(ValueError):
@@ -68,6 +78,9 @@ class TaskSpec(BaseModel):
     gpus: int = 0
     allow_internet: bool = True
     verifier_env: dict[str, str] = Field(default_factory=dict)
+    verifier_sandbox: str = Field("same", description='"same": the agent\'s sandbox, agent processes killed; "fresh".')
+    verifier_outputs: list[str] = Field(default_factory=list, description="Paths carried to a fresh verifier.")
+    verifier_outputs_max_mb: float = DEFAULT_OUTPUTS_MAX_MB
     environment_env: dict[str, str] = Field(default_factory=dict)
     workdir: str = DEFAULT_WORKDIR
     unsupported_locally: list[str] = Field(
@@ -162,6 +175,7 @@ def load_task(task_dir: str | Path) -> TaskSpec:
         "gpus": int(fields.number("environment", "gpus", 0)),
         "allow_internet": fields.boolean("environment", "allow_internet", True),
         "verifier_env": fields.env("verifier"),
+        **fields.verifier_isolation(),
         "environment_env": fields.env("environment"),
         "workdir": plan.workdir or DEFAULT_WORKDIR,
         "unsupported_locally": plan.unsupported,
@@ -283,6 +297,23 @@ class _TomlFields:
                 raise self._fail(f"[environment].{legacy_key}", f"{v!r} must be positive")
             return max(1, int(mb))
         return default
+
+    def verifier_isolation(self) -> dict[str, Any]:
+        """[verifier] sandbox / outputs / outputs_max_mb (see the module docstring)."""
+        mode = self.string("verifier", "sandbox") or "same"
+        if mode not in VERIFIER_SANDBOXES:
+            raise self._fail("[verifier].sandbox", f"{mode!r}: use one of {', '.join(VERIFIER_SANDBOXES)}")
+        outputs = self.string_list("verifier", "outputs")
+        for path in outputs:
+            parts = path.split("/")
+            if not path.startswith("/") or ".." in parts or path.rstrip("/") == "":
+                raise self._fail("[verifier].outputs", f"{path!r}: give absolute paths without '..', e.g. /app/out.txt")
+            if any(path == p or path.startswith(p + "/") for p in _NOT_OUTPUTS):
+                raise self._fail("[verifier].outputs", f"{path!r}: not under {', '.join(_NOT_OUTPUTS)}")
+        max_mb = self.number("verifier", "outputs_max_mb", DEFAULT_OUTPUTS_MAX_MB)
+        if max_mb <= 0:
+            raise self._fail("[verifier].outputs_max_mb", f"must be > 0, got {max_mb!r}")
+        return {"verifier_sandbox": mode, "verifier_outputs": outputs, "verifier_outputs_max_mb": max_mb}
 
     def env(self, table: str) -> dict[str, str]:
         v = self.table(table).get("env", {})

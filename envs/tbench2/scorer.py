@@ -1,14 +1,29 @@
 """Score a terminal-bench-2 episode with the task's own tests/test.sh.
 
-Steps (REFERENCE section 4): remove any reward file the agent may have planted (and any /tests it
-made), upload tests/ to /tests, run `bash /tests/test.sh` in the task's working directory under the
-verifier timeout, then read the verdict:
-- /logs/verifier/reward.json, if present: a non-empty JSON object of finite numbers. The reward is
-  its "reward" key when there is one, else the mean of its values.
-- else /logs/verifier/reward.txt: one finite float.
+The policy is an adversary: whatever lets it forge a pass, it will find. So, in order:
+1. every process of the agent is ended (`Sandbox.kill_all`: setsid daemons, tmux servers, loops
+   waiting for /tests to appear), so nothing it left running can write a verdict or swap a test;
+2. /tests and /logs/verifier are removed whatever the agent made of them (a planted verdict, a
+   symlink elsewhere, a directory where the file goes, chmod/chattr locks, a mount on top) and
+   made again, owned by the verifier (root);
+3. only now tests/ is uploaded to /tests, and `bash /tests/test.sh` runs in the task's working
+   directory under the verifier timeout, with the image's environment plus `[verifier.env]`
+   (nothing the agent exported reaches it) and /bin/bash itself rather than the first `bash` on
+   PATH;
+4. the verdict is read once, right after test.sh exits:
+   - /logs/verifier/reward.json, if present: a non-empty JSON object of finite numbers. The reward
+     is its "reward" key when there is one, else the mean of its values.
+   - else /logs/verifier/reward.txt: one finite float.
 A missing, empty, malformed or non-finite verdict is `infra_error:verifier`, and a verifier that
 outlives its timeout is `infra_error:verifier_timeout`: neither is ever reward 0. test.sh's exit
 code does not matter once a verdict was written (tests usually exit 1 after writing 0).
+
+What the same sandbox cannot defend against: files the agent changed that the tests then trust,
+e.g. a replaced python or pytest in a folder on the image's PATH, a .pth file in a site-packages
+folder, /etc/ld.so.preload (locally /usr and /etc are read-only, so these need a writable folder
+the task's own image puts on PATH). For those, `[verifier] sandbox = "fresh"` (or
+`verifier_sandbox="fresh"` here) runs steps 2-4 in a fresh sandbox of the task's environment
+into which only the task's declared outputs are carried (carry.py).
 
 Only the Sandbox protocol is used, so this works the same on the local and the Daytona backend.
 """
@@ -22,8 +37,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentrl.sandbox.base import Sandbox, SandboxError
-from envs.tbench2.loader import TaskSpec
+from agentrl.sandbox.base import Sandbox, SandboxError, SandboxProvider
+from envs.tbench2.carry import pack_outputs, unpack_outputs
+from envs.tbench2.loader import VERIFIER_SANDBOXES, TaskSpec
 
 VERIFIER_DIR = "/logs/verifier"
 TESTS_DIR = "/tests"
@@ -32,9 +48,22 @@ VERIFIER_ERROR = "infra_error:verifier"
 VERIFIER_TIMEOUT = "infra_error:verifier_timeout"
 _MAX_REWARD_FILE_BYTES = 64 * 1024
 _SETUP_TIMEOUT_S = 60.0
+# Step 2: undo a mount on top (lazily, a few times: mounts stack), an immutable flag, a /logs that
+# is a link or a file; then fresh folders owned by the verifier. $1 is the task's working directory.
+_RESET_SCRIPT = (
+    "for d in /tests /logs/verifier /logs; do i=0; "
+    "while [ $i -lt 8 ] && grep -q \" $d \" /proc/self/mountinfo 2>/dev/null; do umount -l \"$d\" 2>/dev/null || break; "
+    "i=$((i+1)); done; done; "
+    "chattr -R -i /tests /logs 2>/dev/null; "
+    "if [ -L /logs ] || { [ -e /logs ] && [ ! -d /logs ]; }; then rm -rf /logs; fi; "
+    f"rm -rf {TESTS_DIR} {VERIFIER_DIR} && mkdir -p -m 755 {VERIFIER_DIR} {TESTS_DIR} \"$1\" && "
+    f"chmod 755 {VERIFIER_DIR} {TESTS_DIR}"
+)
+# Step 3: /bin/bash when the image has one (a `bash` planted earlier on PATH is not it).
+_RUN_TESTS = f"if [ -x /bin/bash ]; then exec /bin/bash {TESTS_DIR}/test.sh; fi; exec bash {TESTS_DIR}/test.sh"
 
 
-@dataclass(frozen=True)
+@dataclass
 class ScoreResult:
     status: str  # "scored" or "infra_error:<kind>"
     reward: float | None  # set only when status == "scored"
@@ -90,52 +119,75 @@ async def upload_tree(sandbox: Sandbox, src: Path, dest: str) -> int:
 
 
 async def score_task(
-    sandbox: Sandbox, task: TaskSpec, *, timeout_s: float | None = None, max_output_bytes: int = 64 * 1024
+    sandbox: Sandbox,
+    task: TaskSpec,
+    *,
+    timeout_s: float | None = None,
+    max_output_bytes: int = 64 * 1024,
+    provider: SandboxProvider | None = None,
+    verifier_sandbox: str | None = None,
 ) -> ScoreResult:
-    """Run the task's verifier in `sandbox` and read its verdict. Never raises for a sandbox or
-    verifier failure: those come back as an `infra_error:<kind>` status."""
+    """Run the task's verifier for the episode in `sandbox` and read its verdict. Never raises for
+    a sandbox or verifier failure: those come back as an `infra_error:<kind>` status.
+
+    `verifier_sandbox` ("same" or "fresh", default: the task's `[verifier] sandbox`) picks where
+    the tests run; "fresh" needs the `provider` that made `sandbox`."""
     start = time.monotonic()
     timeout = timeout_s if timeout_s is not None else task.verifier_timeout_s
-
-    def done(status: str, reward: float | None, detail: str, output: str = "") -> ScoreResult:
-        return ScoreResult(status, reward, detail, output, time.monotonic() - start)
-
+    mode = verifier_sandbox or task.verifier_sandbox
+    if mode not in VERIFIER_SANDBOXES:
+        raise ValueError(f"verifier_sandbox={mode!r}: use one of {', '.join(VERIFIER_SANDBOXES)}")
+    if mode == "fresh" and provider is None:
+        raise ValueError("verifier_sandbox='fresh' needs provider= (the fresh sandbox is created with it)")
     try:
-        # rm -rf, not rm -f: the agent may have planted a directory or a symlink at these paths.
-        reset = await sandbox.exec(
-            f"rm -rf {VERIFIER_DIR}/reward.* {TESTS_DIR} && mkdir -p {VERIFIER_DIR} {TESTS_DIR} "
-            f"{shlex.quote(task.workdir)}",
-            cwd="/",
-            timeout_s=_SETUP_TIMEOUT_S,
-        )
-        if reset.exit_code != 0:
-            return done(VERIFIER_ERROR, None, f"cannot prepare {VERIFIER_DIR}: {reset.output.strip()[:300]}")
-        await upload_tree(sandbox, task.tests_dir, TESTS_DIR)
-        run = await sandbox.exec(
-            f"bash {TESTS_DIR}/test.sh",
-            cwd=task.workdir,
-            env=dict(task.verifier_env),
-            timeout_s=timeout,
-            max_output_bytes=max_output_bytes,
-        )
-        if run.timed_out:
-            return done(
-                VERIFIER_TIMEOUT,
-                None,
-                f"tests/test.sh ran past the verifier timeout of {timeout:g} s",
-                run.output,
+        await sandbox.kill_all()
+        if mode == "same":
+            result = await _verify(sandbox, task, timeout, max_output_bytes)
+        else:
+            archive, carried = await pack_outputs(
+                sandbox, task.verifier_outputs, int(task.verifier_outputs_max_mb * (1 << 20))
             )
-        verdict = await sandbox.exec(
-            f"for f in reward.json reward.txt; do if [ -f {VERIFIER_DIR}/$f ]; then echo $f; "
-            f"head -c {_MAX_REWARD_FILE_BYTES} {VERIFIER_DIR}/$f; exit 0; fi; done; exit 3",
-            cwd="/",
-            timeout_s=_SETUP_TIMEOUT_S,
-            max_output_bytes=_MAX_REWARD_FILE_BYTES + 64,
-        )
+            fresh = await provider.create(task.sandbox_spec(labels={"purpose": "verifier"}))
+            try:
+                await unpack_outputs(fresh, archive)
+                result = await _verify(fresh, task, timeout, max_output_bytes)
+            finally:
+                await fresh.close()
+            result.detail += f" [fresh verifier sandbox: {carried.summary()}]"
     except SandboxError as err:
-        return done(f"infra_error:{err.kind}", None, f"sandbox failed while scoring: {err}")
+        result = ScoreResult(f"infra_error:{err.kind}", None, f"sandbox failed while scoring: {err}")
+    result.elapsed_s = time.monotonic() - start
+    return result
+
+
+async def _verify(sandbox: Sandbox, task: TaskSpec, timeout: float, max_output_bytes: int) -> ScoreResult:
+    """Steps 2-4 of the module docstring in `sandbox`, whose agent processes are gone."""
+    reset = await sandbox.exec(
+        f"sh -c {shlex.quote(_RESET_SCRIPT)} sh {shlex.quote(task.workdir)}", cwd="/", timeout_s=_SETUP_TIMEOUT_S
+    )
+    if reset.exit_code != 0:
+        return ScoreResult(VERIFIER_ERROR, None, f"cannot prepare {VERIFIER_DIR}: {reset.output.strip()[:300]}")
+    await upload_tree(sandbox, task.tests_dir, TESTS_DIR)
+    run = await sandbox.exec(
+        _RUN_TESTS,
+        cwd=task.workdir,
+        env=dict(task.verifier_env),
+        timeout_s=timeout,
+        max_output_bytes=max_output_bytes,
+    )
+    if run.timed_out:
+        return ScoreResult(
+            VERIFIER_TIMEOUT, None, f"tests/test.sh ran past the verifier timeout of {timeout:g} s", run.output
+        )
+    verdict = await sandbox.exec(
+        f"for f in reward.json reward.txt; do if [ -f {VERIFIER_DIR}/$f ]; then echo $f; "
+        f"head -c {_MAX_REWARD_FILE_BYTES} {VERIFIER_DIR}/$f; exit 0; fi; done; exit 3",
+        cwd="/",
+        timeout_s=_SETUP_TIMEOUT_S,
+        max_output_bytes=_MAX_REWARD_FILE_BYTES + 64,
+    )
     if verdict.exit_code == 3:
-        return done(
+        return ScoreResult(
             VERIFIER_ERROR,
             None,
             f"tests/test.sh (exit {run.exit_code}) wrote no {VERIFIER_DIR}/reward.json or reward.txt",
@@ -143,11 +195,11 @@ async def score_task(
         )
     name, _, content = verdict.output.partition("\n")
     if verdict.exit_code != 0 or name not in ("reward.json", "reward.txt"):
-        return done(
+        return ScoreResult(
             VERIFIER_ERROR, None, f"cannot read the reward file: {verdict.output.strip()[:300]}", run.output
         )
     try:
         reward = parse_reward_json(content) if name == "reward.json" else parse_reward_txt(content)
     except ValueError as err:
-        return done(VERIFIER_ERROR, None, str(err), run.output)
-    return done(SCORED, reward, f"{name} -> {reward:g} (test.sh exit {run.exit_code})", run.output)
+        return ScoreResult(VERIFIER_ERROR, None, str(err), run.output)
+    return ScoreResult(SCORED, reward, f"{name} -> {reward:g} (test.sh exit {run.exit_code})", run.output)
