@@ -54,13 +54,15 @@ RunDir = Annotated[Path | None, typer.Option("--run-dir", help="Where metrics, l
 
 
 def resolve(model_name, num_nodes, gpus_per_node, hardware, config, overrides, sandbox=None, run_dir=None):
-    """The front door (agentrl.config.front); exits with a clear, redacted message on bad input."""
+    """The front door (agentrl.config.front); exits with a clear, redacted message on bad input.
+    Whether the backend can run the plan is checked by the caller (`_show`, `_train`)."""
     from agentrl.config.front import FrontDoorError, resolve_run
 
     try:
         return resolve_run(config=config, model_name=model_name, num_nodes=num_nodes, gpus_per_node=gpus_per_node,
                            hardware=hardware.value if hardware is not None else None, overrides=overrides,
-                           sandbox=sandbox.value if sandbox is not None else None, run_dir=run_dir)
+                           sandbox=sandbox.value if sandbox is not None else None, run_dir=run_dir,
+                           check_runnable=False)
     except FrontDoorError as e:
         _fail(str(e))
 
@@ -73,12 +75,22 @@ def _fail(msg: str, code: int = 2):
 
 
 def _show(cfg, plan, as_json: bool) -> None:
+    """The plan, then, if the trainer backend or the weight transport would refuse it, the same
+    refusal `train` gives (exit 2): the dry run never shows a plan as runnable that is not."""
+    from agentrl.config.plan import PlanError, check_plan_runnable
     from agentrl.config.show import plan_json, print_plan
 
+    try:
+        check_plan_runnable(plan)
+        refusal = None
+    except PlanError as e:
+        refusal = str(e)
     if as_json:
-        typer.echo(plan_json(cfg, plan))
+        typer.echo(plan_json(cfg, plan, refusal=refusal))
     else:
         print_plan(cfg, plan)
+    if refusal:
+        _fail(f"this plan cannot run: {refusal}")
 
 
 @app.command()
@@ -190,6 +202,12 @@ def _train(cfg, plan, quiet: bool = False) -> None:
     import asyncio
     import json
 
+    from agentrl.config.plan import PlanError, check_plan_runnable
+
+    try:
+        check_plan_runnable(plan)
+    except PlanError as e:
+        _fail(f"this plan cannot run: {e}")
     preflight(cfg, plan)
     from agentrl.cluster.ray_env import ClusterError
     from agentrl.orchestrator import Orchestrator

@@ -19,15 +19,24 @@ def run(*args, env_extra=None):
 
 
 def test_dry_run_json_reference():
+    from agentrl.config.front import resolve_run
+    from agentrl.config.plan import PlanError, check_plan_runnable
+
     r = run("train", "--num-nodes", "16", "--dry-run", "--json")
-    assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["train_nodes"] == 8 and d["inference_nodes"] == 8
-    assert {k: d["parallel"][k] for k in ("tp", "cp", "pp", "ep")} == {"tp": 2, "cp": 4, "pp": 4, "ep": 8}
-    assert d["pp_stage_first_layers"] == [1, 19, 39, 59]
+    assert {k: d["layout"][k] for k in ("tp", "cp", "pp", "ep")} == {"tp": 2, "cp": 4, "pp": 4, "ep": 8}
+    assert d["layout"]["stage_first_layers"] == [1, 19, 39, 59]
     assert len(d["engines"]) == 8
-    assert all({"node", "gpus", "command"} <= set(e) for e in d["engines"])
+    assert all({"nodes", "gpus_per_node", "command"} <= set(e) for e in d["engines"])
     assert "sglang.launch_server" in d["engines"][0]["command"]
+    # The dry run says what `train` would: runnable, or refused with the backend's own words.
+    try:
+        check_plan_runnable(resolve_run(num_nodes=16, check_runnable=False)[1])
+        assert r.returncode == 0 and d["runnable"] is True, r.stderr
+    except PlanError as e:
+        assert r.returncode == 2 and d["runnable"] is False and d["refusal"] == str(e)
+        assert f"this plan cannot run: {e}" in r.stderr
 
 
 def test_dry_run_tables_and_no_secret_anywhere():
@@ -42,8 +51,8 @@ def test_dry_run_tables_and_no_secret_anywhere():
 
 
 def test_secret_in_override_value_is_redacted():
-    r = run("train", "--dry-run", "--set", f"logging.run_dir=/tmp/{PLANTED}")
-    assert r.returncode == 0
+    r = run("train", "--config", "local", "--dry-run", "--set", f"logging.run_dir=/tmp/{PLANTED}")
+    assert r.returncode == 0, r.stderr
     assert PLANTED not in r.stdout + r.stderr
 
 
@@ -54,10 +63,15 @@ def test_rejected_split_names_layer_and_valid_starts():
     assert "layer 20" in r.stderr and "Valid starts: [1, 2, 3, 7" in r.stderr
 
 
-def test_unbuilt_subcommand_says_so_and_fails():
-    r = run("train", "--num-nodes", "16")  # the Megatron backend is not in the run loop yet
-    assert r.returncode == 3
-    assert "not built yet" in r.stderr and "nothing was started" in r.stderr
+def test_a_cluster_plan_without_a_cluster_says_what_to_start():
+    """A multi-node plan with no Ray address: refused before anything starts, with the ray start lines."""
+    r = run("train", "--config", "local_cluster", "--set", "cluster.simulate_nodes=false")
+    assert r.returncode == 2
+    assert "no cluster was given" in r.stderr and "cluster.ray_address" in r.stderr
+    assert "ray start --head" in r.stderr and "agentrl_inference" in r.stderr
+    r = run("train", "--num-nodes", "16")
+    assert r.returncode == 2 and "not built yet" not in r.stderr
+    assert "this plan cannot run" in r.stderr or "no cluster was given" in r.stderr
 
 
 def test_unknown_model_name():

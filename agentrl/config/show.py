@@ -13,9 +13,11 @@ from agentrl.config.schema import RunConfig
 from agentrl.secrets import redact
 
 
-def plan_json(cfg: RunConfig, plan: RunPlan) -> str:
-    """One JSON object: the plan's fields at the top level, the resolved config under "config"."""
+def plan_json(cfg: RunConfig, plan: RunPlan, refusal: str | None = None) -> str:
+    """One JSON object: the plan's fields at the top level, the resolved config under "config";
+    `runnable` false with the `refusal` when the backend or transport cannot run it."""
     out = plan.to_json()
+    out["runnable"], out["refusal"] = refusal is None, refusal
     for e, spec in zip(out["engines"], plan.engines, strict=True):
         e["command"] = engine_command_preview(cfg, spec)
     out["recipe"] = cfg.recipe
