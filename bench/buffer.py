@@ -2,9 +2,10 @@
 
 Ingest: `add` of complete groups of trajectories of `tokens` tokens each (token ids, loss mask,
 rollout logprobs, weight versions: the size a real episode writes). Serve: `take_batch` of a
-step's groups + `mark_trained`, until the buffer is empty. Recovery: reopening the log of the
-whole run. The cost of durability is the ingest time with fsync over the time without, and the
-fsync's share of one add; the log lives on the disk of `directory` (default: the temp dir).
+step's groups, their trajectories (as the trainer fetches them) + `mark_trained`, until the buffer
+is empty. Recovery: reopening the log of the whole run. The cost of durability is the ingest time
+with fsync over the time without, and the fsync's share of one add; the log lives on the disk of
+`directory` (default: the temp dir).
 """
 
 from __future__ import annotations
@@ -43,9 +44,11 @@ def _one(directory: Path, fsync: bool, groups: int, group_size: int, groups_per_
     log_bytes = (directory / LOG_NAME).stat().st_size
     t0 = time.perf_counter()
     step = 0
+    served = 0
     while (batch := buf.take_batch(groups_per_step, current_version=3)) is not None:
         step += 1
-        buf.mark_trained(step, batch.group_ids)
+        served += len(buf.batch_trajectories(batch.batch_id))  # what the trainer ranks fetch
+        buf.mark_trained(step, batch.batch_id)
     serve = time.perf_counter() - t0
     buf.close()
     t0 = time.perf_counter()
@@ -56,7 +59,7 @@ def _one(directory: Path, fsync: bool, groups: int, group_size: int, groups_per_
     n = len(trajs)
     return {"fsync": fsync, "trajectories": n, "log_mb": log_bytes / 1e6, "ingest_s": ingest,
             "ingest_traj_per_s": n / ingest, "ingest_mb_per_s": log_bytes / ingest / 1e6, "ms_per_add": ingest / n * 1e3,
-            "serve_steps": step, "serve_s": serve, "serve_traj_per_s": n / serve if serve else None,
+            "serve_steps": step, "served_trajectories": served, "serve_s": serve, "serve_traj_per_s": n / serve if serve else None,
             "recover_s": recover, "recover_traj_per_s": n / recover if recover else None,
             "groups_ready_after_recovery": left}
 

@@ -143,6 +143,7 @@ async def dies_mid_episode(tmp: Path) -> Outcome:
     from agentrl.buffer.replay import ReplayBuffer
     from agentrl.config.schema import AgentConfig, SandboxConfig
     from agentrl.models.tokenizer import load_tokenizer
+    from agentrl.policy.retry import RetryPolicy
     from agentrl.rollout.types import SamplingParams
     from agentrl.sandbox.local import LocalSandboxProvider
     from envs.tbench2.env import TB2Env
@@ -173,9 +174,13 @@ async def dies_mid_episode(tmp: Path) -> Outcome:
         c(ok.outcome == "scored" and ok.reward == 0.0, f"the healthy episode scored {ok.reward}")
         c(dead.outcome.startswith("infra_error") and dead.reward is None,
           f"the episode whose sandbox died ended {dead.outcome}, reward {dead.reward} ({dead.info.get('error', '')[:80]})")
-        c(buf.take_batch(1, 0) is None and buf.counters["infra_groups_retried"] == 1,
-          "its group was retired for regeneration, never offered for training")
-        c(buf.pop_regenerate()[0]["task_id"] == "create-greeting", "the task was sent back to be generated again")
+        c(buf.take_batch(1, 0) is None and buf.counters["infra_groups_retired"] == 1,
+          "its group was retired, never offered for training")
+        retired = buf.pop_retired()
+        c([(r.task_id, r.reason) for r in retired] == [("create-greeting", "infra_error")],
+          f"the buffer reported the retirement: {[(r.task_id, r.reason) for r in retired]}")
+        decision = RetryPolicy().decide("gdie", list(retired[0].outcomes)) if retired else None
+        c(decision is not None and decision.retry, f"the retry policy runs the group again ({decision})")
         await provider.aclose()
         c(not provider.base_dir.exists() or list(provider.base_dir.iterdir()) == [], "no sandbox folder left")
     finally:

@@ -179,14 +179,20 @@ def secret_in_checkpoint(tmp: Path) -> Outcome:
 
 
 def bind_addresses(tmp: Path) -> Outcome:
+    """The engines' command lines (as the dry run prints them; built where they run with the same
+    host) bind cluster.host."""
+    import shlex
+
     from agentrl.config.loader import load_config
     from agentrl.config.plan import resolve_plan
+    from agentrl.config.show import engine_command_preview
 
     c = Checks()
     for sets, want in (([], "127.0.0.1"), (["cluster.host=0.0.0.0"], "0.0.0.0")):
         cfg = load_config("local", ["cluster.num_nodes=1", *sets], {"model": {"name": "tiny"}})
         plan = resolve_plan(cfg)
-        hosts = {e.command[e.command.index("--host") + 1] for e in plan.engines}
+        argvs = [shlex.split(engine_command_preview(cfg, e)) for e in plan.engines]
+        hosts = {argv[argv.index("--host") + 1] for argv in argvs}
         c(hosts == {want} and cfg.cluster.host == want,
           f"{' '.join(sets) or 'default'}: engines bind {sorted(hosts)}, dashboard/servers bind {cfg.cluster.host}")
     return c.outcome()

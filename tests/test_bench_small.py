@@ -16,7 +16,8 @@ def test_buffer_bench_measures_both_durability_settings(tmp_path):
     on, off = r["fsync_on"], r["fsync_off"]
     assert on["fsync"] and not off["fsync"]
     for m in (on, off):
-        assert m["trajectories"] == 8 and m["serve_steps"] == 2  # 4 groups of 2, 2 groups per step
+        assert m["trajectories"] == m["served_trajectories"] == 8 and m["serve_steps"] == 2  # 4 groups of 2,
+        # 2 groups per step: every trajectory ingested was served once
         assert m["groups_ready_after_recovery"] == 0  # everything served was marked trained, durably
         # the rates are the counts over the measured times
         assert m["ingest_traj_per_s"] == pytest.approx(m["trajectories"] / m["ingest_s"])
