@@ -267,6 +267,56 @@ async def test_per_turn_token_limit_cuts_the_reply_and_feeds_back(tok):
     assert all(sp.max_new_tokens == 30 for _, sp, *_ in gen.calls)
 
 
+def reply_len(tok, text: str) -> int:
+    return len(tok.encode(text, add_special_tokens=False)) + 1  # + eos, as ScriptedGenerator sends
+
+
+class CountingScoreEnv(FakeTerminalEnv):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.score_calls = 0
+
+    async def score(self):
+        self.score_calls += 1
+        return await super().score()
+
+
+async def test_episode_token_budget_cuts_the_reply_and_truncates(tok):
+    first = bash("write answer 42")
+    budget = reply_len(tok, first) + 10
+    env = CountingScoreEnv()
+    gen = ScriptedGenerator(tok, [first, bash("cat answer " + "x" * 300), "TASK_COMPLETE"])
+    traj = await play(env, gen, tok, cfg=AgentConfig(max_generated_tokens=budget))
+    assert (traj.outcome, traj.info["stop"], traj.num_turns) == (TRUNCATED, "token_budget", 2)
+    assert [sp.max_new_tokens for _, sp, *_ in gen.calls] == [budget, 10]  # the budget lowers the turn limit
+    assert traj.num_generated == budget and traj.trainable
+    assert (traj.reward, env.score_calls) == (1.0, 1)  # by default a truncated episode runs its tests
+
+
+async def test_truncated_reward_zero_scores_nothing_without_running_the_tests(tok):
+    first = bash("write answer 42")
+    env = CountingScoreEnv()
+    gen = ScriptedGenerator(tok, [first, bash("cat answer " + "x" * 300)])
+    cfg = AgentConfig(max_generated_tokens=reply_len(tok, first) + 10, truncated_reward="zero")
+    traj = await play(env, gen, tok, cfg=cfg)
+    assert (traj.outcome, traj.reward, env.score_calls) == (TRUNCATED, 0.0, 0)
+    assert traj.info["tests_skipped"] and env.closed == 1
+    # Context truncation follows the same rule.
+    env = CountingScoreEnv()
+    gen = ScriptedGenerator(tok, [bash("write answer 42"), bash("spam 3000"), bash("cat answer")] * 3)
+    cfg = AgentConfig(max_context_tokens=400, observation_max_chars=100_000, truncated_reward="zero")
+    traj = await play(env, gen, tok, cfg=cfg)
+    assert (traj.outcome, traj.info["stop"], traj.reward, env.score_calls) == (TRUNCATED, "context", 0.0, 0)
+
+
+async def test_a_budget_used_up_by_a_whole_turn_ends_on_the_models_turn(tok):
+    first = bash("write answer 42")
+    gen = ScriptedGenerator(tok, [first, "TASK_COMPLETE"])
+    traj = await play(FakeTerminalEnv(), gen, tok, cfg=AgentConfig(max_generated_tokens=reply_len(tok, first)))
+    assert (traj.outcome, traj.info["stop"], traj.reward) == (TRUNCATED, "token_budget", 1.0)
+    assert len(gen.calls) == 1 and traj.token_ids[-1] == tok.eos_token_id  # no observation after it
+
+
 async def test_wall_clock_timeout(tok):
     env = FakeTerminalEnv(step_delay_s=5.0)
     gen = ScriptedGenerator(tok, [bash("write answer 42")])
@@ -549,3 +599,51 @@ async def test_solves_a_tbench2_fixture_task_in_a_local_sandbox(tok, action_form
     assert traj.info.get("error") is None
     assert (traj.outcome, traj.reward, traj.info["stop"]) == (SCORED, 1.0, "task_complete")
     assert "Hello, agentrl!" in tok.decode(traj.token_ids[traj.prompt_len :])
+
+
+class ReactiveGenerator(ScriptedGenerator):
+    """A reply may be a function of the conversation so far (decoded), as a model reads it."""
+
+    async def generate(self, input_ids, sampling, *, session_id, rid=None):
+        if callable(self.replies[0]):
+            self.replies[0] = self.replies[0](self.tok.decode(input_ids))
+        return await super().generate(input_ids, sampling, session_id=session_id, rid=rid)
+
+
+@pytest.mark.skipif(
+    not (shutil.which("bwrap") and shutil.which("tmux")), reason="local sandbox needs bwrap and tmux"
+)
+@pytest.mark.parametrize("max_turns", [3, 2])
+async def test_look_then_act_on_a_generated_task_sees_each_output(tok, tmp_path, max_turns):
+    """bash_block over several turns: the model reads a file, and the name it acts on comes from
+    that command's output in the conversation (it is in no instruction)."""
+    import re
+
+    from agentrl.envs.registry import make_env
+    from envs.tbench2.generate.build import draw_instances, write_set
+    from envs.tbench2.generate.registry import families_named
+
+    inst = next(i for seed in range(20) for i in draw_instances(families_named(["follow-pointer"]), 1, seed)
+                if i.task.solution[-1].startswith("rm "))
+    write_set(tmp_path / "set", [inst], {"test": "look-then-act"})
+    pointer = next(p for p in inst.task.app if "/" not in p)
+    folder = next(p.split("/")[0] for p in inst.task.app if "/" in p)
+    named = inst.task.app[pointer].content.decode().strip()
+    assert named not in inst.task.instruction
+
+    def act(conversation: str) -> str:
+        seen = conversation.split(f"cat /app/{pointer}")[-1]
+        return bash(f"rm /app/{folder}/{re.findall(r'[a-z]+_[a-z]+[.]txt', seen)[0]}")
+
+    gen = ReactiveGenerator(tok, [bash(f"cat /app/{pointer}"), act, "TASK_COMPLETE"])
+    env = make_env("tbench2", tasks_dir=tmp_path / "set")
+    traj = await play(env, gen, tok, cfg=AgentConfig(max_turns=max_turns, command_timeout_s=10),
+                      task_id=inst.task_id)
+    assert traj.info.get("error") is None and traj.info["actions"] == 2
+    assert (traj.outcome, traj.reward) == (SCORED, 1.0)
+    assert (traj.num_turns, traj.info["stop"]) == ((3, "task_complete") if max_turns == 3 else (2, "max_turns"))
+    # The first command's output came back as context (loss mask 0) before the second turn.
+    second_prompt = gen.calls[1][0]
+    observed = tok.decode(second_prompt[len(gen.calls[0][0]) + len(gen.outputs[0]):])
+    assert named in observed
+    assert named in tok.decode([t for t, m in zip(traj.token_ids, traj.loss_mask) if m == 0])

@@ -7,10 +7,16 @@ logprobs + versions out) -> parse the action -> `env.step` -> observation delta 
 How an episode ends (the Trajectory's outcome):
 - `scored`: the model finished (TASK_COMPLETE / confirmed task_complete), the env said done, or
   the turns ran out; the env's verdict is the reward.
-- `truncated`: the conversation reached agent.max_context_tokens; `agent_timeout`: the wall clock
-  (agent.episode_timeout_s, counted from after reset) ran out, or the env ended the episode with
-  metadata `agent_timeout: true` (its own task time limit). Both are still scored, since the
-  env's state may already solve the task, and both stay trainable.
+- `truncated`: the conversation reached agent.max_context_tokens, or the model used up the
+  episode's generation budget (agent.max_generated_tokens, over all turns); `agent_timeout`: the
+  wall clock (agent.episode_timeout_s, counted from after reset) ran out, or the env ended the
+  episode with metadata `agent_timeout: true` (its own task time limit). Both are still scored,
+  since the env's state may already solve the task, and both stay trainable; with
+  agent.truncated_reward = "zero" a truncated episode gets 0 without running the tests.
+Token limits: each turn generates at most rollout.max_new_tokens (the sampling parameter), lowered
+to what the context and the episode budget have left. A reply cut by the per-turn limit is
+parsed as it is (a complete command block still runs); one cut by the context or the budget ends
+the episode as truncated.
 - `infra_error:<kind>`: the env, sandbox, engine or verifier failed (a SandboxError keeps its
   kind; other env failures are `env`, engine failures and aborts `engine`, scoring failures
   `verifier`). The reward is then None, never 0.
@@ -79,6 +85,7 @@ class _Episode:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.turns = 0
+        self.generated = 0  # tokens the model produced so far, all turns
         self.timings = {"generate_s": 0.0, "env_s": 0.0, "score_s": 0.0}
         self.info: dict[str, Any] = {"parse_errors": 0, "actions": 0, "finish_reasons": [], "stop": None}
 
@@ -92,6 +99,7 @@ class _Episode:
 
     def append_generated(self, result: GenerateResult) -> None:
         self.token_ids += result.output_ids
+        self.generated += len(result.output_ids)
         self.loss_mask += [1] * len(result.output_ids)
         self.logprobs += [float(x) for x in result.logprobs]
         self.versions += [int(v) for v in result.weight_versions]
@@ -141,29 +149,41 @@ class _Episode:
 
     async def interact(self) -> str:
         """Turns until the model or env finishes, or a limit; returns why it stopped."""
-        cfg = self.cfg
+        cfg, per_turn = self.cfg, self.sampling.max_new_tokens
         while self.turns < cfg.max_turns:
             room = cfg.max_context_tokens - len(self.token_ids)
             if room <= 0:
                 return "context"
-            max_new = min(self.sampling.max_new_tokens, room)
+            budget = self.budget_left()
+            if budget <= 0:
+                return "token_budget"
+            max_new = min(per_turn, room, budget)
             result = await self.generate(max_new)
             self.append_generated(result)
             self.turns += 1
             self.info["finish_reasons"].append(result.finish_reason)
-            if result.finish_reason == "length" and max_new < self.sampling.max_new_tokens:
-                return "context"  # cut by the context limit, not by the per-turn limit
+            if result.finish_reason == "length" and max_new < per_turn:
+                # cut by an episode limit, not by the per-turn limit
+                return "context" if room <= budget else "token_budget"
             parsed = self.format.parse(self.reply_text(result.output_ids))
             observation, finished = await self.act(parsed)
             if finished:
                 return finished
             if self.turns >= cfg.max_turns:
                 break
+            if self.budget_left() <= 0:
+                return "token_budget"  # no tokens left for another turn
             delta = self.chat.observation_ids(result.output_ids, observation)
             if len(self.token_ids) + len(delta) >= cfg.max_context_tokens:
                 return "context"  # no room left for another turn after this observation
             self.append_context(delta)
         return "max_turns"
+
+    def budget_left(self) -> int:
+        """Tokens the model may still generate in this episode (agent.max_generated_tokens)."""
+        if self.cfg.max_generated_tokens is None:
+            return self.sampling.max_new_tokens
+        return self.cfg.max_generated_tokens - self.generated
 
     def reply_text(self, output_ids: list[int]) -> str:
         """The model's reply as text for parsing. Decoded with special tokens kept, so that
@@ -248,8 +268,12 @@ async def run_episode(
                         raise
                     stop = "timeout"
             ep.info["stop"] = stop
-            outcome = {"context": TRUNCATED, "timeout": AGENT_TIMEOUT}.get(stop, SCORED)
-            reward = await ep.score()
+            outcome = {"context": TRUNCATED, "token_budget": TRUNCATED, "timeout": AGENT_TIMEOUT}.get(stop, SCORED)
+            if outcome == TRUNCATED and cfg.truncated_reward == "zero":
+                reward = 0.0  # by config: a truncated episode earns nothing, its tests are not run
+                ep.info["tests_skipped"] = True
+            else:
+                reward = await ep.score()
         except _InfraFailure as failure:
             outcome, reward = infra_error(failure.kind), None
             ep.info["error"] = str(failure)[:_MAX_ERROR_CHARS]
