@@ -124,23 +124,33 @@ def _prepare(cfg, plan) -> None:
 @app.command("prepare-cp")
 def prepare_cp(model_name: ModelName = None, num_nodes: NumNodes = None, gpus_per_node: GpusPerNode = None,
                hardware: HardwareOpt = None, config: ConfigOpt = None, set_: SetOpt = None,
-               dry_run: DryRun = False, as_json: JsonOpt = False) -> None:
-    """Copy the converted checkpoint to node-local disk (model.local_dir); run on every node."""
+               dry_run: DryRun = False, as_json: JsonOpt = False,
+               role: Annotated[str, typer.Option("--role", help="all (default), train or inference: which "
+                                                 "checkpoints this node needs.")] = "all") -> None:
+    """Copy checkpoints to node-local disk; run on every node. Training nodes: the converted Megatron
+    checkpoint (model.megatron_dir -> model.local_dir). Inference nodes: the engines' rollout checkpoint
+    (model.rollout_path -> model.rollout_local_dir). Each pair that is set is copied (sha256-checked,
+    resumable); --role limits it to one kind of node."""
     cfg, plan = resolve(model_name, num_nodes, gpus_per_node, hardware, config, set_)
     if dry_run:
         return _show(cfg, plan, as_json)
     from agentrl.models.prepare import copy_checkpoint_to_local
 
     m = cfg.model
-    if m.megatron_dir is None or m.local_dir is None:
-        _fail("prepare-cp needs model.megatron_dir (the converted checkpoint on shared storage) and "
-              "model.local_dir (node-local destination)")
-    try:
-        report = copy_checkpoint_to_local(m.megatron_dir, m.local_dir)
-    except (FileNotFoundError, OSError) as e:
-        _fail(str(e))
-    typer.echo(f"prepare-cp: {len(report.copied)} copied, {len(report.skipped)} already verified, "
-               f"{len(report.recopied)} re-copied (corrupt or stale), {report.bytes_copied / 1e9:.2f} GB", err=True)
+    pairs = {"train": ("model.megatron_dir", m.megatron_dir, "model.local_dir", m.local_dir),
+             "inference": ("model.rollout_path", m.rollout_path, "model.rollout_local_dir", m.rollout_local_dir)}
+    chosen = [r for r in pairs if role in ("all", r) and pairs[r][1] is not None and pairs[r][3] is not None]
+    if not chosen:
+        _fail("prepare-cp has nothing to copy: set model.megatron_dir and model.local_dir (training nodes) and/or "
+              "model.rollout_path and model.rollout_local_dir (inference nodes)")
+    for r in chosen:
+        src_field, src, dst_field, dst = pairs[r]
+        try:
+            report = copy_checkpoint_to_local(src, dst)
+        except (FileNotFoundError, OSError) as e:
+            _fail(f"{src_field} -> {dst_field}: {e}")
+        typer.echo(f"prepare-cp ({r}): {len(report.copied)} copied, {len(report.skipped)} already verified, "
+                   f"{len(report.recopied)} re-copied (corrupt or stale), {report.bytes_copied / 1e9:.2f} GB", err=True)
 
 
 @app.command()
