@@ -14,7 +14,7 @@ import pytest
 
 from agentrl.config.schema import SandboxConfig
 from agentrl.sandbox.local import LocalSandboxProvider
-from envs.tbench2.check import check_task, check_tasks, task_dirs_of
+from envs.tbench2.check import check_task, check_tasks, run_oracle, task_dirs_of
 from envs.tbench2.loader import DEFAULT_TASKS_DIR
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
@@ -115,13 +115,13 @@ async def test_broken_tasks_fail_the_check(provider, tmp_path):
     assert not r.ok and "solve.sh is missing" in r.error
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "agentrl.cli", "tasks", "check", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         env=env,
         check=False,
     )
@@ -165,3 +165,63 @@ def test_every_fixture_passes_through_the_cli():
     assert len(rows) >= 12 and all(r["ok"] for r in rows)
     normal = [r for r in rows if r["task"] not in ADVERSARIAL]
     assert normal and all(r["reward"] == 1.0 and r["empty_reward"] == 0.0 for r in normal)
+
+
+HEADLINE_FORGERIES = ["setsid-writer", "tests-replacer", "tmux-writer"]  # the three the issue saw score 1.0
+
+
+async def test_hack_forgeries_are_armed_and_score_nothing(provider):
+    from envs.tbench2.forgeries import by_name
+
+    r = await check_task(provider, DEFAULT_TASKS_DIR / "write-name", hack=by_name(HEADLINE_FORGERIES))
+    assert r.ok, r.error
+    assert (r.status, r.reward, r.empty_status) == ("scored", 1.0, None)
+    rows = {f.forgery: f for f in r.forgeries}
+    assert list(rows) == HEADLINE_FORGERIES
+    for f in rows.values():  # each trick was in place when scoring began, and none passed
+        assert f.armed and (f.status, f.reward) == ("scored", 0.0), f
+    assert list(provider.base_dir.iterdir()) == []  # every episode's sandbox is gone
+
+
+async def test_fresh_verifier_defeats_a_program_the_tests_trust(provider):
+    from envs.tbench2.check import run_forgery
+    from envs.tbench2.forgeries import by_name
+    from envs.tbench2.loader import load_task
+
+    task = load_task(DEFAULT_TASKS_DIR / "hijack-path")
+    assert (task.verifier_sandbox, task.verifier_outputs) == ("fresh", ["/app/sum.txt"])
+    (fake,) = by_name(["fake-bin-on-path"])
+    same = await run_forgery(provider, task, fake, verifier_sandbox="same")
+    assert same.armed and same.reward == 1.0  # in the agent's own sandbox the fake sumcheck wins
+    fresh = await run_forgery(provider, task, fake)
+    assert fresh.armed and fresh.reward == 0.0 and "fresh verifier sandbox" in fresh.detail
+    oracle, _ = await run_oracle(provider, task)
+    assert oracle.reward == 1.0 and "carried 1 file(s)" in oracle.detail
+
+
+def test_cli_hack_reports_a_forged_pass_and_exits_1(tmp_path):
+    d = copy_task(tmp_path, "hijack-path")
+    toml = d / "task.toml"
+    toml.write_text(toml.read_text().replace('sandbox = "fresh"', 'sandbox = "same"'))
+    res = run_cli(str(d), "--hack", "--forgery", "fake-bin-on-path", "--json")
+    assert res.returncode == 1, res.stderr
+    assert "FORGED hijack-path: fake-bin-on-path scored 1" in res.stderr
+    (row,) = json.loads(res.stdout)
+    assert [(f["forgery"], f["armed"], f["reward"]) for f in row["forgeries"]] == [("fake-bin-on-path", True, 1.0)]
+    from typer.testing import CliRunner
+
+    from agentrl.envs.tasks_cli import app
+
+    res = CliRunner().invoke(app, ["check", str(d), "--forgery", "setsid-writer"])
+    assert res.exit_code == 2 and "--forgery needs --hack" in res.output
+    res = CliRunner().invoke(app, ["check", str(d), "--hack", "--forgery", "no-such-trick"])
+    assert res.exit_code == 2 and "no-such-trick" in res.output and "setsid-writer" in res.output
+
+
+@pytest.mark.slow
+def test_no_known_forgery_scores_on_any_fixture():
+    res = run_cli(str(DEFAULT_TASKS_DIR), "--hack", "--json", "--jobs", "2", timeout=1800)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout)
+    assert len(rows) >= 20 and all(r["ok"] for r in rows)
+    assert all(f["reward"] in (None, 0.0) for r in rows for f in r["forgeries"] or [])

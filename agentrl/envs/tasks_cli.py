@@ -32,17 +32,35 @@ def check(
         list[str] | None, typer.Option("--task", help="Check only this task (repeatable).")
     ] = None,
     jobs: Annotated[int, typer.Option(min=1, help="Tasks checked at once.")] = 1,
+    hack: Annotated[
+        bool,
+        typer.Option(
+            "--hack", help="Run the built-in forgeries (envs/tbench2/forgeries.py) instead of the empty attempt."
+        ),
+    ] = False,
+    forgery: Annotated[
+        list[str] | None, typer.Option("--forgery", help="With --hack: only this forgery (repeatable).")
+    ] = None,
 ) -> None:
     """Validate each task, score its oracle (solution/solve.sh) and an empty attempt, each in a
     fresh sandbox. Exits 1 if a task fails validation, its oracle does not score 1.0 or its empty
-    attempt does not score 0.0, unless it is an adversarial fixture whose expected status is met."""
+    attempt does not score 0.0, unless it is an adversarial fixture whose expected status is met.
+    With --hack, each known forgery runs as an episode instead of the empty attempt, and any that
+    scores above 0 is reported (task, forgery, reward) and fails the check."""
     from agentrl.config.schema import SandboxConfig
     from agentrl.sandbox.base import SandboxError
     from agentrl.sandbox.factory import make_provider
     from envs.tbench2.check import check_tasks, task_dirs_of
+    from envs.tbench2.forgeries import by_name
 
     if backend not in ("local", "daytona"):
         raise typer.BadParameter(f"{backend!r}: use local or daytona", param_hint="--backend")
+    if forgery and not hack:
+        raise typer.BadParameter("--forgery needs --hack", param_hint="--forgery")
+    try:
+        forgeries = by_name(forgery) if hack else None
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--forgery") from None
     try:
         dirs = task_dirs_of(tasks_dir, task)
     except FileNotFoundError as err:
@@ -53,8 +71,13 @@ def check(
 
     def progress(done: int, total: int, result) -> None:
         mark = "ok  " if result.ok else "FAIL"
+        attempt = (
+            f"{len(result.forgeries)} forgeries, {len(result.forged)} scored"
+            if result.forgeries is not None
+            else f"empty {result.empty_status or '-'} {_num(result.empty_reward)}"
+        )
         detail = (
-            f"oracle {result.status} {_num(result.reward)}, empty {result.empty_status or '-'} {_num(result.empty_reward)}"
+            f"oracle {result.status} {_num(result.reward)}, {attempt}"
             if result.status != "invalid"
             else "invalid task.toml / layout"
         )
@@ -66,7 +89,7 @@ def check(
     async def run():
         provider = make_provider(SandboxConfig(backend=backend), f"tasks-check-{uuid.uuid4().hex[:8]}")
         try:
-            return await check_tasks(provider, dirs, jobs=jobs, progress=progress)
+            return await check_tasks(provider, dirs, jobs=jobs, progress=progress, hack=forgeries)
         finally:
             await provider.aclose()
 
@@ -88,8 +111,12 @@ def check(
             "expected_status",
             "solve_timed_out",
             "elapsed_s",
+            *(("forgeries",) if hack else ()),
         )
         print(json.dumps([{k: r.to_json()[k] for k in keys} for r in results], indent=2))
+    for r in results:  # every forged pass, one line each: what an optimiser would find
+        for f in r.forged:
+            print(f"FORGED {r.task}: {f.forgery} scored {f.reward:g} ({f.detail})", file=sys.stderr)
     failed = [r.task for r in results if not r.ok]
     print(
         f"{len(results) - len(failed)}/{len(results)} tasks passed"
