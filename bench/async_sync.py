@@ -97,13 +97,13 @@ async def _run_mode(w: Workload, mode: str, run_dir: Path) -> dict[str, Any]:
     samples: list[dict[str, float]] = []
 
     class Timed(Orchestrator):
-        """The run loop, timed from the end of start-up to the last recorded step, with a sampler."""
+        """The run loop, timed from the end of start-up to the last recorded step, with a load sampler."""
 
         async def _start(self) -> None:
             await super()._start()
             self.loop_started = time.perf_counter()
             self.loop_ended = self.loop_started
-            self.sampler = asyncio.create_task(self._sample())
+            self.load_sampler = asyncio.create_task(self._sample())
 
         def _record(self, metrics: dict, started: float) -> dict:
             row = super()._record(metrics, started)
@@ -115,7 +115,7 @@ async def _run_mode(w: Workload, mode: str, run_dir: Path) -> dict[str, Any]:
             while True:
                 info = {}
                 try:
-                    info = (await self.engines[0].server_info.remote())["internal_states"][0]
+                    info = (await self.engines.server_info(0))["internal_states"][0]
                 except Exception as err:  # noqa: BLE001 - an engine between restarts counts as idle
                     info = {"error": str(err)}
                 samples.append({"t": time.perf_counter(), "running": self.admission.running_episodes,
@@ -129,8 +129,8 @@ async def _run_mode(w: Workload, mode: str, run_dir: Path) -> dict[str, Any]:
     try:
         summary = await orch.run()
     finally:
-        if getattr(orch, "sampler", None):
-            orch.sampler.cancel()
+        if getattr(orch, "load_sampler", None):  # absent when start-up failed
+            orch.load_sampler.cancel()
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return _summarize(w, mode, orch, rows, samples, summary)
 

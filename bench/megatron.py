@@ -156,25 +156,34 @@ def run_single(out: Path, *, five_layer: bool = True, five_layer_experts: int = 
 
 def run_dual(out: Path, *, export_gib: float = 8.0, bucket_mb: int = 256, seed: int = 0, small: bool = False) -> dict:
     """Under torchrun with 2 ranks (NCCL on GPUs, gloo on CPU)."""
+    import os
+
     import torch.distributed as dist
 
-    from agentrl.config.schema import AlgorithmConfig, ParallelConfig
+    from agentrl.config.layout import Layout
+    from agentrl.config.schema import AlgorithmConfig
     from agentrl.models.hf_config import hf_config_for
-    from agentrl.train.megatron_parallel import init_megatron_parallel
+    from agentrl.train.megatron_parallel import DistInit, init_megatron_parallel
 
+    config = hf_config_for("tiny")
+    layout = Layout.resolve(world=2, ep=2, num_layers=config.num_hidden_layers,
+                            num_heads=config.num_attention_heads, n_experts=config.n_routed_experts)
+    # torchrun's variables name this rank; the library reads none (a DistInit says how to join)
+    dist_init = DistInit(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"],
+                         int(os.environ["MASTER_PORT"]), int(os.environ.get("LOCAL_RANK", "0")))
     report: dict[str, Any] = {}
-    init_megatron_parallel(ParallelConfig(tp=1, ep=2), seed=seed)
+    init_megatron_parallel(layout, dist_init, seed=seed)
     rank = dist.get_rank()
     with stage(report, "tiny_ep2") as rec:
         from agentrl.train.megatron_backend import MegatronBackend
 
-        config = hf_config_for("tiny")
         model = hf_model(config, seed, "cpu")
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         train = train_config("float32", 1e-3, 160)
         train.parallel.ep, train.parallel.tp = 2, 1
         batch = trajectories(8, 64, config.vocab_size, seed)
-        mb = MegatronBackend(config, train, AlgorithmConfig(group_size=4), hf_state=state)
+        mb = MegatronBackend(config, train, AlgorithmConfig(group_size=4), hf_state=state, layout=layout,
+                             dist_init=dist_init)
         rec["local_experts"] = sum(1 for n, _ in mb.named_params if ".local_experts." in n and "fc1" in n)
         rec["steps"] = [mb.train_step(batch, [t.group_id for t in batch]) for _ in range(3)]
         exported = dict(mb.named_weights())
@@ -199,7 +208,7 @@ def tp2_attempt() -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from agentrl.config.schema import ParallelConfig
+    from agentrl.config.layout import Layout
     from agentrl.models.hf_config import hf_config_for
     from agentrl.models.megatron_builder import megatron_config_fields
     from agentrl.train.megatron_parallel import cpu_megatron
@@ -213,7 +222,9 @@ def tp2_attempt() -> dict:
     result: dict[str, Any] = {}
     try:
         for sp in (True, False):
-            fields = megatron_config_fields(hf_config_for("tiny"), ParallelConfig(tp=2, sequence_parallel=sp), bf16=False)
+            tiny = hf_config_for("tiny")
+            layout = Layout.resolve(world=2, tp=2, num_layers=tiny.num_hidden_layers, sequence_parallel=sp)
+            fields = megatron_config_fields(tiny, layout, bf16=False)
             try:
                 from megatron.core.models.gpt import GPTModel
 
