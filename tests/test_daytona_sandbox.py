@@ -286,3 +286,18 @@ def test_bad_input_is_rejected_with_the_field_named(monkeypatch):
         wrap_command("true", None, {"BAD-NAME": "1"}, 10, 1.0)
     with pytest.raises(ValueError, match="run_id"):
         DaytonaSandboxProvider(SandboxConfig(), "")
+
+
+async def test_sweep_stale_deletes_only_what_an_earlier_attempt_of_the_run_left(standin, make_provider):
+    url, h = standin()
+    p = make_provider(url, "run-a")
+    old = str(p.started_at - 3600)
+    leftovers = [h.plant({"agentrl_run": "run-a", "agentrl_started": old}), h.plant({"agentrl_run": "run-a"})]
+    other_run = h.plant({"agentrl_run": "run-b", "agentrl_started": old})
+    live_peer = h.plant({"agentrl_run": "run-a", "agentrl_started": str(p.started_at + 5)})  # a later worker's
+    mine = await p.create(SPEC)
+    assert h.labels_of(mine.id)["agentrl_started"] == str(p.started_at)
+    assert await p.sweep_stale() == 2
+    assert set(leftovers) <= set(h.deleted)
+    assert sorted(h.live()) == sorted([other_run, live_peer, mine.id])
+    assert await p.sweep_stale() == 0
