@@ -140,7 +140,11 @@ def capacity(out: Path = typer.Option(RESULTS / "capacity.json", help="Where the
     from bench.capacity_report import run_capacity
 
     a = Assumptions(episode_median_s=episode_median_s, tokens_per_trajectory=tokens_per_trajectory, mfu=mfu)
-    r = run_capacity(out, config, list(set_), a, measured if measured.exists() else None)
+    try:
+        r = run_capacity(out, config, list(set_), a, measured if measured.exists() else None)
+    except ValueError as e:  # a config or plan the planner refuses, hardware the model has no numbers for
+        typer.echo(f"error: {' '.join(str(e).split())}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"wrote {out} (trainer step {r['plan_estimate']['step']['trainer_step_s']:.0f} s, async step "
                f"{r['plan_estimate']['loop']['async']['step_s']:.0f} s vs reference {r['plan_estimate']['reference_step_s']:.0f} s)")
 

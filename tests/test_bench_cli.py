@@ -52,3 +52,10 @@ def test_a_broken_entry_point_says_what_failed_and_how_to_get_it():
 def test_a_missing_entry_point_says_how_to_get_it():
     line = _one_line_error([])
     assert f"no '{COMMANDS_GROUP}' entry point named 'bench'" in line and "pip install -e ." in line
+
+
+def test_a_plan_the_capacity_model_cannot_use_is_a_one_line_error(tmp_path):
+    r = CliRunner().invoke(app, ["bench", "capacity", "--config", "local", "--out", str(tmp_path / "c.json")])
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and "no hardware numbers for 'cpu'" in lines[0], r.output
+    assert not (tmp_path / "c.json").exists()
