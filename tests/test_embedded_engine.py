@@ -1,9 +1,11 @@
-"""Contract suite for an engine speaking SGLang's native API.
+"""Numerics of an engine speaking SGLang's native API: logprobs against a teacher-forced forward,
+batching, retract vs in_place updates, prefix reuse. (The API contract itself: test_engine_contract.py.)
 
 By default it starts the embedded engine in-process around small random models (a GLM-MoE-DSA
-and a Llama). With SGLANG_URL set it runs the model-agnostic checks against that server instead,
-using SGLANG_MODEL_PATH (an HF folder of the served model) as the teacher-forcing reference and
-SGLANG_LOGPROB_ATOL as the tolerance (bf16 engines need ~1e-2); engine-internal checks skip.
+and a Llama). With AGENTRL_SGLANG_URL set it runs the model-agnostic checks against that server
+instead, using AGENTRL_SGLANG_MODEL_PATH (an HF folder of the served model) as the teacher-forcing
+reference and AGENTRL_SGLANG_LOGPROB_ATOL as the tolerance (bf16 engines need ~1e-2);
+engine-internal checks skip.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
-import threading
 import uuid
 from dataclasses import dataclass
 
@@ -64,13 +65,13 @@ class Engine:
 
 @pytest.fixture(params=["glm", "llama"])
 async def engine(request):
-    url = os.environ.get("SGLANG_URL")
+    url = os.environ.get("AGENTRL_SGLANG_URL")
     if url:
         from agentrl.models.policy import load_policy
 
-        model, _ = load_policy(os.environ["SGLANG_MODEL_PATH"])
+        model, _ = load_policy(os.environ["AGENTRL_SGLANG_MODEL_PATH"])
         client = EngineClient(url, timeout_s=120)
-        yield Engine(url, client, model, float(os.environ.get("SGLANG_LOGPROB_ATOL", "1e-2")), None)
+        yield Engine(url, client, model, float(os.environ.get("AGENTRL_SGLANG_LOGPROB_ATOL", "1e-2")), None)
         await client.aclose()
         return
     from agentrl.rollout.embedded.server import EmbeddedEngineServer
@@ -166,7 +167,11 @@ async def _update_mid_generation(engine: Engine, mode: str | None):
     if mode:
         await engine.client.pause_generation(mode)
     blob = encode_safetensors_b64(new_model.state_dict())
-    await engine.client.update_weights_from_tensor([blob], load_format="safetensors_b64", weight_version=1)
+    await engine.client.begin_weight_update()
+    # in_place keeps the running request's KV, so a flush would be refused (as SGLang refuses it).
+    await engine.client.update_weights_from_tensor([blob], load_format="safetensors_b64", weight_version=1,
+                                                   flush_cache=mode != "in_place")
+    await engine.client.end_weight_update()
     if mode:
         await engine.client.continue_generation()
     res = await task
@@ -266,15 +271,17 @@ async def test_bad_requests_are_rejected_with_reasons(engine):
     with pytest.raises(EngineError) as err:
         await engine.client.generate_raw({"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.2}})
     assert err.value.status == 400 and "repetition_penalty" in err.value.body
+    await engine.client.begin_weight_update()
     with pytest.raises(EngineError) as err:
         await engine.client.update_weights_from_tensor(["x"], load_format="safetensors_b64")
-    assert err.value.status == 400
+    assert err.value.status == 400 and "base64" in err.value.body
     with pytest.raises(EngineError) as err:  # an unknown weight name changes nothing
         from agentrl.rollout.embedded.weights import encode_safetensors_b64
 
         blob = encode_safetensors_b64({"no.such.weight": torch.zeros(2)})
         await engine.client.update_weights_from_tensor([blob], load_format="safetensors_b64")
     assert "no.such.weight" in err.value.body
+    await engine.client.end_weight_update()
 
 
 async def test_flush_cache_refuses_while_running(engine):
@@ -291,28 +298,24 @@ async def test_flush_cache_refuses_while_running(engine):
 
 
 async def test_weights_from_distributed_gloo_group(engine):
-    import datetime
-
-    import torch.distributed as dist
+    from agentrl.cluster.engine_process import free_port
+    from tests.weight_sender import start_sender
 
     engine.require_embedded()
     new = llama_model(seed=3) if "Llama" in type(engine.model).__name__ else glm_model(seed=3)
     named = {n: t for n, t in new.state_dict().items() if t.dtype == torch.float32}
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=datetime.timedelta(seconds=30),
-                          wait_for_workers=False)
-    holder = {}
-    trainer = threading.Thread(target=lambda: holder.setdefault(
-        "pg", dist.ProcessGroupGloo(dist.PrefixStore("wg", store), 0, 2, datetime.timedelta(seconds=30))))
-    trainer.start()
-    await engine.client.init_weights_update_group("127.0.0.1", store.port, 1, 2, group_name="wg", backend="gloo")
-    trainer.join(30)
-    flat = torch.cat([t.reshape(-1) for t in named.values()])
-    sender = threading.Thread(target=lambda: holder["pg"].broadcast(flat, 0).wait())
-    sender.start()
-    await engine.client.update_weights_from_distributed(
-        list(named), ["float32"] * len(named), [list(t.shape) for t in named.values()], group_name="wg",
-        weight_version=2, load_format="flattened_bucket")
-    sender.join(30)
+    port = free_port()
+    trainer = start_sender(port, "wg", named)  # the trainer's rendezvous and broadcast, in its own process
+    try:
+        await engine.client.init_weights_update_group("127.0.0.1", port, 1, 2, group_name="wg", backend="gloo")
+        await engine.client.begin_weight_update()
+        await engine.client.update_weights_from_distributed(
+            list(named), ["float32"] * len(named), [list(t.shape) for t in named.values()], group_name="wg",
+            weight_version=2, load_format="flattened_bucket")
+        await engine.client.end_weight_update()
+        assert await asyncio.to_thread(trainer.wait, 60) == 0
+    finally:
+        trainer.kill()
     await engine.client.destroy_weights_update_group("wg")
     for name, t in named.items():
         assert torch.equal(engine.model.state_dict()[name], t), name

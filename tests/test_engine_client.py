@@ -14,6 +14,7 @@ from agentrl.rollout.client import (
     EngineError,
     EngineTimeout,
     EngineUnavailable,
+    expand_version_spans,
     parse_generate_response,
     parse_version,
 )
@@ -27,6 +28,9 @@ SGLANG_RESPONSE = {
     "meta_info": {
         "id": "r1", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 5, "completion_tokens": 3,
         "cached_tokens": 4, "weight_version": "3",
+        # 0.5.23 (utils/weight_versions.add_weight_versions_to_meta_info): the spans of output tokens
+        # each version produced; here an update to version 3 landed after the first token.
+        "weight_versions": [{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 3}],
         "output_token_logprobs": [[-0.5, 17, None], [-1.25, 4, None], [-0.1, 2, None]],
     },
 }
@@ -35,8 +39,22 @@ SGLANG_RESPONSE = {
 def test_parse_sglang_response():
     r = parse_generate_response(SGLANG_RESPONSE)
     assert r.output_ids == [17, 4, 2] and r.logprobs == [-0.5, -1.25, -0.1]
-    assert r.weight_versions == [3, 3, 3] and r.finish_reason == "stop"
+    assert r.weight_versions == [2, 3, 3] and r.finish_reason == "stop"
     assert (r.prompt_tokens, r.cached_tokens, r.rid) == (5, 4, "r1")
+    old = {**SGLANG_RESPONSE, "meta_info": {k: v for k, v in SGLANG_RESPONSE["meta_info"].items()
+                                            if k != "weight_versions"}}
+    assert parse_generate_response(old).weight_versions == [3, 3, 3]  # no spans: one version per response
+
+
+def test_version_spans_expand_or_are_refused():
+    assert expand_version_spans([{"version": "default", "start": 0, "end": 0}], 0) == []
+    assert expand_version_spans([["1", 0, 2], ["4", 2, 3]], 3) == ["1", "1", "4"]  # the array form
+    for bad in ([{"version": "1", "start": 0, "end": 2}],  # covers 2 of 3 tokens
+                [{"version": "1", "start": 1, "end": 3}],  # does not start at 0
+                [{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 1, "end": 3}],  # overlap
+                [], "1", [{"version": "1"}]):
+        with pytest.raises(ValueError, match="span"):
+            expand_version_spans(bad, 3)
 
 
 def test_parse_rejects_inconsistent_responses():

@@ -5,6 +5,11 @@ retried: a request that may have reached the engine could have sampled tokens al
 timeout aborts it on the engine (best effort) and raises; only a refused connection (the request
 never left) is reported as `EngineUnavailable`, which a router may safely send elsewhere.
 An aborted request is not an error: it returns its partial tokens with finish_reason "abort".
+
+Shapes are SGLang 0.5.23's: per-token weight versions come as `meta_info.weight_versions` spans
+[{version, start, end}] over the output tokens (expanded here to one version per token); the
+current version is `/model_info`'s weight_version (0.5.23 has no /get_weight_version); weight
+updates must sit between `begin_weight_update` and `end_weight_update`.
 """
 
 from __future__ import annotations
@@ -47,6 +52,27 @@ def parse_version(v: object) -> int:
         raise ValueError(f"weight_version {v!r} is not an integer; set it with update_weight_version") from None
 
 
+def expand_version_spans(spans: object, n: int) -> list[object]:
+    """One version per output token from SGLang's spans: contiguous [start, end) runs covering
+    [0, n) in order (a span is {"version", "start", "end"}, or its array form [version, start, end])."""
+    if not isinstance(spans, list) or not spans:
+        raise ValueError(f"meta_info.weight_versions must be a non-empty list of spans, got {spans!r}")
+    out: list[object] = []
+    for span in spans:
+        if isinstance(span, dict):
+            version, start, end = span.get("version"), span.get("start"), span.get("end")
+        elif isinstance(span, list) and len(span) == 3:
+            version, start, end = span
+        else:
+            raise ValueError(f"weight version span {span!r} is not {{version, start, end}}")
+        if not (isinstance(start, int) and isinstance(end, int)) or start != len(out) or end < start:
+            raise ValueError(f"weight version spans {spans!r} do not cover the output tokens contiguously")
+        out += [version] * (end - start)
+    if len(out) != n:
+        raise ValueError(f"weight version spans cover {len(out)} tokens, the response has {n}")
+    return out
+
+
 def parse_generate_response(resp: dict, rid: str | None = None) -> GenerateResult:
     """Map one /generate response (return_logprob=true, logprob_start_len=-1) to GenerateResult."""
     meta = resp.get("meta_info") or {}
@@ -56,8 +82,10 @@ def parse_generate_response(resp: dict, rid: str | None = None) -> GenerateResul
         raise ValueError(f"response lacks output_ids or meta_info.output_token_logprobs: keys {sorted(resp)}")
     if [int(x[1]) for x in lps] != list(ids):
         raise ValueError("meta_info.output_token_logprobs token ids differ from output_ids")
-    versions = meta.get("output_token_weight_versions")
-    if versions is None:  # SGLang reports one version per response
+    spans = meta.get("weight_versions")
+    if spans is not None:
+        versions = expand_version_spans(spans, len(ids))
+    else:  # servers older than span reporting: one version for the whole response
         versions = [meta.get("weight_version")] * len(ids)
     reason = meta.get("finish_reason") or {}
     kind = reason.get("type") if isinstance(reason, dict) else reason
@@ -184,10 +212,28 @@ class EngineClient:
     async def model_info(self) -> dict:
         return await self._json("GET", "/model_info")
 
+    async def health_generate(self) -> bool:
+        """True if the engine generates (SGLang runs a one-token request; up to ~20 s when idle)."""
+        try:
+            await self._call("GET", "/health_generate")
+        except EngineError:
+            return False
+        return True
+
     async def weight_version(self) -> int:
-        return parse_version((await self._json("GET", "/get_weight_version")).get("weight_version"))
+        """The engine's current weight version, from /model_info (as SGLang 0.5.23 reports it)."""
+        return parse_version((await self.model_info()).get("weight_version"))
 
     # ---- weights -----------------------------------------------------------------------------
+    async def begin_weight_update(self, selector: str = "all") -> dict:
+        """Open the weight-update session every update must sit in (SGLang 0.5.23 refuses updates outside one)."""
+        if selector not in ("target", "draft", "all"):
+            raise ValueError(f"selector {selector!r}; use target, draft or all")
+        return await self._json("POST", "/begin_weight_update", {"selector": selector})
+
+    async def end_weight_update(self) -> dict:
+        return await self._json("POST", "/end_weight_update", {})
+
     async def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
                                          flush_cache: bool = True, weight_version: str | int | None = None) -> dict:
         """serialized_named_tensors: one item per TP rank (embedded engine: see embedded/weights.py)."""

@@ -5,7 +5,8 @@ first *up* engine clockwise from its hash. So:
 - the mapping is a pure function of (session id, engine set): sticky with no table to keep;
 - when an engine goes down only its sessions move (to their next engine on the ring), and when it
   comes back exactly those sessions return; adding or removing an engine likewise moves only the
-  sessions whose arc changes hands (~1/N of them).
+  sessions whose arc changes hands (~1/N of them). The engine set is fixed for a Router's life: a
+restarted engine keeps its URL (agentrl.cluster.engines) and comes back through mark_up/refresh.
 An engine is marked down when a request cannot connect (`EngineUnavailable`: the request never
 reached it, so sending it to the session's next engine is safe) or by `mark_down`; `refresh()`
 probes down engines' /health and brings them back. Any other failure is the caller's to handle:
@@ -75,9 +76,9 @@ class Router:
             raise ValueError("Router needs at least one engine URL")
         if len(set(engines)) != len(engines):
             raise ValueError(f"duplicate engine URLs in {engines}")
-        self._factory = client_factory or (lambda url: EngineClient(url, timeout_s=timeout_s))
+        factory = client_factory or (lambda url: EngineClient(url, timeout_s=timeout_s))
         self._ring = HashRing(list(engines), virtual_nodes)
-        self._clients = {url: self._factory(url) for url in engines}
+        self._clients = {url: factory(url) for url in engines}
         self._down: set[str] = set()
         self.in_flight = {url: 0 for url in engines}
         self.served = {url: 0 for url in engines}
@@ -102,17 +103,6 @@ class Router:
 
     def mark_up(self, url: str) -> None:
         self._down.discard(url)
-
-    def add_engine(self, url: str) -> None:
-        self._ring.add(url)
-        self._clients[url] = self._factory(url)
-        self.in_flight.setdefault(url, 0)
-        self.served.setdefault(url, 0)
-
-    async def remove_engine(self, url: str) -> None:
-        self._ring.remove(url)
-        self._down.discard(url)
-        await self._clients.pop(url).aclose()
 
     async def refresh(self) -> set[str]:
         """Probe /health of down engines; those that answer come back. Returns the engines still down."""

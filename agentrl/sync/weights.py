@@ -1,9 +1,11 @@
 """Weight sync from a trainer to engines over the engines' HTTP API (the local tensor path).
 
-Engines are paused first (in the configured mode: `retract` by default, so no request continues
-on KV computed with the old weights), then every bucket goes to every engine, the last one
-carrying the new weight_version, then engines continue. At scale the same sequence runs with
-NCCL broadcast buckets (update_weights_from_distributed) instead of files.
+The order SGLang 0.5.23 requires: pause (in the configured mode: `retract` by default, so no
+request continues on KV computed with the old weights) -> /begin_weight_update -> every bucket to
+every engine, the last one carrying the new weight_version and flushing the cache (not with
+in_place: requests then keep their KV and SGLang refuses the flush) -> /end_weight_update ->
+continue. At scale the same sequence runs with NCCL broadcast buckets
+(update_weights_from_distributed) instead of files.
 
 With `fp8=True` (rollout.weight_sync_fp8) the projection weights are sent as DeepSeek/SGLang block-FP8
 checkpoints store them: `<name>` in float8_e4m3fn plus `<name>_scale_inv` (fp32, one per 128x128
@@ -79,9 +81,12 @@ async def push_weights(
     total_bytes = 0
     buckets = 0
     t_paused = t0
+    begun: set[str] = set()
     try:
         await on_all(lambda c: c.pause_generation(pause_mode))
         t_paused = time.perf_counter()
+        await on_all(lambda c: c.begin_weight_update())
+        begun = set(live)
         paths = []
         if fp8:
             from agentrl.sync.nccl_export import quantize_named
@@ -95,10 +100,15 @@ async def push_weights(
         for i, p in enumerate(paths):
             last = i == len(paths) - 1
             await on_all(lambda c, p=p, last=last: c.update_weights_from_tensor(
-                [str(p)], load_format="safetensors_path", flush_cache=last,
+                [str(p)], load_format="safetensors_path", flush_cache=last and pause_mode != "in_place",
                 weight_version=version if last else None))
+        await on_all(lambda c: c.end_weight_update())
     finally:
         try:
+            # An engine dropped mid-update stays paused (the caller restarts it) but its session is
+            # closed, so that sending it the weights again can begin a new one.
+            await asyncio.gather(*(clients[u].end_weight_update() for u in begun if u in failed),
+                                 return_exceptions=True)
             await asyncio.gather(*(c.continue_generation() for c in live.values()), return_exceptions=True)
         finally:
             await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)

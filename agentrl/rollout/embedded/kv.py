@@ -173,12 +173,14 @@ def stack(config, kvs: list[SeqKV], width: int) -> DynamicCache:
 
 def select_rows(cache: DynamicCache, rows: list[int], drop_left: int) -> None:
     """Keep only `rows` and drop the first `drop_left` columns (padding common to all kept rows)."""
-    index = torch.tensor(rows, dtype=torch.long)
+    index = None
     for layer in cache.layers:
         tensors = _layer_tensors(layer)
         kept, buffers = {}, {}
         for name, t in tensors.items():
             dim = SEQ_DIM[name]
+            if index is None:
+                index = torch.tensor(rows, dtype=torch.long, device=t.device)
             buf = getattr(layer, BUFFERS[name], None)
             if drop_left == 0 and buf is not None:  # keep the headroom: select rows of the buffer
                 buffers[name] = buf.index_select(0, index)
@@ -189,19 +191,21 @@ def select_rows(cache: DynamicCache, rows: list[int], drop_left: int) -> None:
         _set_layer(layer, kept, buffers if len(buffers) == len(kept) else None)
 
 
-def decode_mask(pads: list[int], width: int, *, additive_dtype: torch.dtype | None) -> torch.Tensor:
+def decode_mask(pads: list[int], width: int, *, additive_dtype: torch.dtype | None,
+                device: torch.device | str = "cpu") -> torch.Tensor:
     """[B, 1, 1, width + 1] mask for one new token per row: row i sees columns >= pads[i].
 
     Boolean (True = attend) for SDPA; additive (0 / dtype min) when `additive_dtype` is given (eager)."""
-    cols = torch.arange(width + 1)
-    mask = (cols[None, :] >= torch.tensor(pads)[:, None])[:, None, None, :]
+    cols = torch.arange(width + 1, device=device)
+    mask = (cols[None, :] >= torch.tensor(pads, device=device)[:, None])[:, None, None, :]
     return _as_additive(mask, additive_dtype)
 
 
-def prefill_mask(batch: int, cached: int, new: int, *, additive_dtype: torch.dtype | None) -> torch.Tensor:
+def prefill_mask(batch: int, cached: int, new: int, *, additive_dtype: torch.dtype | None,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
     """[B, 1, new, cached + new] causal mask for `new` tokens after `cached` unpadded cached ones."""
-    q = torch.arange(new)[:, None] + cached
-    k = torch.arange(cached + new)[None, :]
+    q = torch.arange(new, device=device)[:, None] + cached
+    k = torch.arange(cached + new, device=device)[None, :]
     mask = (k <= q)[None, None].expand(batch, 1, new, cached + new)
     return _as_additive(mask, additive_dtype)
 
@@ -209,5 +213,5 @@ def prefill_mask(batch: int, cached: int, new: int, *, additive_dtype: torch.dty
 def _as_additive(mask: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if dtype is None:
         return mask
-    zero = torch.zeros((), dtype=dtype)
-    return torch.where(mask, zero, torch.tensor(torch.finfo(dtype).min, dtype=dtype))
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=mask.device))

@@ -1,5 +1,7 @@
 """Per-row sampling of one token with the exact logprob RL needs.
 
+Device-agnostic: every tensor made here lives on the logits' device.
+
 The reported logprob is log_softmax(logits / T) over the full vocabulary, the quantity SGLang
 returns and the trainer recomputes; top-k / top-p only restrict which token may be drawn.
 Temperature 0 means greedy (argmax) and reports log_softmax(logits), as SGLang does.
@@ -30,7 +32,7 @@ def scaled_logprobs(logits: torch.Tensor, temperatures: list[float]) -> torch.Te
     temps = [effective_temperature(x) for x in temperatures]
     if all(x == 1.0 for x in temps):  # skip a [B, V] division, the common RL setting
         return torch.log_softmax(logits.float(), dim=-1)
-    t = torch.tensor(temps, dtype=torch.float32).view(-1, *([1] * (logits.dim() - 1)))
+    t = torch.tensor(temps, dtype=torch.float32, device=logits.device).view(-1, *([1] * (logits.dim() - 1)))
     return torch.log_softmax(logits.float() / t, dim=-1)
 
 
@@ -55,7 +57,7 @@ def sample_rows(
         # top_k this sorts the whole vocabulary: the slow path (~10x the plain one at V=49k).
         vals, idx = logp[rows].topk(k, dim=-1)
         probs = vals.exp()
-        top_p = torch.tensor([params[i].top_p for i in rows])[:, None]
+        top_p = torch.tensor([params[i].top_p for i in rows], device=logp.device)[:, None]
         keep = (probs.cumsum(dim=-1) - probs) < top_p  # the mass strictly before a token < top_p
         keep[:, 0] = True
         pick = _inverse_cdf(probs * keep, generator)
@@ -72,5 +74,6 @@ def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torc
     # fp32: a float64 cumsum measured 11x slower; the rounding error (~1e-6 of the mass) only
     # perturbs which token a uniform draw lands on, never the reported logprob.
     cdf = probs.cumsum(dim=-1)
-    u = torch.rand(probs.shape[0], 1, generator=generator) * cdf[:, -1:]
+    # The generator lives on the logits' device (a CUDA generator for a CUDA engine).
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)

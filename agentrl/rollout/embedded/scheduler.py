@@ -10,6 +10,12 @@ Pause modes (SGLang's): `abort` ends every request with its partial output; `ret
 running requests' KV and re-queues them, so after a weight update their KV is recomputed under
 the new weights; `in_place` keeps KV and is the only mode in which old KV meets new weights.
 A weight load while requests run (not paused in_place) retracts them first, for the same reason.
+`flush_cache` follows SGLang 0.5.23: it succeeds only with no running request and, unless the
+engine is paused, no waiting one (a paused engine's waiting requests hold no KV).
+
+Failures stay with the request that caused them: a prefill that raises fails only the requests of
+its prefill group; the running batch keeps decoding. Device-agnostic: every tensor the scheduler
+makes lives on the model's device (CPU, or CUDA for an engine beside a GPU trainer).
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ class Scheduler:
         self.eos = frozenset(eos_token_ids)
         self.decode = decode
         self.prefix = PrefixCache(prefix_cache_tokens)
-        self._gen = torch.Generator().manual_seed(seed)
+        self.device = next(model.parameters()).device
+        self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self.weight_version = weight_version
         self.epoch = 0  # bumped by every weight load; prefix-cache entries of older epochs are dead
         self.paused, self.pause_mode = False, None
@@ -136,16 +143,18 @@ class Scheduler:
     def resume(self) -> None:
         self.paused, self.pause_mode = False, None
 
-    def load_weights(self, load: Callable[[], int], weight_version: str | None) -> int:
-        """Apply `load` (which copies tensors into the model) with no forward in flight."""
+    def load_weights(self, load: Callable[[], int], weight_version: str | None, flush_cache: bool = False) -> dict:
+        """Apply `load` (which copies tensors into the model) with no forward in flight. Returns
+        {"loaded": n, "flushed": bool}: with flush_cache, whether the cache could be flushed (not
+        while requests keep KV, i.e. paused in_place with running requests), as SGLang reports it."""
         if self._running and not (self.paused and self.pause_mode == "in_place"):
             self._retract_running()
         n = load()
         self.epoch += 1
-        self.prefix.clear()
+        self.prefix.clear()  # old-weight KV is never reused (the epoch guards it too)
         if weight_version is not None:
             self.weight_version = str(weight_version)
-        return n
+        return {"loaded": n, "flushed": not self._running if flush_cache else False}
 
     def set_weight_version(self, version: str, abort_all: bool) -> None:
         if abort_all:
@@ -153,8 +162,9 @@ class Scheduler:
         self.weight_version = str(version)
 
     def flush_cache(self) -> None:
-        if self._running or self._waiting:
-            raise Busy(f"cache not flushed: {len(self._running)} running, {len(self._waiting)} waiting requests")
+        if self._running or (self._waiting and not self.paused):
+            raise Busy(f"Cache not flushed because there are pending requests. #queue-req: {len(self._waiting)}, "
+                       f"#running-req: {len(self._running)}")
         self.prefix.clear()
 
     # ---- the loop -----------------------------------------------------------------------
@@ -224,7 +234,14 @@ class Scheduler:
                 singles.append([(seq, prefix_kv, m)])
         joined = []
         for group in [*groups.values(), *singles]:
-            joined += self._prefill(group)
+            try:
+                joined += self._prefill(group)
+            except Exception as exc:  # only this group's requests fail; the running batch decodes on
+                log.exception("embedded engine prefill failed")
+                error = f"engine error in prefill: {type(exc).__name__}: {exc}"
+                for seq, _, _ in group:
+                    seq.kv_len = 0  # its KV (if any) belongs to a failed forward: never cached
+                    self._finish(seq, {"type": "abort", "message": error}, error=error)
         if joined:
             kvs = [kvlib.extract(self._cache, i, self._width - s.kv_len, s.kv_len) for i, s in enumerate(self._running)]
             kvs += [s.kv for s in joined]
@@ -249,9 +266,10 @@ class Scheduler:
         while done < m + n_new:
             c = min(self.prefill_chunk_tokens, m + n_new - done)
             out = self.model(
-                input_ids=torch.tensor([s.tokens[done : done + c] for s in seqs]),
-                attention_mask=kvlib.prefill_mask(len(seqs), done, c, additive_dtype=self._additive),
-                position_ids=torch.arange(done, done + c).expand(len(seqs), c),
+                input_ids=torch.tensor([s.tokens[done : done + c] for s in seqs], device=self.device),
+                attention_mask=kvlib.prefill_mask(len(seqs), done, c, additive_dtype=self._additive,
+                                                  device=self.device),
+                position_ids=torch.arange(done, done + c, device=self.device).expand(len(seqs), c),
                 cache=cache, use_cache=True, logits_to_keep=c if want_input else 1,
             )
             if want_input:
@@ -296,9 +314,9 @@ class Scheduler:
         seqs = self._running
         pads = [self._width - s.kv_len for s in seqs]
         out = self.model(
-            input_ids=torch.tensor([[s.tokens[-1]] for s in seqs]),
-            attention_mask=kvlib.decode_mask(pads, self._width, additive_dtype=self._additive),
-            position_ids=torch.tensor([[s.kv_len] for s in seqs]),
+            input_ids=torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device),
+            attention_mask=kvlib.decode_mask(pads, self._width, additive_dtype=self._additive, device=self.device),
+            position_ids=torch.tensor([[s.kv_len] for s in seqs], device=self.device),
             cache=self._cache, use_cache=True, logits_to_keep=1,
         )
         self._width += 1

@@ -1,4 +1,4 @@
-"""Weight updates for the embedded engine: local tensor serialization and the broadcast group.
+"""Weight updates for the embedded engine: local tensor formats, the broadcast group, the checks.
 
 `/update_weights_from_tensor` takes `serialized_named_tensors`, a list with one item per TP rank
 (the embedded engine has one rank), in one of two local formats:
@@ -7,27 +7,32 @@
   (e.g. under /dev/shm), read and left in place; the caller owns and removes the file.
 SGLang's own format (pickled CUDA IPC handles) cannot exist on a CPU engine.
 
-`/init_weights_update_group` joins a gloo group the trainer hosts: a TCPStore at
-master_address:master_port (the trainer, rank 0, is the store's server), keys prefixed with
-group_name; this engine is rank `rank_offset`. `/update_weights_from_distributed` then receives
-each tensor (or one flat bucket) by broadcast from rank 0.
+`/init_weights_update_group` joins a group the trainer hosts exactly as SGLang 0.5.23 builds
+its own (utils/common.py init_custom_process_group): a tcp:// store at master_address:master_port
+(the trainer, rank 0, serves it), wrapped in PrefixStore(group_name), then torch's process-group
+helper (which prefixes again with "group_name/"), so the trainer's side
+(agentrl.sync.nccl_export.init_weights_update_group) meets SGLang and this engine alike. Every
+rendezvous and broadcast has a timeout (`timeout_s`), so a dead trainer is an error, not a hang.
+
+`/update_weights_from_distributed` with load_format "flattened_bucket" receives ONE uint8 buffer:
+the tensors' bytes back to back in `names` order, several dtypes, no padding; a tensor whose byte
+offset is not a multiple of its dtype's itemsize is refused before anything is received, as
+SGLang's FlattenedTensorBucket.empty refuses it (the sender orders tensors so offsets align).
+
+Every load is checked before any weight changes: known names, equal shapes, finite values
+(NaN or Inf weights are refused whole).
 """
 
 from __future__ import annotations
 
 import base64
 import datetime
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 LOAD_FORMATS = ("safetensors_b64", "safetensors_path")
-
-_DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16, "float64": torch.float64,
-    "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "int8": torch.int8,
-}
 
 
 class WeightUpdateError(ValueError):
@@ -58,14 +63,78 @@ def decode_named_tensors(serialized: list[str], load_format: str | None) -> dict
     path = Path(serialized[0])
     if not path.is_file():
         raise WeightUpdateError(f"serialized_named_tensors[0]: no such file {path}")
-    return load_file(str(path))
+    try:
+        return load_file(str(path))
+    except SafetensorError as exc:
+        raise WeightUpdateError(f"serialized_named_tensors[0]: {path} is not a safetensors file: {exc}") from None
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    key = name.removeprefix("torch.")
-    if key not in _DTYPES:
-        raise WeightUpdateError(f"unknown dtype {name!r}; known: {', '.join(_DTYPES)}")
-    return _DTYPES[key]
+def parse_dtype(name: object) -> torch.dtype:
+    """A dtype named as SGLang reads it (getattr(torch, name)): "bfloat16", "float8_e4m3fn", ..."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) and not name.startswith("_") else None
+    if not isinstance(dtype, torch.dtype):
+        raise WeightUpdateError(f"unknown dtype {name!r}; use a torch dtype name such as float32, bfloat16, "
+                                "float8_e4m3fn")
+    return dtype
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offset in the flat buffer
+    end: int
+
+
+def check_shape(name: str, shape: object) -> None:
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise WeightUpdateError(f"shape of {name!r} must be a list of ints, got {shape!r}")
+    if any(d < 0 for d in shape):
+        raise WeightUpdateError(f"Negative dimension in received tensor {name}: {shape}")
+
+
+def bucket_layout(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[BucketEntry]:
+    """Byte ranges of a flattened bucket, checked as SGLang 0.5.23 checks them before receiving."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise WeightUpdateError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, "
+                                f"{len(shapes)})")
+    if not names:
+        raise WeightUpdateError("cannot receive an empty tensor bucket")
+    out, offset = [], 0
+    for name, dt, shape in zip(names, dtypes, shapes):
+        dtype = parse_dtype(dt)
+        check_shape(name, shape)
+        if offset % dtype.itemsize:
+            raise WeightUpdateError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype} "
+                                    f"(itemsize {dtype.itemsize}); order the bucket so every offset is a multiple "
+                                    "of its dtype's size")
+        size = torch.Size(shape).numel() * dtype.itemsize
+        out.append(BucketEntry(name, dtype, tuple(shape), offset, offset + size))
+        offset += size
+    return out
+
+
+def check_receive(names: list[str], dtypes: list[str], shapes: list[list[int]], load_format: str | None) -> None:
+    """Everything about an /update_weights_from_distributed body that can be refused before the
+    engine joins the broadcast."""
+    if load_format == "flattened_bucket":
+        bucket_layout(names, dtypes, shapes)
+        return
+    if load_format not in (None, "direct"):
+        raise WeightUpdateError(f"load_format {load_format!r}: use null or 'flattened_bucket'")
+    if not (len(names) == len(dtypes) == len(shapes)) or not names:
+        raise WeightUpdateError("names, dtypes and shapes must be non-empty and of the same length")
+    for name, dt, shape in zip(names, dtypes, shapes):
+        parse_dtype(dt)
+        check_shape(name, shape)
+
+
+def unpack_bucket(flat: torch.Tensor, layout: list[BucketEntry]) -> dict[str, torch.Tensor]:
+    """Views of the flat uint8 buffer as the named tensors."""
+    if flat.dtype != torch.uint8 or flat.numel() != layout[-1].end:
+        raise WeightUpdateError(f"bucket holds {flat.numel()} bytes of {flat.dtype}, the layout {layout[-1].end} uint8")
+    return {e.name: flat[e.start:e.end].view(e.dtype).reshape(e.shape) for e in layout}
 
 
 def check_named_tensors(model: torch.nn.Module, names_shapes: dict[str, tuple[int, ...]]) -> None:
@@ -78,6 +147,15 @@ def check_named_tensors(model: torch.nn.Module, names_shapes: dict[str, tuple[in
            for n, s in names_shapes.items() if tuple(state[n].shape) != tuple(s)]
     if bad:
         raise WeightUpdateError("shape mismatch: " + "; ".join(bad[:5]))
+
+
+def check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    """NaN or Inf in any floating tensor refuses the whole update (a diverged trainer must not
+    silently poison every rollout)."""
+    bad = [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise WeightUpdateError(f"non-finite values (NaN or Inf) in {bad[:5]} (of {len(bad)} tensors); "
+                                "nothing was loaded")
 
 
 def dequantize_fp8_weights(tensors: dict[str, torch.Tensor], block: int = 128) -> dict[str, torch.Tensor]:
@@ -104,11 +182,17 @@ def dequantize_fp8_weights(tensors: dict[str, torch.Tensor], block: int = 128) -
 
 
 @torch.no_grad()
-def load_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
-    """Copy tensors into the model's parameters/buffers by HF name; returns how many were loaded.
-    FP8 block-quantised weights (with `_scale_inv`) are dequantised on receipt."""
+def prepare_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Dequantise FP8 pairs and run every check; raises WeightUpdateError before anything changes."""
     tensors = dequantize_fp8_weights(tensors)
     check_named_tensors(model, {n: tuple(t.shape) for n, t in tensors.items()})
+    check_finite(tensors)
+    return tensors
+
+
+@torch.no_grad()
+def load_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
+    """Copy checked tensors (prepare_named_tensors) into the model by HF name; returns how many."""
     state = model.state_dict(keep_vars=True)
     for name, t in tensors.items():
         state[name].data.copy_(t.to(dtype=state[name].dtype))
@@ -116,42 +200,57 @@ def load_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor])
 
 
 class WeightUpdateGroup:
-    """This engine's membership in a trainer-hosted gloo broadcast group."""
+    """This engine's membership in a trainer-hosted broadcast group (module docstring)."""
 
     def __init__(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                 group_name: str, backend: str = "gloo", timeout_s: float = 600.0) -> None:
+                 group_name: str, backend: str, timeout_s: float, device: torch.device) -> None:
         import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
-        if backend != "gloo":
-            raise WeightUpdateError(f"backend {backend!r}: the CPU engine supports only 'gloo'")
+        if backend not in ("gloo", "nccl"):
+            raise WeightUpdateError(f"backend {backend!r}: use gloo or nccl")
+        if backend == "nccl" and device.type != "cuda":
+            raise WeightUpdateError("backend 'nccl' needs an engine on CUDA; this one runs on the CPU: use 'gloo'")
         if not 0 < rank_offset < world_size:
             raise WeightUpdateError(f"rank_offset {rank_offset} must be in 1..world_size-1 ({world_size})")
+        if group_name in _world.pg_names.values():
+            raise WeightUpdateError(f"a process group named {group_name!r} exists in this engine; destroy it first")
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(master_address, int(master_port), world_size, is_master=False, timeout=timeout)
-        self.group_name = group_name
-        self.rank, self.world_size = rank_offset, world_size
-        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank_offset, world_size, timeout)
+        try:
+            store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout)
+            store = dist.PrefixStore(group_name, store)
+            self._pg, _ = _new_process_group_helper(world_size, rank_offset, [], backend, store,
+                                                    group_name=group_name, timeout=timeout)
+        except (RuntimeError, ValueError, dist.DistError) as exc:
+            raise WeightUpdateError(f"could not join group {group_name!r} at {master_address}:{master_port} within "
+                                    f"{timeout_s:g} s: {exc}".splitlines()[0]) from None
+        _world.pg_group_ranks[self._pg] = {i: i for i in range(world_size)}
+        self.group_name, self.rank, self.world_size = group_name, rank_offset, world_size
+        # gloo receives into host memory, nccl into the engine's device.
+        self.device = device if backend == "nccl" else torch.device("cpu")
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                 load_format: str | None) -> dict[str, torch.Tensor]:
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise WeightUpdateError("names, dtypes and shapes must have the same length")
+        import torch.distributed as dist
+
+        check_receive(names, dtypes, shapes, load_format)
         if load_format == "flattened_bucket":
-            if len(set(dtypes)) != 1:
-                raise WeightUpdateError("flattened_bucket needs one dtype for all tensors")
-            numels = [int(torch.Size(s).numel()) for s in shapes]
-            flat = torch.empty(sum(numels), dtype=parse_dtype(dtypes[0]))
-            self._pg.broadcast(flat, 0).wait()
-            parts = flat.split(numels)
-            return {n: p.view(*s) for n, p, s in zip(names, parts, shapes)}
-        if load_format not in (None, "direct"):
-            raise WeightUpdateError(f"load_format {load_format!r}: use null/'direct' or 'flattened_bucket'")
-        out = {}
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            t = torch.empty(*shape, dtype=parse_dtype(dtype))
-            self._pg.broadcast(t, 0).wait()
-            out[name] = t
+            layout = bucket_layout(names, dtypes, shapes)
+            flat = torch.empty(layout[-1].end, dtype=torch.uint8, device=self.device)
+            dist.broadcast(flat, src=0, group=self._pg)
+            return unpack_bucket(flat, layout)
+        out = {name: torch.empty(*shape, dtype=parse_dtype(dt), device=self.device)
+               for name, dt, shape in zip(names, dtypes, shapes)}
+        works = [dist.broadcast(t, src=0, group=self._pg, async_op=True) for t in out.values()]
+        for w in works:
+            w.wait()
         return out
 
     def close(self) -> None:
-        self._pg = None
+        import torch.distributed as dist
+
+        if self._pg is not None:
+            try:
+                dist.destroy_process_group(self._pg)
+            finally:
+                self._pg = None
