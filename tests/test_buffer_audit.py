@@ -83,6 +83,16 @@ def test_torn_tail_is_skipped_and_the_log_left_as_it_was(tmp_path):
     assert (tmp_path / LOG_NAME).read_bytes() == before
 
 
+def test_a_malformed_line_is_skipped_and_listed(tmp_path):
+    three_steps(tmp_path)
+    with open(tmp_path / LOG_NAME, "ab") as f:
+        f.write(b"not json\n")  # line 19, after the 18 records of three_steps
+    write(tmp_path, traj("after", 0))
+    a = audit_log(tmp_path)
+    assert len(a.accepted) == 14 and "after-0" in a.accepted  # the records after it still count
+    assert len(a.malformed) == 1 and ":19:" in a.malformed[0] and a.counts()["malformed_lines"] == 1
+
+
 def test_empty_folder_and_unknown_record(tmp_path):
     a = audit_log(tmp_path)
     assert a.accepted == {} and a.resume_step == 0 and a.counts()["accepted"] == 0

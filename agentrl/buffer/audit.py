@@ -1,7 +1,8 @@
 """What a replay log says became of every acknowledged trajectory, read from the durable log alone.
 
 Nothing is opened for writing and no buffer is built: an audit of a crashed run leaves its evidence
-as it was (a torn last line is skipped, as every reader of the log does). The accounting follows
+as it was (a torn last line is skipped, as every reader of the log does; a complete line that is
+not a record is skipped and listed in `malformed`, as the buffer's recovery does). The accounting follows
 the buffer's recovery rule (agentrl/buffer/replay.py): resuming from the checkpoint of step
 `resume_step`, a group is
   trained    when a `trained` record of a step <= resume_step names it,
@@ -34,6 +35,7 @@ class LogAudit:
     groups_by_step: dict[int, tuple[str, ...]]  # the final history: each step's last trained record
     steps_trained_more_than_once: tuple[int, ...]
     groups_in_two_steps: tuple[str, ...]  # of the final history: trained twice
+    malformed: tuple[str, ...] = ()  # skipped lines: file, line number, why
 
     def trajectories_in(self, groups: frozenset[str]) -> list[str]:
         """Episode ids of the acknowledged trajectories of `groups`, in log order."""
@@ -51,7 +53,7 @@ class LogAudit:
                 "untrained": len(self.untrained_trajectories), "trained_groups": len(self.trained_groups),
                 "retired_groups": len(self.retired_groups), "untrained_groups": len(self.untrained_groups),
                 "steps_trained_more_than_once": len(self.steps_trained_more_than_once),
-                "groups_in_two_steps": len(self.groups_in_two_steps)}
+                "groups_in_two_steps": len(self.groups_in_two_steps), "malformed_lines": len(self.malformed)}
 
 
 def audit_log(directory: str | Path, resume_step: int | None = None) -> LogAudit:
@@ -61,7 +63,8 @@ def audit_log(directory: str | Path, resume_step: int | None = None) -> LogAudit
     retired: set[str] = set()
     trained_records: list[tuple[int, list[str]]] = []
     all_steps: list[int] = []  # every trained record's step, rolled back or not
-    for rec in DurableLog.read(Path(directory) / LOG_NAME):
+    malformed: list[str] = []
+    for rec in DurableLog.read(Path(directory) / LOG_NAME, lambda _line, why: malformed.append(why)):
         kind = rec["type"]
         if kind == "traj":
             accepted.setdefault(rec["episode_id"], rec["group_id"])
@@ -89,4 +92,4 @@ def audit_log(directory: str | Path, resume_step: int | None = None) -> LogAudit
         untrained_groups=frozenset(groups - trained - retired),
         groups_by_step=dict(sorted(history.items())),
         steps_trained_more_than_once=tuple(sorted(s for s, n in per_step.items() if n > 1)),
-        groups_in_two_steps=tuple(sorted(g for g, n in in_history.items() if n > 1)))
+        groups_in_two_steps=tuple(sorted(g for g, n in in_history.items() if n > 1)), malformed=tuple(malformed))
