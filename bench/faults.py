@@ -24,13 +24,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import faults_input, faults_run, faults_sandbox, faults_security
+from bench import faults_input, faults_integrity, faults_run, faults_sandbox, faults_security
 from bench.faults_base import Outcome, Scenario
 
 
 def scenarios() -> list[Scenario]:
     """Every scenario of the spoke modules, in report order (each name once)."""
     found = [*faults_sandbox.SCENARIOS, *faults_input.SCENARIOS, *faults_security.SCENARIOS, *faults_run.SCENARIOS]
+    found += faults_integrity.SCENARIOS  # issue #20: forged verdicts, host escapes
     names = [s.name for s in found]
     dup = {n for n in names if names.count(n) > 1}
     if dup:

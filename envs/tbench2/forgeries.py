@@ -136,7 +136,7 @@ FORGERIES: tuple[Forgery, ...] = (
             ),
         ),
         probe=(
-            "for d in $(echo \"$PATH\" | tr ':' ' '); do for b in \"$d\"/*; do "
+            "for d in $(echo \"$PATH\" | tr ':' ' '); do [ -w \"$d\" ] || continue; for b in \"$d\"/*; do "
             'grep -qs AGENTRL-FORGED "$b" && echo ARMED && exit 0; done; done'
         ),
     ),
