@@ -220,7 +220,7 @@ class DaytonaSandboxProvider:
             raise self._error(
                 "create", f"sandbox create timed out after {self.config.create_timeout_s}s", e, retryable=True
             ) from None
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any SDK error is classified into a SandboxError or logged here
             kind = classify_create_error(e)
             if kind in ("throttled", "capacity"):
                 raise _Retry(kind, e, retry_after_s(e)) from None
@@ -244,7 +244,7 @@ class DaytonaSandboxProvider:
                 await asyncio.sleep(delay)
                 async for sb in self._sdk().list(ListSandboxesQuery(labels={CREATE_LABEL: tag})):
                     found += await self._delete(sb)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any SDK error is classified into a SandboxError or logged here
             log.warning("orphan reaper for create %s failed: %s", tag, self._key.scrub(str(e)))
         self.counters["orphans_deleted"] += found
         return found
@@ -258,7 +258,7 @@ class DaytonaSandboxProvider:
             await sdk_sb.delete(timeout=DELETE_TIMEOUT_S)
         except DaytonaNotFoundError:
             return 0
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any SDK error is classified into a SandboxError or logged here
             self.counters["delete_failed"] += 1
             log.warning(
                 "deleting sandbox %s failed (sweep will retry): %s", sdk_sb.id, self._key.scrub(str(e))
@@ -303,7 +303,7 @@ class DaytonaSandboxProvider:
 
         try:
             return [sb async for sb in self._sdk().list(ListSandboxesQuery(labels={RUN_LABEL: self.run_id}))]
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any SDK error is classified into a SandboxError or logged here
             raise self._error(
                 "sweep", f"listing sandboxes of run {self.run_id} failed", e, retryable=True
             ) from None
@@ -374,7 +374,7 @@ class DaytonaSandbox:
             except DaytonaNotFoundError:
                 self._lost = "deleted while open (keepalive got 404)"
                 return
-            except Exception as e:  # a missed beat is tolerated: auto-stop allows three
+            except Exception as e:  # noqa: BLE001 - a missed beat is tolerated: auto-stop allows three
                 self._p.counters["keepalive_failed"] += 1
                 log.warning("keepalive of sandbox %s failed: %s", self.id, self._p._key.scrub(str(e)))
 
@@ -389,7 +389,7 @@ class DaytonaSandbox:
                 self._lost = f"state {state}, reason {self._sdk.error_reason}"
         except DaytonaNotFoundError:
             self._lost = "not found"
-        except Exception as probe:
+        except Exception as probe:  # noqa: BLE001 - any SDK error is classified into a SandboxError or logged here
             self._lost = f"unreachable ({type(probe).__name__})"
         if self._lost:
             return self._p._error("lost", f"{op} failed: sandbox {self.id} is gone ({self._lost})", exc)
@@ -416,14 +416,14 @@ class DaytonaSandbox:
             )
         except (ValueError, asyncio.CancelledError):
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any SDK error is classified into a SandboxError or logged here
             raise await self._failure("exec", e, "exec") from None
 
     async def upload(self, data: bytes, path: str) -> None:
         self._check_usable("upload")
         try:
             await self._sdk.fs.upload_file(data, path, timeout=int(CALL_TIMEOUT_S * 10))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any SDK error is classified into a SandboxError or logged here
             raise await self._failure(f"upload to {path}", e, "io") from None
 
     async def download(self, path: str) -> bytes:
@@ -433,7 +433,7 @@ class DaytonaSandbox:
         self._check_usable("download")
         try:
             return await self._sdk.fs.download_file(path, int(CALL_TIMEOUT_S * 10))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any SDK error is classified into a SandboxError or logged here
             err = await self._failure(f"download of {path}", e, "io")
             if err.kind != "lost" and isinstance(e, DaytonaNotFoundError):
                 raise FileNotFoundError(f"{path} does not exist in sandbox {self.id}") from None
@@ -449,7 +449,7 @@ class DaytonaSandbox:
             )
         except asyncio.CancelledError:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any SDK error is classified into a SandboxError or logged here
             raise await self._failure("kill_all", e, "kill") from None
         return kill_all_result(resp.exit_code, resp.result, self.id)
 

@@ -120,7 +120,7 @@ async def run_command(
 async def _delete_session(process: Any, session: str) -> None:
     try:
         await process.delete_session(session, request_timeout=CALL_TIMEOUT_S)
-    except Exception as e:  # the sandbox may be gone; nothing left to kill then
+    except Exception as e:  # noqa: BLE001 - the sandbox may be gone; nothing left to kill then
         log.debug("deleting exec session %s failed: %s", session, type(e).__name__)
 
 

@@ -8,7 +8,6 @@ exec, rlimits), local_isolation.py what keeps the host safe (user namespace, dis
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import os
@@ -20,14 +19,12 @@ from pathlib import Path
 
 from agentrl.sandbox.base import ExecResult, SandboxError, SandboxSpec
 from agentrl.sandbox.dockerfile import DEFAULT_PATH, DockerfilePlan
+from agentrl.sandbox.local_files import download_file, upload_file
 from agentrl.sandbox.local_isolation import (
     LAUNCH_SCRIPT,
     MIN_DISK_MB,
-    SLIRP_NAMESERVER,
     SlirpNetwork,
-    kernel_args,
-    mask_args,
-    masks,
+    bwrap_argv,
     memfd_with,
     new_user_namespace,
     shared_mountpoint,
@@ -35,8 +32,10 @@ from agentrl.sandbox.local_isolation import (
 from agentrl.sandbox.local_procs import (
     end_all_but,
     kill_exec_tree,
+    only_child,
     open_capped_pipe,
     pid_namespace,
+    read_json,
     start_time,
     wait_namespace_empty,
 )
@@ -45,7 +44,6 @@ log = logging.getLogger(__name__)
 
 _NS_FLAGS = {"user": "-U", "mnt": "-m", "uts": "-u", "ipc": "-i", "net": "-n", "pid": "-p", "cgroup": "-C"}
 _DRAIN_GRACE_S = 0.5  # after the command exits, how long background children may hold its pipe
-_MAX_DOWNLOAD_BYTES = 256 << 20
 _READY_TIMEOUT_S = 30.0
 # Processes one sandbox may hold. Neither RLIMIT_NPROC (ignored for root) nor a pids cgroup (absent
 # on hosts whose cgroup v2 lacks the pids controller) bounds a fork bomb, and a host's pid_max can be
@@ -55,12 +53,6 @@ _PIDS_POLL_S = 0.1
 # kill_all: SIGKILL rounds until the sandbox is quiet. A process in uninterruptible sleep (D) may
 # take a moment to die; one that outlives this is reported, and scoring does not start beside it.
 KILL_ALL_TIMEOUT_S = 10.0
-# Write to a temp file and rename over the target, so a symlink the agent planted at the target
-# is replaced rather than followed.
-_UPLOAD_SCRIPT = (
-    'd=$(dirname -- "$1") && mkdir -p -- "$d" && t=$(mktemp -p "$d" .upload.XXXXXX) && '
-    'cat > "$t" && chmod 644 -- "$t" && mv -fT -- "$t" "$1"'
-)
 
 
 @dataclass(frozen=True)
@@ -131,23 +123,6 @@ class LocalSandbox:
 
     # --- lifecycle -------------------------------------------------------------------------------
 
-    def _bwrap_argv(self, info_fd: int, data_fd) -> list[str]:
-        """bubblewrap's argv: runs as the root of the sandbox's user namespace, so the namespaces it
-        makes belong to that namespace; the shared mountpoint holds this sandbox's disk (LAUNCH_SCRIPT)."""
-        argv = [self._tools["bwrap"], "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
-                "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-                "--bind", str(self.mountpoint), "/"]  # fmt: skip
-        for name in ("usr", "etc", "bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-            host = Path("/") / name
-            if host.is_dir() and not host.is_symlink():
-                argv += ["--ro-bind", str(host), f"/{name}"]
-        argv += ["--proc", "/proc", "--dev", "/dev", *kernel_args(), *mask_args(*masks(), data_fd)]
-        if self.allow_network:  # slirp4netns' DNS forwarder; the host's resolver may be on its loopback
-            argv += ["--ro-bind-data", str(data_fd(f"nameserver {SLIRP_NAMESERVER}\n".encode())), "/etc/resolv.conf"]
-        argv += ["--hostname", "sandbox", "--chdir", "/", "--info-fd", str(info_fd), "--",
-                 self._tools["bash"], "-c", "echo ready; exec sleep infinity"]  # fmt: skip
-        return argv
-
     async def _start(self) -> None:
         t = self._tools
         holder, userns = await asyncio.to_thread(new_user_namespace, t["unshare"], t["cat"])
@@ -161,7 +136,7 @@ class LocalSandbox:
         src = self.host_dir / ("disk.img" if self.disk_kind == "ext4" else "stage")
         argv = [t["unshare"], "--mount", "--propagation", "private", "--", t["sh"], "-c", LAUNCH_SCRIPT, "sh",
                 str(self.mountpoint), str(src), self.disk_kind, str(self.disk_mb), userns,
-                *self._bwrap_argv(w, data_fd)]  # fmt: skip
+                *bwrap_argv(t["bwrap"], t["bash"], self.mountpoint, self.allow_network, w, data_fd)]  # fmt: skip
         log_fd = os.open(self.host_dir / "bwrap.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             self._bwrap = await asyncio.create_subprocess_exec(
@@ -183,7 +158,7 @@ class LocalSandbox:
             lambda: asyncio.StreamReaderProtocol(info_reader), os.fdopen(r, "rb", buffering=0)
         )
         try:
-            info = await asyncio.wait_for(_read_json(info_reader), _READY_TIMEOUT_S)
+            info = await asyncio.wait_for(read_json(info_reader), _READY_TIMEOUT_S)
             line = await asyncio.wait_for(self._bwrap.stdout.readline(), _READY_TIMEOUT_S)
         except (TimeoutError, ValueError) as err:
             raise SandboxError("create", f"bwrap did not start: {err!r}; {self._bwrap_log()}") from err
@@ -194,7 +169,10 @@ class LocalSandbox:
         if line.strip() != b"ready":
             raise SandboxError("create", f"bwrap init did not come up; {self._bwrap_log()}")
         self._init_pid = int(info["child-pid"])
-        self._keeper_pid = _only_child(self._init_pid)
+        try:
+            self._keeper_pid = only_child(self._init_pid)
+        except OSError as err:
+            raise SandboxError("create", f"sandbox {self.id}: {err}") from err
         (self.host_dir / "init.pid").write_text(json.dumps(
             {"bwrap": self._bwrap.pid, "init": self._init_pid, "init_start": start_time(self._init_pid)}
         ))  # fmt: skip
@@ -399,42 +377,13 @@ class LocalSandbox:
         except TimeoutError:
             log.warning("sandbox %s: nsenter %d did not exit after SIGKILL", self.id, proc.pid)
 
-    # --- files -----------------------------------------------------------------------------------
-    # Files move through a process inside the sandbox, so paths (and symlinks the agent planted)
-    # resolve in the sandbox's own mount namespace and can never reach a host file.
+    # --- files: through a process inside the sandbox (local_files.py) --------------------------
 
     async def upload(self, data: bytes, path: str) -> None:
-        path = self._abs(path)
-        res = await self._run(
-            _UPLOAD_SCRIPT, [path], cwd="/", env=None, timeout_s=120.0, max_output_bytes=4096, stdin=data
-        )
-        if res.exit_code != 0:
-            raise SandboxError(
-                "exec", f"upload to {path} in sandbox {self.id} failed: {res.output.strip()[:500]}"
-            )
+        await upload_file(self, data, path)
 
     async def download(self, path: str) -> bytes:
-        path = self._abs(path)
-        res = await self._run(
-            'test -f "$1" || { echo "no such file: $1" >&2; exit 44; }; '
-            'test "$(stat -c %s -- "$1")" -le "$2" || { echo "larger than $2 bytes" >&2; exit 45; }; '
-            'base64 -w0 -- "$1"',
-            [path, str(_MAX_DOWNLOAD_BYTES)],
-            cwd="/",
-            env=None,
-            timeout_s=120.0,
-            max_output_bytes=_MAX_DOWNLOAD_BYTES * 4 // 3 + 4096,
-        )
-        if res.exit_code == 44:
-            raise FileNotFoundError(f"sandbox {self.id}: {path}")
-        if res.exit_code != 0 or res.truncated:
-            raise SandboxError(
-                "exec", f"download of {path} from sandbox {self.id} failed: {res.output.strip()[:500]}"
-            )
-        return base64.b64decode(res.output)
-
-    def _abs(self, path: str) -> str:
-        return path if path.startswith("/") else f"{self.workdir.rstrip('/')}/{path}"
+        return await download_file(self, path)
 
 
 async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
@@ -446,33 +395,8 @@ async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
         pass  # the command exited without reading all of it; its exit code says why
 
 
-def _only_child(pid: int) -> int:
-    """The one child of `pid` (the init's keeper, read right after it said ready)."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            kids = [int(x) for x in f.read().split()]
-    except OSError:
-        kids = []
-    if len(kids) != 1:
-        raise SandboxError("create", f"the sandbox init {pid} has children {kids}, expected one")
-    return kids[0]
-
-
 def kill_pid(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-
-
-async def _read_json(reader: asyncio.StreamReader) -> dict:
-    buf = b""
-    while True:
-        chunk = await reader.read(4096)
-        if not chunk:
-            raise ValueError(f"bwrap closed its info pipe before reporting ({buf[:200]!r})")
-        buf += chunk
-        try:
-            return json.loads(buf)
-        except json.JSONDecodeError:
-            continue

@@ -180,6 +180,23 @@ def kernel_args() -> list[str]:
     ]  # fmt: skip
 
 
+def bwrap_argv(bwrap: str, bash: str, mountpoint: Path, allow_network: bool, info_fd: int, data_fd) -> list[str]:
+    """bubblewrap's argv. It runs as the root of the sandbox's user namespace, so the namespaces it
+    makes belong to that namespace; `mountpoint` holds this sandbox's disk (LAUNCH_SCRIPT)."""
+    argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--bind", str(mountpoint), "/"]  # fmt: skip
+    for name in ("usr", "etc", "bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        host = Path("/") / name
+        if host.is_dir() and not host.is_symlink():
+            argv += ["--ro-bind", str(host), f"/{name}"]
+    argv += ["--proc", "/proc", "--dev", "/dev", *kernel_args(), *mask_args(*masks(), data_fd)]
+    if allow_network:  # slirp4netns' DNS forwarder; the host's resolver may be on its loopback
+        argv += ["--ro-bind-data", str(data_fd(f"nameserver {SLIRP_NAMESERVER}\n".encode())), "/etc/resolv.conf"]
+    argv += ["--hostname", "sandbox", "--chdir", "/", "--info-fd", str(info_fd), "--",
+             bash, "-c", "echo ready; exec sleep infinity"]  # fmt: skip
+    return argv
+
+
 def memfd_with(data: bytes) -> int:
     """An inheritable fd at offset 0 holding `data` (bwrap's --*-data options read one to EOF)."""
     fd = os.memfd_create("agentrl-bwrap-data", 0)

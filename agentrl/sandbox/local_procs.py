@@ -7,6 +7,7 @@ knows about bubblewrap, only about pipes, /proc and pid namespaces.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -201,3 +202,29 @@ def wait_namespace_empty(ns: str, timeout_s: float) -> bool:
             return True
         time.sleep(0.02)
     return not pids_in_namespace(ns)
+
+
+def only_child(pid: int) -> int:
+    """The one child of `pid` (the sandbox init's keeper, read right after it said ready)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(x) for x in f.read().split()]
+    except OSError:
+        kids = []
+    if len(kids) != 1:
+        raise OSError(f"the sandbox init {pid} has children {kids}, expected one")
+    return kids[0]
+
+
+async def read_json(reader: asyncio.StreamReader) -> dict:
+    """One JSON document from a stream (bwrap's --info-fd), however it is split into reads."""
+    buf = b""
+    while True:
+        chunk = await reader.read(4096)
+        if not chunk:
+            raise ValueError(f"bwrap closed its info pipe before reporting ({buf[:200]!r})")
+        buf += chunk
+        try:
+            return json.loads(buf)
+        except json.JSONDecodeError:
+            continue
