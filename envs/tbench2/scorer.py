@@ -48,15 +48,17 @@ VERIFIER_ERROR = "infra_error:verifier"
 VERIFIER_TIMEOUT = "infra_error:verifier_timeout"
 _MAX_REWARD_FILE_BYTES = 64 * 1024
 _SETUP_TIMEOUT_S = 60.0
-# Step 2: undo a mount on top (lazily, a few times: mounts stack), an immutable flag, modes that
-# keep even their owner out (the local sandbox's root has no CAP_DAC_OVERRIDE), a /logs that is a
-# link or a file; then fresh folders owned by the verifier. $1 is the task's working directory.
+# Step 2: undo a mount on top (lazily, a few times: mounts stack), a link or a file where a folder
+# goes (removed first, so nothing below follows it elsewhere), an immutable flag, modes that keep
+# even their owner out (the local sandbox's root has no CAP_DAC_OVERRIDE); then fresh folders
+# owned by the verifier. $1 is the task's working directory.
 _RESET_SCRIPT = (
     "for d in /tests /logs/verifier /logs; do i=0; "
     "while [ $i -lt 8 ] && grep -q \" $d \" /proc/self/mountinfo 2>/dev/null; do umount -l \"$d\" 2>/dev/null || break; "
     "i=$((i+1)); done; done; "
-    "chattr -R -i /tests /logs 2>/dev/null; chmod -R u+rwX /tests /logs 2>/dev/null; "
-    "if [ -L /logs ] || { [ -e /logs ] && [ ! -d /logs ]; }; then rm -rf /logs; fi; "
+    "for d in /tests /logs /logs/verifier; do "
+    "if [ -L \"$d\" ] || { [ -e \"$d\" ] && [ ! -d \"$d\" ]; }; then rm -f \"$d\" 2>/dev/null; fi; done; "
+    "chattr -R -i /tests /logs 2>/dev/null; chmod u+rwx /logs 2>/dev/null; chmod -R u+rwX /tests /logs/verifier 2>/dev/null; "
     f"rm -rf {TESTS_DIR} {VERIFIER_DIR} && mkdir -p -m 755 {VERIFIER_DIR} {TESTS_DIR} \"$1\" && "
     f"chmod 755 {VERIFIER_DIR} {TESTS_DIR}"
 )
