@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,19 @@ async def test_closed_sandbox_refuses_work(backend):
         with pytest.raises(SandboxError) as err:
             await call
         assert err.value.kind == "closed"
+
+
+def test_daytona_kill_script_refuses_to_run_in_the_hosts_pid_namespace():
+    """Run where it is not a container's, "every process but pid 1" would be the whole machine."""
+    import subprocess
+
+    from agentrl.sandbox.daytona_exec import KILL_ALL_SCRIPT, kill_all_result
+
+    stat = Path("/proc/2/stat")
+    if not stat.exists() or "(kthreadd)" not in stat.read_text():
+        pytest.skip("this test runs in a container's pid namespace itself")
+    r = subprocess.run(["sh", "-c", KILL_ALL_SCRIPT], capture_output=True, text=True, timeout=30, check=False)
+    assert r.returncode == 4 and "host's pid namespace" in r.stdout
+    with pytest.raises(SandboxError) as err:
+        kill_all_result(r.returncode, r.stdout, "sb-1")
+    assert err.value.kind == "kill"
