@@ -26,10 +26,7 @@ NOT_IN_LIBRARY = ("bench", "tests")  # top-level packages agentrl must never imp
 # areas may be listed here.
 OTHERS_OWN = ("agentrl.orchestrator", "agentrl.cluster.", "agentrl.config.plan", "agentrl.train.",
               "agentrl.rollout.", "agentrl.sandbox.local")
-KNOWN_CIRCLES: list[frozenset[str]] = [
-    # ray_env.attach imports placement (capacity check); placement imports ray_env's resources/errors
-    frozenset({"agentrl.cluster.placement", "agentrl.cluster.ray_env", "agentrl.cluster.rehearsal_cluster"}),
-]
+KNOWN_CIRCLES: list[frozenset[str]] = []
 
 
 def module_name(path: Path) -> str:

@@ -19,7 +19,7 @@ from agentrl.cluster.rehearsal_checks import (
     check_trainer_reports,
     precheck_plan,
 )
-from agentrl.cluster.rehearsal_cluster import group_nodes
+from agentrl.cluster.simulated import group_nodes
 from agentrl.cluster.rehearsal_ranks import (
     Layout,
     RankLayoutError,

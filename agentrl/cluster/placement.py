@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from agentrl.cluster.ray_env import INFER_RESOURCE, TRAIN_RESOURCE, ClusterError
+from agentrl.cluster.roles import INFER_RESOURCE, TRAIN_RESOURCE, ClusterError
 from agentrl.config.plan import RunPlan
 
 PLACEMENT_TIMEOUT_S = 120.0  # a placeable group is ready in ~1 s; past this the cluster lacks something

@@ -22,17 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentrl.cluster.roles import INFER_RESOURCE, ROLE_UNITS, TRAIN_RESOURCE, ClusterError
 from agentrl.config.plan import RunPlan
 from agentrl.config.schema import RunConfig
 
-TRAIN_RESOURCE = "agentrl_train"
-INFER_RESOURCE = "agentrl_inference"
-ROLE_UNITS = 1000  # units a node advertises per role; one actor takes one
 TOKEN_FILE = Path.home() / ".ray" / "auth_token"
-
-
-class ClusterError(RuntimeError):
-    """The cluster cannot run the plan; the message says what is missing and how to get it."""
 
 
 @dataclass
@@ -45,7 +39,7 @@ class RayHandle:
         import ray
 
         if self.simulated is not None:
-            from agentrl.cluster.rehearsal_cluster import stop_cluster
+            from agentrl.cluster.simulated import stop_cluster
 
             stop_cluster(self.simulated)
         elif self.started_here and ray.is_initialized():
@@ -119,7 +113,7 @@ def _simulate(cfg: RunConfig, plan: RunPlan) -> RayHandle:
     if plan.gpus_per_node:
         raise ClusterError("cluster.simulate_nodes simulates CPU nodes on this machine; a GPU plan needs a real "
                            "cluster (cluster.ray_address)")
-    from agentrl.cluster.rehearsal_cluster import start_cluster
+    from agentrl.cluster.simulated import start_cluster
 
     temp = tempfile.mkdtemp(prefix="agentrl-ray-")
     sim = start_cluster(plan, nodes_per_raylet=1, temp_dir=temp, cpus_per_node=cfg.cluster.num_cpus or 4)

@@ -1,7 +1,7 @@
 """Placement rehearsal: the plan placed for real on a simulated local Ray cluster.
 
 `run_glm5_2_daytona.py train --num-nodes 16 --rehearse` starts a 127.0.0.1-only Ray cluster that
-stands for the plan's nodes (rehearsal_cluster.py), asks Ray for the run's placement groups per
+stands for the plan's nodes (simulated.py), asks Ray for the run's placement groups per
 role (agentrl.cluster.ray_env's bundles and role_placement_group), places one stand-in actor per
 training GPU and per engine in those bundles, the replay buffer and the episode workers (with their
 session-affine router), forms the weight-update groups and works out the bucket schedule, then shuts
@@ -30,7 +30,7 @@ from agentrl.cluster.rehearsal_checks import (
     check_trainer_reports,
     precheck_plan,
 )
-from agentrl.cluster.rehearsal_cluster import NODE_RESOURCE, SimCluster, start_cluster, stop_cluster
+from agentrl.cluster.simulated import NODE_RESOURCE, SimCluster, start_cluster, stop_cluster
 from agentrl.cluster.rehearsal_weights import (
     DEFAULT_BUCKET_BYTES,
     build_schedule,

@@ -1,4 +1,5 @@
-"""A local Ray cluster that stands for the plan's nodes, on 127.0.0.1 only.
+"""A local Ray cluster that stands for the plan's nodes, on 127.0.0.1 only (the rehearsal, and
+`cluster.simulate_nodes` runs).
 
 Cost measured on the 2-core development machine (under load from other work): the head takes
 ~9 s, each further raylet ~4 s and ~180 MB (a raylet brings a dashboard agent and a runtime-env
@@ -21,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.cluster.ray_env import INFER_RESOURCE, ROLE_UNITS, TRAIN_RESOURCE
+from agentrl.cluster.roles import INFER_RESOURCE, ROLE_UNITS, TRAIN_RESOURCE
 
 NODE_RESOURCE = "agentrl_node_{}"
 _NO_PRESTART = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}

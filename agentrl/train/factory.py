@@ -24,6 +24,10 @@ def make_backend(cfg: RunConfig, plan: RunPlan, dist_init: DistInit, run_dir: st
         raise ValueError(f"rank {dist_init.rank} was started in a world of {dist_init.world}, the plan has "
                          f"{plan.layout.world} trainer ranks")
     torch.manual_seed(cfg.seed)
+    if plan.backend == "dry":  # train --rehearse: placement and actors only
+        from agentrl.train.dry import DryBackend
+
+        return DryBackend(plan.layout, plan.layout.coords(dist_init.rank))
     if plan.backend == "megatron":
         return _megatron(cfg, plan, dist_init, run_dir)
     if plan.backend != "torch":
