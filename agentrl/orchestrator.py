@@ -114,6 +114,7 @@ class Orchestrator:
             raise RuntimeError(f"engines refused the initial weights: {sync['failed_engines']}")
         self.progress.note(f"engines at weight version {self.version} ({sync['sync_bytes'] / 1e6:.0f} MB in "
                            f"{sync['sync_s']:.1f} s)")
+        await self._write_processes()
         worker = ray.remote(EpisodeWorker)
         self.workers = [
             # max_restarts: a worker that dies (OOM, a crash) is started again; the groups it held
@@ -411,9 +412,12 @@ class Orchestrator:
     async def _check_engines(self) -> None:
         # Routers stop sending to a restarted engine; it rejoins only once it holds the current
         # weights, so no episode is served by the restarted engine's initial weights.
-        for i in await self.engines.check(on_down=self._engine_down):
+        restarted = await self.engines.check(on_down=self._engine_down)
+        for i in restarted:
             self.progress.note(f"engine {i} restarted; re-sending weights version {self.version}")
             self._out_of_rotation.add(i)
+        if restarted:
+            await self._write_processes()
         for i in sorted(self._out_of_rotation):
             sync = await self.trainers.push_weights([self.urls[i]])
             if not sync["failed_engines"]:
@@ -424,6 +428,14 @@ class Orchestrator:
                 self.metrics.set_engine_from_server_info(i, await self.engines.server_info(i))
             except Exception:  # noqa: BLE001 - an engine between restarts has no info; the next check retries
                 pass
+
+    async def _write_processes(self) -> None:
+        """RUN_DIR/processes.json: where every trainer rank and engine runs (node IP, pid), for
+        operators and for tests that must end exactly the process they mean."""
+        engines = [{"index": i, "url": u, "pid": await self.engines.pid(i)} for i, u in enumerate(self.urls)]
+        tmp = self.run_dir / "processes.json.tmp"
+        tmp.write_text(json.dumps({"trainers": self.trainers.info, "engines": engines}, indent=2))
+        tmp.replace(self.run_dir / "processes.json")
 
     async def _engine_down(self, i: int) -> None:
         await asyncio.gather(*(w.engine_down.remote(self.urls[i]) for w in self.workers))

@@ -54,15 +54,17 @@ def test_local_run_trains_and_resumes(tmp_path, mode):
 
 @pytest.mark.slow
 def test_engine_killed_mid_run_is_restarted_and_never_rewarded(tmp_path):
-    """Kill the engine process during the run: the run finishes, the engine is restarted and given
-    the current weights, and episodes that hit the dead engine end as infra errors, never trained."""
+    """Kill this run's engine (its pid from RUN_DIR/processes.json) while it is generating: the run
+    finishes, the engine is restarted and given the current weights, and the episodes that were on it
+    end as infra errors (at least one), never trained."""
     import os
     import signal
     import time
+    import urllib.request
 
     run = tmp_path / "kill"
     args = [sys.executable, str(LAUNCHER), "train", "--model-name", "tiny", "--num-nodes", "1", "--run-dir", str(run),
-            "--set", "cluster.dashboard=false", "--set", "rollout.max_new_tokens=24", "--set", "agent.max_turns=2",
+            "--set", "cluster.dashboard=false", "--set", "rollout.max_new_tokens=48", "--set", "agent.max_turns=2",
             "--set", "algorithm.group_size=2", "--set", "train.max_steps=3"]
     p = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     seen = []
@@ -71,10 +73,15 @@ def test_engine_killed_mid_run_is_restarted_and_never_rewarded(tmp_path):
     for line in p.stderr:
         seen.append(line)
         if killed is None and line.startswith("step    1"):
-            out = subprocess.run(["pgrep", "-f", "agentrl.cli engine serve"], capture_output=True, text=True)
-            pids = [int(x) for x in out.stdout.split()]
-            assert pids, "no engine process found"
-            killed = max(pids)
+            [engine] = json.loads((run / "processes.json").read_text())["engines"]
+            # Wait until requests are decoding on it, so the kill lands on live episodes.
+            until = time.time() + 60
+            while time.time() < until:
+                info = json.loads(urllib.request.urlopen(engine["url"] + "/server_info", timeout=5).read())
+                if info["internal_states"][0].get("num_running", 0) > 0:
+                    break
+                time.sleep(0.05)
+            killed = engine["pid"]
             os.kill(killed, signal.SIGKILL)
         if time.time() > deadline:
             p.kill()
@@ -84,11 +91,11 @@ def test_engine_killed_mid_run_is_restarted_and_never_rewarded(tmp_path):
     assert killed is not None and "engine 0 restarted; re-sending weights" in text
     rows = metrics(run)
     assert [x["step"] for x in rows] == [1, 2, 3]
-    bad = {json.loads(x)["episode_id"] for x in (run / "replay.log.jsonl").read_text().splitlines()
-           if '"type":"traj"' in x and '"outcome":"infra_error' in x}
-    trained = {g for x in (run / "replay.log.jsonl").read_text().splitlines() if '"type":"trained"' in x
-               for g in json.loads(x)["groups"]}
-    assert not {e.rsplit("-", 1)[0] for e in bad} & trained  # a group with an infra error is never trained
+    log = (run / "replay.log.jsonl").read_text().splitlines()
+    hit = {json.loads(x)["episode_id"] for x in log if '"type":"traj"' in x and '"outcome":"infra_error:engine' in x}
+    assert hit, "no episode was on the engine when it died"
+    trained = {g for x in log if '"type":"trained"' in x for g in json.loads(x)["groups"]}
+    assert not {e.rsplit("-", 1)[0] for e in hit} & trained  # a group with an infra error is never trained
 
 
 @pytest.mark.slow
