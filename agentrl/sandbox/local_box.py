@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,6 @@ from agentrl.sandbox.local_isolation import (
     SlirpNetwork,
     bwrap_argv,
     memfd_with,
-    new_user_namespace,
     shared_mountpoint,
 )
 from agentrl.sandbox.local_procs import (
@@ -123,9 +123,10 @@ class LocalSandbox:
 
     # --- lifecycle -------------------------------------------------------------------------------
 
-    async def _start(self) -> None:
+    async def _start(self, holder: subprocess.Popen, userns: str) -> None:
+        """Start the init inside the user namespace `userns` that `holder` keeps (new_user_namespace);
+        the holder is let go once bwrap's processes are in it."""
         t = self._tools
-        holder, userns = await asyncio.to_thread(new_user_namespace, t["unshare"], t["cat"])
         data_fds: list[int] = []
 
         def data_fd(data: bytes) -> int:
