@@ -1,19 +1,31 @@
-"""The engine process manager: waits for /health, restarts a dead engine, stops its whole group."""
+"""The engine process manager: waits for health, restarts a dead engine, stops its whole group,
+and never leaves an orphan when the process that started it dies."""
 
 import asyncio
 import os
+import shutil
 import signal
+import socket
+import subprocess
 import sys
+import time
 
 import pytest
 
-from agentrl.cluster.engine_process import EngineProcess, EngineStartError, free_port
+from agentrl.cluster.engine_process import (
+    EngineProcess,
+    EngineStartError,
+    free_port,
+    free_port_block,
+    ports_free,
+)
 
 SERVER = r"""
 import http.server, sys
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404); self.end_headers(); self.wfile.write(b"ok")
+        ok = self.path in ("/health", "/health_generate")
+        self.send_response(200 if ok else 404); self.end_headers(); self.wfile.write(b"ok")
     def log_message(self, *a): pass
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
@@ -33,6 +45,7 @@ def test_start_restart_stop(tmp_path):
         assert proc.alive() and proc.pid != first and proc.restarts == 1
         proc.stop()
         assert not proc.alive()
+        assert (tmp_path / "engine.log").read_text().count("start: ") == 2  # each start is marked in the log
 
     asyncio.run(main())
 
@@ -44,5 +57,54 @@ def test_engine_that_exits_during_start_names_its_log(tmp_path):
         with pytest.raises(EngineStartError, match="exited with code 3"):
             await proc.start()
         assert "boom" in (tmp_path / "e.log").read_text()
+        quiet = EngineProcess([sys.executable, "-c", "import time; time.sleep(60)"], None, tmp_path / "n.log")
+        await quiet.start()  # serves no HTTP (a node_rank > 0 process): up once it did not exit
+        assert quiet.alive()
+        quiet.stop()
+        failing = EngineProcess([sys.executable, "-c", "raise SystemExit(4)"], None, tmp_path / "f.log")
+        with pytest.raises(EngineStartError, match="code 4"):
+            await failing.start()
 
     asyncio.run(main())
+
+
+def test_port_block_is_free():
+    p = free_port_block("127.0.0.1", 7)
+    assert ports_free("127.0.0.1", p, 7)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", p + 3))
+        assert not ports_free("127.0.0.1", p, 7)
+
+
+PARENT = r"""
+import asyncio, sys
+from pathlib import Path
+from agentrl.cluster.engine_process import EngineProcess
+proc = EngineProcess([sys.executable, "-c", "import time; time.sleep(120)"], None, Path(sys.argv[1]))
+proc.spawn()
+print(proc.pid, flush=True)
+asyncio.run(asyncio.sleep(120))
+"""
+
+
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="needs util-linux setpriv")
+def test_engine_dies_with_the_process_that_started_it(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "c.log")], stdout=subprocess.PIPE,
+                              text=True)
+    child = int(parent.stdout.readline())
+    try:
+        os.kill(parent.pid, signal.SIGKILL)  # an actor killed outright
+        parent.wait(10)
+        for _ in range(100):
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the engine outlived the process that started it")
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from agentrl.sync.nccl_export import flatten_bucket, init_weights_update_group
 port, name, path, mode, order = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5].split(",")
 tensors = load_file(path)
-pg = init_weights_update_group("127.0.0.1", port, 0, 2, name, backend="gloo", timeout_s=60)
+pg = init_weights_update_group("127.0.0.1", port, 0, 2, name, backend=sys.argv[6], timeout_s=60)
 items = [(n, tensors[n]) for n in order]
 if mode == "bucket":
     dist.broadcast(flatten_bucket(items), src=0, group=pg)
@@ -30,11 +30,11 @@ dist.destroy_process_group(pg)
 
 
 def start_sender(port: int, group_name: str, named: dict[str, torch.Tensor], *, bucket: bool = True,
-                 workdir: str | Path | None = None) -> subprocess.Popen:
+                 backend: str = "gloo", workdir: str | Path | None = None) -> subprocess.Popen:
     from safetensors.torch import save_file
 
     folder = Path(workdir or tempfile.mkdtemp(prefix="agentrl-sender-"))
     path = folder / "weights.safetensors"
     save_file({n: t.detach().contiguous().cpu() for n, t in named.items()}, str(path))
     return subprocess.Popen([sys.executable, "-c", CHILD, str(port), group_name, str(path),
-                             "bucket" if bucket else "direct", ",".join(named)])
+                             "bucket" if bucket else "direct", ",".join(named), backend])

@@ -1,14 +1,19 @@
-"""One inference engine as a child process: SGLang's launch_server or the embedded engine.
+"""One inference engine process on one node: SGLang's launch_server or the embedded engine.
 
-Starts the command the plan computed, writes its output to a log in the run dir, waits until
-the HTTP API answers, and restarts it with exponential backoff when it dies. The caller
-re-sends the current weights after a restart (`restarts` tells it one happened).
+Starts the argv engine_argv built, writes its output to a log in the run dir and, for the
+process that serves HTTP (node_rank 0), waits until `health_path` answers 200 (SGLang's
+/health_generate runs a one-token generation: the model is loaded and generates). A process
+that serves no HTTP (node_rank > 0 of a multi-node engine) is up once it has not exited within
+SETTLE_S. The engine runs in its own process group (stop() ends it and everything it spawned)
+and, where util-linux's setpriv exists, with a parent-death signal: if the actor that started it
+dies, the engine gets SIGTERM instead of holding its GPUs and ports as an orphan.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +23,11 @@ from pathlib import Path
 
 import httpx
 
+SETTLE_S = 1.0  # a non-serving process that survives this long started (bad flags fail faster)
+POLL_S = 0.5
+PROBE_TIMEOUT_S = 30.0  # one /health_generate answer (SGLang waits up to 20 s for a token)
+STOP_GRACE_S = 10.0
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -25,9 +35,34 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def ports_free(host: str, first: int, count: int) -> bool:
+    """True if ports first..first+count-1 can all be bound on host now."""
+    socks = []
+    try:
+        for p in range(first, first + count):
+            s = socket.socket()
+            socks.append(s)
+            s.bind((host, p))
+        return True
+    except OSError:
+        return False
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port_block(host: str, count: int, attempts: int = 50) -> int:
+    """A port p with p..p+count-1 free on host (SGLang binds a block after its dist-init port)."""
+    for _ in range(attempts):
+        p = free_port(host)
+        if p + count <= 65536 and ports_free(host, p, count):
+            return p
+    raise OSError(f"no block of {count} free ports on {host} after {attempts} tries")
+
+
 def local_engine_argv(argv: list[str], host: str, port: int) -> tuple[list[str], str]:
-    """A planned engine command made runnable here: `agentrl` becomes this interpreter (the caller's
-    own environment) and `--port` gets `port` (0 picks a free one). Returns (argv, url)."""
+    """A command whose first word is `agentrl` made runnable here (this interpreter), with `--port`
+    set to `port` (0 picks a free one). Returns (argv, url)."""
     port = port or free_port(host)
     argv = list(argv)
     if argv[:1] == ["agentrl"]:
@@ -41,15 +76,21 @@ class EngineStartError(RuntimeError):
     pass
 
 
+def _with_parent_death_signal(argv: list[str]) -> list[str]:
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv] if setpriv and sys.platform == "linux" else argv
+
+
 class EngineProcess:
-    def __init__(self, argv: list[str], url: str, log_path: Path, env: dict[str, str] | None = None,
-                 ready_timeout_s: float = 600.0, max_restarts: int = 5):
+    def __init__(self, argv: list[str], url: str | None, log_path: Path, env: dict[str, str] | None = None,
+                 ready_timeout_s: float = 600.0, max_restarts: int = 5, health_path: str = "/health_generate"):
         self.argv = argv
-        self.url = url
+        self.url = url  # None: this process serves no HTTP (node_rank > 0)
         self.log_path = Path(log_path)
         self.env = env or {}
         self.ready_timeout_s = ready_timeout_s
         self.max_restarts = max_restarts
+        self.health_path = health_path
         self.restarts = 0
         self._proc: subprocess.Popen | None = None
 
@@ -60,31 +101,44 @@ class EngineProcess:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    async def start(self) -> None:
+    def spawn(self) -> None:
+        """Start the process (on the calling thread: the parent-death signal follows that thread)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        # Own process group, so stop() ends the engine and anything it spawned.
-        self._proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
-                                      start_new_session=True)
-        log.close()
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(self.argv)}\n".encode())
+            log.flush()
+            # Own process group, so stop() ends the engine and anything it spawned.
+            self._proc = subprocess.Popen(_with_parent_death_signal(self.argv), stdout=log, stderr=subprocess.STDOUT,
+                                          env={**os.environ, **self.env}, start_new_session=True)
+
+    async def start(self) -> None:
+        self.spawn()
         await self._wait_ready()
 
+    def _exited(self) -> EngineStartError:
+        return EngineStartError(f"engine exited with code {self._proc.returncode} while starting; see {self.log_path}")
+
     async def _wait_ready(self) -> None:
+        if self.url is None:
+            await asyncio.sleep(SETTLE_S)
+            if not self.alive():
+                raise self._exited()
+            return
         deadline = time.monotonic() + self.ready_timeout_s
-        async with httpx.AsyncClient(timeout=5.0) as client:
+        async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S) as client:
             while time.monotonic() < deadline:
                 if not self.alive():
-                    raise EngineStartError(f"engine exited with code {self._proc.returncode} while starting; "
-                                           f"see {self.log_path}")
+                    raise self._exited()
                 try:
-                    r = await client.get(self.url + "/health")
+                    r = await client.get(self.url + self.health_path)
                     if r.status_code == 200:
                         return
                 except httpx.HTTPError:
                     pass
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(POLL_S)
         self.stop()
-        raise EngineStartError(f"engine not ready after {self.ready_timeout_s:.0f} s; see {self.log_path}")
+        raise EngineStartError(f"engine not ready after {self.ready_timeout_s:.0f} s (no 200 from "
+                               f"{self.url}{self.health_path}); see {self.log_path}")
 
     async def ensure_alive(self) -> bool:
         """Restart a dead engine (backoff 1, 2, 4, ... s). True if a restart happened."""
@@ -97,7 +151,7 @@ class EngineProcess:
         await self.start()
         return True
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         if self._proc is None or self._proc.poll() is not None:
             return
         try:

@@ -1,118 +1,269 @@
-"""Engines of a run: one EngineActor per (engine, node) running the engine's server process where
-Ray placed it, and the driver-side EngineGroup that starts, watches and stops them.
+"""The run's inference engines as Ray actors: one EngineActor per (engine, node), driven by one
+EngineGroup on the driver.
 
-(Interim version written by the integrator so the run loop can be exercised; the engine helper's
-full version - multi-node rendezvous, restart backoff per engine, ports per node - replaces it.)
+An EngineActor starts its node's engine process (engine_argv, built on that node: only it knows
+its IP and free ports) where Ray placed it: Ray set CUDA_VISIBLE_DEVICES from the actor's GPU
+share, and the process inherits it. Node 0 of an engine serves HTTP; its URL advertises the node's
+IP unless the engine is bound to one specific address (cluster.host: "127.0.0.1" locally,
+"0.0.0.0" or "node_ip" across nodes). The HTTP port is chosen once and kept across restarts, so an
+engine's URL, its identity on the router's ring, never changes.
+
+A multi-node engine starts as SGLang's do: node 0 reserves a dist-init address (a free block of
+ports on its node), then every node starts with it at once (node 0 only reports healthy when all
+have joined). `EngineGroup.check()` finds engines with any dead node and restarts each whole, all
+its nodes, with backoff; the orchestrator then sends it the current weights again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from agentrl.config.plan import EngineSpec, RunPlan
 from agentrl.config.schema import RunConfig
+
+# SGLang binds its dist-init port and, with attention DP, the 6 ports after it on node 0
+# (server_args.PortArgs: port_base = dist_init_port + 1, then 6 derived ports from there).
+DIST_INIT_PORT_SPAN = 7
+RESTART_BACKOFF_MAX_S = 30.0
+RESTART_RESET_AFTER_S = 600.0  # an engine up this long starts its restart count from zero again
+ANY_ADDRESS = ("0.0.0.0", "::", "")
+
+
+class EngineGroupError(RuntimeError):
+    """An engine could not be started or kept alive; the message names it and its logs."""
+
+
+def bind_and_advertise(host: str, node_ip: str) -> tuple[str, str]:
+    """(address the engine binds, address its URL advertises) for cluster.host on a node."""
+    if host == "node_ip":
+        return node_ip, node_ip
+    if host in ANY_ADDRESS:
+        return host or "0.0.0.0", node_ip
+    return host, host
+
+
+def actor_name(run_id: str, index: int, node_rank: int) -> str:
+    return f"{run_id}-engine-{index}-node{node_rank}"
+
+
+def log_name(index: int, node_rank: int) -> str:
+    return f"engine_{index}_node{node_rank}.log"
 
 
 class EngineActor:
-    """One node's process of one engine (plain class; EngineGroup makes it a Ray actor)."""
+    """One node's process of one engine. A plain class: EngineGroup makes it a Ray actor."""
 
-    def __init__(self, cfg: dict, spec: dict, node_rank: int, run_id: str, run_dir: str):
+    def __init__(self, cfg: dict, spec, node_rank: int, run_id: str, run_dir: str) -> None:
+        import ray
+
+        from agentrl.config.plan import EngineSpec
+
         self.cfg = RunConfig.model_validate(cfg)
-        self.spec = EngineSpec(**spec)
-        self.node_rank, self.run_id, self.run_dir = node_rank, run_id, Path(run_dir)
+        self.spec = EngineSpec(**spec) if isinstance(spec, dict) else spec
+        self.node_rank, self.run_id = node_rank, run_id
+        self.ip = ray.util.get_node_ip_address()
+        self.bind, self.advertise = bind_and_advertise(self.cfg.cluster.host, self.ip)
+        self.log_path = Path(run_dir) / "logs" / log_name(self.spec.index, node_rank)
+        self.port: int | None = None  # chosen at the first start, kept across restarts
+        self.argv: list[str] | None = None
         self.proc = None
-        self.url: str | None = None
-        self.node_ip = _node_ip()
 
     def __repr__(self) -> str:
-        spec = getattr(self, "spec", None)  # a constructor that failed leaves no spec
-        return (f"EngineActor(engine {spec.index if spec else '?'} node_rank {getattr(self, 'node_rank', '?')} "
-                f"on {getattr(self, 'node_ip', '?')})")
+        return f"engine {self.spec.index} node_rank {self.node_rank} on {self.ip}"
 
-    async def start(self, dist_init_addr: str | None = None) -> str | None:
+    def node_ip(self) -> str:
+        return self.ip
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def reserve_dist_init(self) -> str:
+        """"ip:port" of this engine's rendezvous: a block of DIST_INIT_PORT_SPAN ports free on this node."""
+        from agentrl.cluster.engine_process import free_port_block
+
+        if self.node_rank != 0:
+            raise EngineGroupError(f"{self!r}: only node_rank 0 hosts the dist-init address")
+        return f"{self.ip}:{free_port_block('0.0.0.0', DIST_INIT_PORT_SPAN)}"
+
+    async def start(self, dist_init_addr: str | None) -> str | None:
+        """Start the process and wait for health (node_rank 0); returns the URL on node_rank 0."""
         from agentrl.cluster.engine_process import EngineProcess, free_port
         from agentrl.rollout.engine_cmd import engine_argv
 
-        host = self.cfg.cluster.host
-        bind = self.node_ip if host == "node_ip" else host
-        port = self.spec.port or free_port(bind)
-        advertised = self.node_ip if bind in ("0.0.0.0", "node_ip") else bind
-        argv = engine_argv(self.cfg, self.spec, node_rank=self.node_rank, host=bind, port=port,
-                           dist_init_addr=dist_init_addr)
-        self.url = f"http://{advertised}:{port}"
-        log = self.run_dir / "logs" / f"engine_{self.spec.index}_node{self.node_rank}.log"
-        self.proc = EngineProcess(argv, self.url, log, env=self.spec.env)
+        if self.proc is not None and self.proc.alive():
+            await self.stop()
+        probe = "0.0.0.0" if self.bind in ANY_ADDRESS else self.bind
+        if self.port is None:
+            self.port = self.spec.port or free_port(probe)
+        nccl_port = free_port(probe) if self.spec.kind == "sglang" else None
+        self.argv = engine_argv(self.cfg, self.spec, node_rank=self.node_rank, host=self.bind, port=self.port,
+                                dist_init_addr=dist_init_addr, nccl_port=nccl_port)
+        url = f"http://{self.advertise}:{self.port}" if self.node_rank == 0 else None
+        self.proc = EngineProcess(self.argv, url, self.log_path, env=dict(self.spec.env),
+                                  ready_timeout_s=self.cfg.rollout.engine_start_timeout_s)
         await self.proc.start()
-        return self.url if self.node_rank == 0 else None
-
-    async def ensure_alive(self) -> bool:
-        return await self.proc.ensure_alive()
+        return url
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.alive()
 
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+        return self.proc.pid if self.proc is not None else None
+
+    def command(self) -> list[str] | None:
+        """The argv of the current (or last) process."""
+        return self.argv
 
     async def server_info(self) -> dict:
         from agentrl.rollout.client import EngineClient
 
-        async with EngineClient(self.url, timeout_s=5.0) as c:
+        if self.node_rank != 0 or self.proc is None:
+            raise EngineGroupError(f"{self!r} serves no HTTP; ask node_rank 0")
+        async with EngineClient(self.proc.url, timeout_s=10.0) as c:
             return await c.server_info()
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         if self.proc is not None:
-            self.proc.stop()
-
-
-def _node_ip() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+            await asyncio.to_thread(self.proc.stop)
 
 
 class EngineGroup:
-    """Every engine of a plan, as one object the orchestrator awaits."""
+    """Driver side: one EngineActor per (engine, node) of the plan, each in its slot
+    (agentrl.cluster.placement.engine_slots: per engine, one bundle per node, index = node_rank;
+    made at start() unless given)."""
 
-    def __init__(self, cfg: RunConfig, plan: RunPlan, run_dir: Path, run_id: str):
-        self.cfg, self.plan, self.run_dir, self.run_id = cfg, plan, Path(run_dir), run_id
+    def __init__(self, cfg: RunConfig, plan, run_dir: str | Path, run_id: str, slots: list[list] | None = None) -> None:
+        self.cfg, self.plan = cfg, plan
+        self.run_dir, self.run_id, self.slots = Path(run_dir), run_id, slots
+        self._cfg = cfg.model_dump(mode="json")
+        n = len(plan.engines)
         self.actors: list[list] = []  # per engine, per node_rank
-        self.urls: list[str] = []
+        self._urls: list[str | None] = [None] * n
+        self.restarts = [0] * n  # in the current count (reset after RESTART_RESET_AFTER_S up)
+        self.total_restarts = 0
+        self._up_since = [0.0] * n
 
-    async def start(self) -> list[str]:
+    def _make_actor(self, i: int, node_rank: int):
         import ray
-        from dataclasses import asdict
 
-        from agentrl.cluster.placement import engine_slots
+        spec = self.plan.engines[i]
+        # The slot's num_gpus makes Ray set CUDA_VISIBLE_DEVICES for the actor (0.5: a GPU shared with
+        # a trainer rank); the engine process inherits it.
+        return ray.remote(EngineActor).options(
+            name=actor_name(self.run_id, spec.index, node_rank), **self.slots[i][node_rank].options(),
+        ).remote(self._cfg, spec, node_rank, self.run_id, str(self.run_dir))
 
-        slots = await asyncio.to_thread(engine_slots, self.plan, self.run_id)
-        cls = ray.remote(EngineActor)
-        cfg = self.cfg.model_dump(mode="json")
-        for e, per_node in zip(self.plan.engines, slots, strict=True):
-            self.actors.append([cls.options(name=f"{self.run_id}-engine-{e.index}-node{k}", max_concurrency=4,
-                                            **slot.options()).remote(cfg, asdict(e), k, self.run_id, str(self.run_dir))
-                                for k, slot in enumerate(per_node)])
-        self.urls = list(await asyncio.gather(*(nodes[0].start.remote(None) for nodes in self.actors)))
-        return self.urls
+    def _logs(self, i: int) -> str:
+        return ", ".join(str(self.run_dir / "logs" / log_name(i, r)) for r in range(len(self.actors[i])))
+
+    # ---- start / check / stop ------------------------------------------------------------------
+    async def start(self) -> list[str]:
+        """Create the actors and start every engine; their URLs by engine index."""
+        if self.slots is None:
+            from agentrl.cluster.placement import engine_slots
+
+            self.slots = await asyncio.to_thread(engine_slots, self.plan, self.run_id)
+        self.actors = [[self._make_actor(i, r) for r in range(len(spec.nodes))]
+                       for i, spec in enumerate(self.plan.engines)]
+        return list(await asyncio.gather(*(self._start_engine(i) for i in range(len(self.actors)))))
+
+    async def _start_engine(self, i: int) -> str:
+        from ray.exceptions import RayError
+
+        actors = self.actors[i]
+        try:
+            addr = await actors[0].reserve_dist_init.remote() if len(actors) > 1 else None
+            results = await asyncio.gather(*(a.start.remote(addr) for a in actors))
+        except (RayError, RuntimeError) as exc:
+            await self._stop_engine(i)
+            raise EngineGroupError(f"engine {i} did not start: {_cause(exc)}; see {self._logs(i)}") from None
+        url = results[0]
+        if self._urls[i] is not None and url != self._urls[i]:
+            raise EngineGroupError(f"engine {i} came back at {url}, not {self._urls[i]}; its actor was replaced "
+                                   "on another node")
+        self._urls[i], self._up_since[i] = url, time.monotonic()
+        return url
+
+    async def _alive(self, i: int) -> bool:
+        answers = await asyncio.gather(*(a.alive.remote() for a in self.actors[i]), return_exceptions=True)
+        return all(a is True for a in answers)
 
     async def check(self, on_down: Callable[[int], Awaitable[None]] | None = None) -> list[int]:
-        """Engines found dead since the last check, restarted (their routers told first)."""
-        restarted = []
-        for i, nodes in enumerate(self.actors):
-            if not await nodes[0].alive.remote():
-                if on_down is not None:
-                    await on_down(i)
-                await nodes[0].ensure_alive.remote()
-                restarted.append(i)
-        return restarted
+        """Restart every engine with a dead node (all its nodes); returns their indices. `on_down(i)`
+        is awaited first for each (routers stop sending to it). Raises EngineGroupError once an
+        engine has died more than rollout.engine_max_restarts times in a row."""
+        alive = await asyncio.gather(*(self._alive(i) for i in range(len(self.actors))))
+        dead = [i for i, ok in enumerate(alive) if not ok]
+        if on_down is not None:
+            for i in dead:
+                await on_down(i)
+        await asyncio.gather(*(self._restart(i) for i in dead))
+        return dead
+
+    async def _restart(self, i: int) -> None:
+        limit = self.cfg.rollout.engine_max_restarts
+        if time.monotonic() - self._up_since[i] > RESTART_RESET_AFTER_S:
+            self.restarts[i] = 0
+        while True:
+            if self.restarts[i] >= limit:
+                raise EngineGroupError(f"engine {i} died {self.restarts[i] + 1} times (rollout.engine_max_restarts="
+                                       f"{limit}); see {self._logs(i)}")
+            delay = min(2.0 ** self.restarts[i], RESTART_BACKOFF_MAX_S)
+            self.restarts[i] += 1
+            self.total_restarts += 1
+            await self._stop_engine(i)
+            await asyncio.sleep(delay)
+            try:
+                await self._start_engine(i)
+                return
+            except EngineGroupError:
+                continue
+
+    async def _stop_engine(self, i: int) -> None:
+        """Stop every node's process; an actor that died is replaced (in its own bundle)."""
+        from ray.exceptions import RayError
+
+        answers = await asyncio.gather(*(a.stop.remote() for a in self.actors[i]), return_exceptions=True)
+        for r, answer in enumerate(answers):
+            if isinstance(answer, RayError):
+                self.actors[i][r] = self._make_actor(i, r)
+
+    async def stop(self) -> None:
+        import ray
+
+        await asyncio.gather(*(self._stop_engine(i) for i in range(len(self.actors))), return_exceptions=True)
+        for actors in self.actors:
+            for a in actors:
+                ray.kill(a)
+
+    # ---- per engine ----------------------------------------------------------------------------
+    @property
+    def urls(self) -> list[str]:
+        return [self.url(i) for i in range(len(self.actors))]
+
+    def url(self, i: int) -> str:
+        if self._urls[i] is None:
+            raise EngineGroupError(f"engine {i} has not started; await EngineGroup.start() first")
+        return self._urls[i]
+
+    async def pid(self, i: int) -> int | None:
+        """The pid of engine i's node-0 process (on its node)."""
+        return await self.actors[i][0].pid.remote()
 
     async def server_info(self, i: int) -> dict:
         return await self.actors[i][0].server_info.remote()
 
-    async def pid(self, i: int) -> int | None:
-        return await self.actors[i][0].pid.remote()
+    async def commands(self, i: int) -> list[list[str] | None]:
+        """The argv each node of engine i runs."""
+        return list(await asyncio.gather(*(a.command.remote() for a in self.actors[i])))
 
-    async def stop(self) -> None:
-        await asyncio.gather(*(a.stop.remote() for nodes in self.actors for a in nodes), return_exceptions=True)
+
+def _cause(exc: BaseException) -> str:
+    """The innermost message of a Ray task error, one line."""
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip().splitlines()
+    return text[-1] if text else type(cause).__name__

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -60,10 +61,16 @@ def field(body: dict, key: str, kind: type | tuple[type, ...], default: Any = _M
     return v
 
 
-async def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run fn(*args) on a new daemon thread and await its result."""
+async def in_daemon_thread(fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
+                           on_late: Callable[[Any], None] | None = None,
+                           track: set[threading.Thread] | None = None) -> Any:
+    """Run fn(*args) on a new daemon thread and await its result. With `timeout_s`, TimeoutError
+    after that long; a result that arrives later is handed to `on_late` (e.g. to close a group
+    nobody waits for any more). `track` holds the thread while it runs (see join_threads)."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
+    lock = threading.Lock()
+    state = {"abandoned": False}
 
     def deliver(setter: Callable[[Any], None], value: Any) -> None:
         if not fut.done():
@@ -73,13 +80,44 @@ async def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
         try:
             out = fn(*args)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            setter, value = fut.set_exception, exc
+            setter, value, ok = fut.set_exception, exc, False
         else:
-            setter, value = fut.set_result, out
+            setter, value, ok = fut.set_result, out, True
+        with lock:
+            late = state["abandoned"]
+        if late:
+            if ok and on_late is not None:
+                on_late(value)
+            return
         try:
             loop.call_soon_threadsafe(deliver, setter, value)
         except RuntimeError:  # the loop closed while this thread was blocked: nobody waits any more
             pass
 
-    threading.Thread(target=run, name=f"embedded-{getattr(fn, '__name__', 'call')}", daemon=True).start()
-    return await fut
+    def tracked() -> None:
+        try:
+            run()
+        finally:
+            if track is not None:
+                track.discard(thread)
+
+    thread = threading.Thread(target=tracked, name=f"embedded-{getattr(fn, '__name__', 'call')}", daemon=True)
+    if track is not None:
+        track.add(thread)
+    thread.start()
+    try:
+        return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+    except TimeoutError:
+        with lock:
+            state["abandoned"] = True
+        if fut.done() and not fut.cancelled() and fut.exception() is None and on_late is not None:
+            on_late(fut.result())  # it finished just as the deadline passed
+        raise
+
+
+def join_threads(threads: set[threading.Thread], deadline_s: float) -> None:
+    """Wait up to deadline_s for tracked threads (an in-process server's stop: a thread left inside
+    torch's store client when the interpreter exits aborts it). The CLI exits with os._exit instead."""
+    end = time.monotonic() + deadline_s
+    for t in list(threads):
+        t.join(max(0.0, end - time.monotonic()))

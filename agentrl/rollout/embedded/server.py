@@ -35,6 +35,7 @@ from agentrl.rollout.embedded.weight_api import WeightAPI
 log = logging.getLogger(__name__)
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT default
 HEALTH_RID_PREFIX = "HEALTH_CHECK"
+SHUTDOWN_TIMEOUT_S = 1.0  # open requests get this long on stop(); a blocked rendezvous is not waited for
 
 
 def version_spans(versions: list[str], current: str) -> list[dict]:
@@ -96,10 +97,10 @@ class EmbeddedEngineServer:
 
     async def _on_cleanup(self, _app) -> None:
         await asyncio.to_thread(self.scheduler.stop)
-        self.weights.close()
+        await asyncio.to_thread(self.weights.close)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()

@@ -22,7 +22,14 @@ import asyncio
 from aiohttp import web
 
 from agentrl.rollout.embedded import weights as wlib
-from agentrl.rollout.embedded.http_util import BadRequest, field, in_daemon_thread, json_body, result
+from agentrl.rollout.embedded.http_util import (
+    BadRequest,
+    field,
+    in_daemon_thread,
+    join_threads,
+    json_body,
+    result,
+)
 
 SELECTORS = ("target", "draft", "all")
 DEFAULT_GROUP = "weight_update_group"
@@ -42,6 +49,7 @@ class WeightAPI:
         self.server, self.timeout_s = server, timeout_s
         self.session_open = False
         self.groups: dict[str, wlib.WeightUpdateGroup] = {}
+        self.threads: set = set()  # rendezvous and broadcasts still running
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/begin_weight_update", self.begin)
@@ -53,6 +61,8 @@ class WeightAPI:
         router.add_post("/update_weight_version", self.update_version)
 
     def close(self) -> None:
+        # torch's store client gives up after about twice its timeout (measured: 5 s -> 11.6 s).
+        join_threads(self.threads, 2 * self.timeout_s + 1)
         for g in self.groups.values():
             g.close()
         self.groups.clear()
@@ -126,7 +136,10 @@ class WeightAPI:
                                      "Please call `init_weights_update_group` first.")
             wlib.check_receive(names, dtypes, shapes, load_format)  # refused before joining the broadcast
             try:  # receiving does not touch the model: generation continues during the transfer
-                tensors = await in_daemon_thread(group.receive, names, dtypes, shapes, load_format)
+                tensors = await in_daemon_thread(group.receive, names, dtypes, shapes, load_format,
+                                                 timeout_s=self.timeout_s, track=self.threads)
+            except TimeoutError:
+                return result(False, f"Failed to receive weights: no broadcast within {self.timeout_s:g} s")
             except RuntimeError as exc:
                 return result(False, f"Failed to receive weights: {exc}".splitlines()[0])
             return await self._load(tensors, version, flush, "Succeeded to update parameter online.")
@@ -145,8 +158,14 @@ class WeightAPI:
                   "backend": field(b, "backend", str, "nccl")}
             if kw["group_name"] in self.groups:
                 raise BadRequest(f"group {kw['group_name']!r} already exists; destroy it first")
+            # torch's store client retries once more after its own timeout (measured: 5 s -> fails
+            # after ~11.6 s), so the deadline is kept here; a group that joins after it is closed.
             group = await in_daemon_thread(lambda: wlib.WeightUpdateGroup(
-                **kw, timeout_s=self.timeout_s, device=self.server.scheduler.device))
+                **kw, timeout_s=self.timeout_s, device=self.server.scheduler.device),
+                timeout_s=self.timeout_s, on_late=lambda g: g.close(), track=self.threads)
+        except TimeoutError:
+            return result(False, f"Failed to initialize custom process group: no rendezvous with "
+                                 f"{kw['master_address']}:{kw['master_port']} within {self.timeout_s:g} s")
         except (BadRequest, wlib.WeightUpdateError) as exc:
             return result(False, f"Failed to initialize custom process group: {exc}")
         self.groups[kw["group_name"]] = group
