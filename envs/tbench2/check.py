@@ -21,6 +21,7 @@ from pathlib import Path
 
 from agentrl.envs.base import Action
 from agentrl.sandbox.base import SandboxError, SandboxProvider
+from envs.tbench2.env import TB2Env
 from envs.tbench2.forgeries import Forgery
 from envs.tbench2.loader import TaskFormatError, TaskSpec, expected_error, load_task
 from envs.tbench2.scorer import SCORED, ScoreResult, score_task, upload_tree
@@ -111,15 +112,13 @@ async def run_forgery(
     """One forgery as an episode: TB2Env reset (sandbox + tmux terminal), its commands and
     keystrokes as steps, its probe, then the env's own score() (`verifier_sandbox` overrides the
     task's, as TB2Env's option does)."""
-    from envs.tbench2.env import TB2Env
-
     env = TB2Env(task.path.parent, provider, verifier_timeout_s=None, verifier_sandbox=verifier_sandbox)
     armed = False
     try:
-        await env.reset(task.name, episode_id=f"hack-{forgery.name}")
+        first = await env.reset(task.name, episode_id=f"hack-{forgery.name}")
         for command in forgery.commands:
             await env.step(Action(command=command, duration_s=30.0))
-        if env._terminal is not None:
+        if first.metadata.get("terminal_error") is None:  # the episode has its tmux terminal
             for keys in forgery.keystrokes:
                 await env.step(Action(keystrokes=keys, duration_s=0.3))
         probe = await env.step(Action(command=forgery.probe, duration_s=30.0))
