@@ -56,14 +56,12 @@ class EngineActor:
     """One node's process of one engine. A plain class: EngineGroup makes it a Ray actor."""
 
     def __init__(self, cfg: dict, spec, node_rank: int, run_id: str, run_dir: str) -> None:
-        import ray
-
         from agentrl.config.plan import EngineSpec
 
         self.cfg = RunConfig.model_validate(cfg)
         self.spec = EngineSpec(**spec) if isinstance(spec, dict) else spec
         self.node_rank, self.run_id = node_rank, run_id
-        self.ip = ray.util.get_node_ip_address()
+        self.ip = _ray_node_ip()
         self.bind, self.advertise = bind_and_advertise(self.cfg.cluster.host, self.ip)
         self.log_path = Path(run_dir) / "logs" / log_name(self.spec.index, node_rank)
         self.port: int | None = None  # chosen at the first start, kept across restarts
@@ -89,14 +87,17 @@ class EngineActor:
             raise EngineGroupError(f"{self!r}: only node_rank 0 hosts the dist-init address")
         return f"{self.ip}:{free_port_block('0.0.0.0', DIST_INIT_PORT_SPAN)}"
 
-    async def start(self, dist_init_addr: str | None) -> str | None:
-        """Start the process and wait for health (node_rank 0); returns the URL on node_rank 0."""
+    async def start(self, dist_init_addr: str | None, port: int | None = None) -> str | None:
+        """Start the process and wait for health (node_rank 0); returns the URL on node_rank 0.
+        `port`: the HTTP port to keep (a replacement actor restarting an engine that had one)."""
         from agentrl.cluster.engine_process import EngineProcess, free_port
         from agentrl.rollout.engine_cmd import engine_argv
 
         if self.proc is not None and self.proc.alive():
             await self.stop()
         probe = "0.0.0.0" if self.bind in ANY_ADDRESS else self.bind
+        if port:
+            self.port = port
         if self.port is None:
             self.port = self.spec.port or free_port(probe)
         nccl_port = free_port(probe) if self.spec.kind == "sglang" else None
@@ -177,7 +178,8 @@ class EngineGroup:
         actors = self.actors[i]
         try:
             addr = await actors[0].reserve_dist_init.remote() if len(actors) > 1 else None
-            results = await asyncio.gather(*(a.start.remote(addr) for a in actors))
+            port = int(self._urls[i].rsplit(":", 1)[1]) if self._urls[i] else None  # kept across restarts
+            results = await asyncio.gather(*(a.start.remote(addr, port) for a in actors))
         except (RayError, RuntimeError) as exc:
             await self._stop_engine(i)
             raise EngineGroupError(f"engine {i} did not start: {_cause(exc)}; see {self._logs(i)}") from None
@@ -260,6 +262,18 @@ class EngineGroup:
     async def commands(self, i: int) -> list[list[str] | None]:
         """The argv each node of engine i runs."""
         return list(await asyncio.gather(*(a.command.remote() for a in self.actors[i])))
+
+
+def _ray_node_ip() -> str:
+    """The IP Ray knows this actor's node by (ray.util.get_node_ip_address() routes to find the
+    host's address, which differs from a node started with _node_ip_address=127.0.0.1)."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
+            return node["NodeManagerAddress"]
+    return ray.util.get_node_ip_address()
 
 
 def _cause(exc: BaseException) -> str:
