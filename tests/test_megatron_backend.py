@@ -15,7 +15,7 @@ import torch
 
 from agentrl.agent.trajectory import Trajectory
 from agentrl.config.schema import AlgorithmConfig, TrainConfig
-from agentrl.train.megatron_parallel import pack_thd, plan_packs, split_for_data_parallel
+from agentrl.train.packing import PackShape, pack_thd, plan_packs, split_for_data_parallel
 
 
 def _trajs(n: int = 4, seed: int = 0) -> list[Trajectory]:
@@ -51,7 +51,7 @@ def test_data_parallel_split_balances_tokens_and_is_a_partition():
 
 def test_thd_pack_shifts_targets_within_each_trajectory():
     trajs = _trajs(2)
-    pb = pack_thd(trajs, [1.0, -1.0], [0, 1], pad_to=4)
+    pb = pack_thd(trajs, [1.0, -1.0], [0, 1], PackShape(sp_size=4))
     n0, n1 = len(trajs[0].token_ids), len(trajs[1].token_ids)
     assert pb.cu_seqlens.tolist()[:3] == [0, n0, n0 + n1] and pb.num_tokens % 4 == 0
     assert pb.targets[: n0 - 1].tolist() == trajs[0].token_ids[1:]
@@ -138,7 +138,9 @@ def test_dsa_kernel_switch_trains_like_megatrons_own_dsa(megatron_world):
         assert switched == pytest.approx(plain, rel=1e-4)
 
 
-def test_bf16_masters_recompute_disk_adam_and_checkpoint(megatron_world, tmp_path):
+def test_bf16_disk_adam_recompute_and_a_resumed_step_equals_the_uninterrupted_one(megatron_world, tmp_path):
+    """bf16 params + fp32 main_grad on the device, fp32 masters and moments on disk; a checkpoint
+    taken after step 1 and loaded back gives step 2 bit for bit."""
     from agentrl.models.tiny import build_tiny_model
     from agentrl.train.megatron_backend import MegatronBackend
     from agentrl.train.offload_adam import DiskOffloadAdamW
@@ -149,24 +151,24 @@ def test_bf16_masters_recompute_disk_adam_and_checkpoint(megatron_world, tmp_pat
                        offload_dir=tmp_path / "optim")
     algo = AlgorithmConfig(group_size=2)
     mb = MegatronBackend(model.config, train, algo, hf_state=state, run_dir=tmp_path / "run")
-    assert isinstance(mb.optimizer, DiskOffloadAdamW)
-    assert all(m.dtype == torch.float32 for _, m in mb.masters)
-    assert all(p.dtype == torch.bfloat16 for n, p in mb.named_params if "norm" not in n)
+    assert isinstance(mb.optimizer, DiskOffloadAdamW) and mb.masters == []
+    assert all(p.dtype == torch.bfloat16 and p.main_grad.dtype == torch.float32 for _, p in mb.named_params)
     trajs = _trajs(2)
     m1 = mb.train_step(trajs, [t.group_id for t in trajs])
     assert torch.isfinite(torch.tensor(m1["loss"])) and m1["grad_norm"] > 0
+    # The bf16 weights follow the fp32 masters on disk (not a bf16 update of bf16 weights).
+    masters = mb.optimizer.state_dict()["state"]
+    assert all(torch.equal(p.detach(), masters[i]["master"].to(p.dtype)) for i, (_, p) in enumerate(mb.named_params))
     mb.save_checkpoint(tmp_path / "ck", {"step": 1})
-    saved = {k: v.clone() for k, v in mb.named_weights()}
+    after_1 = {k: v.clone() for k, v in mb.named_weights()}
     mb.train_step(trajs, [t.group_id for t in trajs])
-    moved = dict(mb.named_weights())
-    assert any(not torch.equal(moved[k], saved[k]) for k in saved)
+    after_2 = {k: v.clone() for k, v in mb.named_weights()}
+    assert any(not torch.equal(after_2[k], after_1[k]) for k in after_1)
     assert mb.load_checkpoint(tmp_path / "ck") == {"step": 1}
     assert mb.version == 1
-    restored = dict(mb.named_weights())
-    assert all(torch.equal(restored[k], saved[k]) for k in saved)
-    # The bf16 weights follow the fp32 masters (not a bf16 update of bf16 weights).
-    for (n, p), (_, m) in zip(mb.named_params, mb.masters):
-        assert torch.equal(p.detach(), m.detach().to(p.dtype)), n
+    assert all(torch.equal(v, after_1[k]) for k, v in mb.named_weights())
+    mb.train_step(trajs, [t.group_id for t in trajs])
+    assert all(torch.equal(v, after_2[k]) for k, v in mb.named_weights())
 
 
 def test_unsupported_layouts_are_refused_with_the_field_named(megatron_world):
@@ -174,8 +176,8 @@ def test_unsupported_layouts_are_refused_with_the_field_named(megatron_world):
     from agentrl.models.hf_config import hf_config_for
     from agentrl.train.megatron_backend import MegatronBackend
 
-    layout = Layout.resolve(world=2, tp=2, num_layers=5, num_heads=4, n_experts=8)
-    with pytest.raises(ValueError, match="train.parallel.tp=2"):
+    layout = Layout.resolve(world=2, tp=2, num_layers=5, num_heads=4, n_experts=8, sequence_parallel=False)
+    with pytest.raises(ValueError, match="train.parallel.sequence_parallel=false"):
         MegatronBackend(hf_config_for("tiny"), _train_cfg(), AlgorithmConfig(), layout=layout)
 
 

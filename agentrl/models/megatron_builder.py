@@ -1,15 +1,15 @@
 """Megatron-core 0.19.2 GPTModel for GLM-MoE-DSA (MLA + DSA with index sharing + sigmoid MoE + MTP).
 
 `transformer_config_from_hf` maps transformers' GlmMoeDsaConfig onto MLATransformerConfig;
-`build_gpt_model` builds the model with megatron's DSA layer spec. Megatron's own DSA spec path
-asserts TransformerEngine. Without TE (the H200 machine has none) we build the same per-layer specs
-through a backend that returns megatron's `post_training.modelopt.layers.Linear` for `linear()`
-(the DSA indexer and q/kv down projections are plain duplicated linears) and point
-`absorbed_mla.Linear` at that class, which absorbed_mla only imports when TE is present. Measured on
-one H200 with torch 2.11 (REFERENCE.md section 2): that model trains. The local backend's torch
-norms reject sequence parallelism, and AbsorbedMLA needs it for TP > 1, so without TE only TP 1
-builds. CPU cannot build the model at all (the router and DSA rotary allocate on cuda), so CPU tests
-cover the config mapping and the layer specs.
+`build_gpt_model` builds this pipeline stage with megatron's DSA layer spec. Megatron's own DSA
+spec path asserts TransformerEngine. Without TE (the H200 machine has none) we build the same
+per-layer specs through a backend that returns megatron's `post_training.modelopt.layers.Linear`
+for `linear()` (the DSA indexer and q/kv down projections are plain duplicated linears), points
+`absorbed_mla.Linear` at that class (absorbed_mla only imports it when TE is present), and builds
+every norm with agentrl.train.norms, which runs on sequence-parallel shards (megatron's torch norms
+refuse sequence parallelism, which AbsorbedMLA requires at TP > 1). Routed experts are grouped
+GEMMs (agentrl.train.grouped_experts) instead of the SequentialMLP loop. On CPU the model builds
+and trains inside megatron_parallel.cpu_megatron (REFERENCE section 9).
 """
 
 from __future__ import annotations
@@ -70,10 +70,15 @@ def _parallel_fields(hf_config: Any, layout: Layout | None, recompute: str, cp_c
         middle = stages[1:-1]
         if len(set(middle)) > 1:
             raise ValueError(f"Megatron splits pipelines as first / uniform middle / last; got stages {stages}")
+        # THD packs differ in length: pipeline stages exchange each activation's shape first.
+        fields["variable_seq_lengths"] = True
         fields["num_layers_in_first_pipeline_stage"] = stages[0]
         fields["num_layers_in_last_pipeline_stage"] = stages[-1]
     if layout.cp > 1:
-        fields["cp_comm_type"] = {"allgather": "all_gather", "p2p": "p2p"}[cp_comm]
+        if cp_comm != "allgather":
+            raise ValueError(f"train.parallel.cp_comm={cp_comm!r}: Megatron's DSAttention supports context "
+                             "parallelism with all-gather only; set train.parallel.cp_comm=allgather")
+        fields["cp_comm_type"] = "all_gather"
     return fields
 
 
@@ -150,6 +155,9 @@ def megatron_config_fields(hf_config: Any, layout: Layout | None = None, *, reco
         "moe_aux_loss_coeff": 0.0,
         "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": use_te,
+        # The backend's loss is per token and already normalised over the step; the schedule must
+        # leave it alone (agentrl.train.pipeline).
+        "calculate_per_token_loss": True,
     }
     if hf_config.n_group and hf_config.n_group > 1:
         fields.update(moe_router_num_groups=hf_config.n_group, moe_router_group_topk=hf_config.topk_group)
@@ -171,35 +179,41 @@ def transformer_config_from_hf(hf_config: Any, layout: Layout | None = None, *, 
     fields = megatron_config_fields(hf_config, layout, recompute=recompute, cp_comm=cp_comm, use_te=use_te, bf16=bf16,
                                     mtp_loss_scale=mtp_loss_scale, expert_bias_update_rate=expert_bias_update_rate)
     fields.update(overrides)
-    if not use_te and fields.get("tensor_model_parallel_size", 1) > 1:
-        raise ValueError("tensor parallelism needs TransformerEngine for DSA: AbsorbedMLA requires sequence "
-                         "parallelism at TP > 1 and megatron's torch norms reject it; use tp=1 or install TE")
+    if fields.get("tensor_model_parallel_size", 1) > 1 and not fields.get("sequence_parallel"):
+        raise ValueError("train.parallel.sequence_parallel=false with tp > 1: Megatron's AbsorbedMLA (DSA) "
+                         "requires sequence parallelism at TP > 1; set train.parallel.sequence_parallel=true")
     return MLATransformerConfig(**fields)
 
 
-def local_dsa_backend(qk_norm_eps: float | None = None):
+def local_dsa_backend(qk_norm_eps: float | None = None, grouped_experts: bool = True):
     """BackendSpecProvider for the DSA spec without TransformerEngine.
 
-    qk_norm_eps: epsilon of the q/kv latent RMSNorms. Megatron uses layernorm_epsilon (as SGLang does
-    with rms_norm_eps); transformers' GlmMoeDsa uses 1e-6 there, so parity runs against transformers
-    pass 1e-6."""
+    Every norm is agentrl.train.norms' sequence-parallel-capable one (input, pre-MLP, final, MTP,
+    MLA q/kv latent, indexer k_norm). qk_norm_eps: epsilon of the q/kv latent RMSNorms. Megatron
+    uses layernorm_epsilon (as SGLang does with rms_norm_eps); transformers' GlmMoeDsa uses 1e-6
+    there, so parity runs against transformers pass 1e-6. grouped_experts: routed experts as
+    agentrl.train.grouped_experts (two grouped GEMMs), else megatron's SequentialMLP loop."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.post_training.modelopt.layers import Linear
 
-    class FixedEpsRMSNorm:
-        """torch RMSNorm whose epsilon ignores the caller's (megatron passes layernorm_epsilon)."""
+    from agentrl.train.norms import norm_class
 
-        def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any):
-            return torch.nn.RMSNorm(hidden_size, eps=qk_norm_eps)
+    norm, latent_norm = norm_class(), norm_class(qk_norm_eps)
 
     class LocalDsaSpecProvider(LocalSpecProvider):
         def linear(self) -> type:
             return Linear
 
         def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
-            if rms_norm and for_qk and qk_norm_eps is not None:
-                return FixedEpsRMSNorm
-            return super().layer_norm(rms_norm=rms_norm, for_qk=for_qk, has_residual=has_residual)
+            # The MLA latent norms are the RMS for_qk ones; the indexer's k_norm is for_qk LayerNorm.
+            return latent_norm if rms_norm and for_qk and qk_norm_eps is not None else norm
+
+        def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
+            if grouped_experts:
+                from agentrl.train.grouped_experts import GroupedExperts
+
+                return GroupedExperts
+            return super().grouped_mlp_modules(moe_use_grouped_gemm)
 
     return LocalDsaSpecProvider()
 
@@ -236,7 +250,7 @@ def local_layer_specs(config: Any, backend: Any, pp_rank: int | None = None, vp_
 
 
 def build_gpt_model(hf_config: Any, layout: Layout | None = None, use_te: bool | None = None, *,
-                    qk_norm_eps: float | None = None, **config_kwargs: Any):
+                    qk_norm_eps: float | None = None, grouped_experts: bool = True, **config_kwargs: Any):
     """GPTModel of this pipeline stage. Needs torch.distributed and megatron parallel_state
     initialised with the sizes of `layout` (None: one rank), and a CUDA device (or cpu_megatron).
 
@@ -273,7 +287,7 @@ def build_gpt_model(hf_config: Any, layout: Layout | None = None, use_te: bool |
         mtp_spec = get_gpt_mtp_block_spec(config, block_spec, use_transformer_engine=True) if config.mtp_num_layers else None
     else:
         _point_absorbed_mla_at_local_linear()
-        backend = local_dsa_backend(qk_norm_eps)
+        backend = local_dsa_backend(qk_norm_eps, grouped_experts)
         block_spec = local_layer_specs(config, backend)
         mtp_spec = get_gpt_mtp_block_spec_for_backend(config, block_spec, backend) if config.mtp_num_layers else None
     return GPTModel(

@@ -10,15 +10,27 @@ from agentrl.config.layout import Layout
 
 BACKENDS = ("torch", "megatron")
 
-# Megatron backend: which parallel dimensions the backend trains with today, and why not the others.
-# Keep these in step with agentrl/train/megatron_backend.py (tests/test_capabilities.py builds the
-# backend at every layout this table accepts on gloo).
+# Megatron backend (no TransformerEngine): TP with sequence parallelism, PP (1F1B), CP (all-gather)
+# and EP all train (tests/test_megatron_parallel.py checks each against one rank on gloo). What it
+# does not, and why; tests/test_capabilities.py checks planner and backend agree on every recipe.
 MEGATRON_UNSUPPORTED = {
-    "tp": "train.parallel.tp={v}: megatron-core 0.19.2 refuses TP > 1 for DSA without TransformerEngine "
-          "(AbsorbedMLA needs sequence parallel, which its torch norms lack); use tp=1 and spread the model with ep/dp",
-    "pp": "train.parallel.pp={v}: the Megatron backend has no pipeline schedule between stages; use pp=1",
-    "cp": "train.parallel.cp={v}: context parallelism over packed sequences is not in the Megatron backend; use cp=1",
+    "sequence_parallel": "train.parallel.sequence_parallel=false with tp={tp}: Megatron's AbsorbedMLA (DSA) "
+                         "needs sequence parallelism at TP > 1; set train.parallel.sequence_parallel=true",
+    "etp": "train.parallel.etp={etp}: the grouped-GEMM experts keep every routed expert whole on its EP rank; "
+           "set train.parallel.etp=1",
+    "pp_split": "train.parallel.pp_layer_split={split}: Megatron splits a pipeline as a first stage, equal middle "
+                "stages and a last stage; make the middle stages equal (or set pp_first/last_stage_layers)",
 }
+
+
+def _megatron_refusal(layout: Layout) -> str | None:
+    if layout.tp > 1 and not layout.sequence_parallel:
+        return MEGATRON_UNSUPPORTED["sequence_parallel"].format(tp=layout.tp)
+    if layout.etp > 1:
+        return MEGATRON_UNSUPPORTED["etp"].format(etp=layout.etp)
+    if len(set(layout.pp_split[1:-1])) > 1:
+        return MEGATRON_UNSUPPORTED["pp_split"].format(split=list(layout.pp_split))
+    return None
 
 
 def backend_refusal(backend: str, layout: Layout, device: str) -> str | None:
@@ -31,7 +43,4 @@ def backend_refusal(backend: str, layout: Layout, device: str) -> str | None:
             return (f"the torch backend trains on one rank; this plan has {layout.world} trainer ranks "
                     "(set cluster.cpu_trainer_ranks=1, or train.backend=megatron to shard the model)")
         return None
-    for dim, why in MEGATRON_UNSUPPORTED.items():
-        if layout.size(dim) > 1:
-            return why.format(v=layout.size(dim))
-    return None
+    return _megatron_refusal(layout)

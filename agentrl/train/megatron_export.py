@@ -1,64 +1,167 @@
-"""Full HF-named tensors out of a sharded Megatron model, streamed one tensor at a time.
+"""Full HF-named tensors out of a Megatron model sharded over TP / PP / EP, one tensor at a time.
 
-`full_megatron_tensor` rebuilds one full (unsharded) Megatron tensor on every rank of the model:
-routed-expert tensors are broadcast from the expert-parallel rank that owns the expert (EP rank r
-owns experts [r*E/ep, (r+1)*E/ep), numbered from 0 locally, as in agentrl.models.sharding); tensor-
-parallel pieces are all-gathered and joined with sharding.join_tensors. `hf_named_weights` walks
-mapping.mapping_rules in order and converts each rule's Megatron tensors to HF names, so peak extra
-memory is one rule (for fused experts: one layer's stacked experts), never the whole model.
+`model_hf_weights` walks mapping.mapping_rules in order and, for each Megatron tensor a rule needs
+(its global name: global layer numbers, global expert numbers), assembles the full tensor on the
+pipeline stage that holds it and broadcasts it over the pipeline group, so EVERY rank receives
+every tensor (every rank must iterate: the assembly is collective):
+- routed experts: broadcast from the expert-parallel rank that owns the expert (EP rank r owns
+  experts [r*E/ep, (r+1)*E/ep), numbered from 0 locally, as agentrl.models.sharding lays them);
+- tensor-parallel pieces: all-gathered and joined with sharding.join_tensors;
+- pipeline stages: decoder layers renumbered from each stage's first layer; the embedding comes
+  from the first stage (the last stage's MTP copy is equal to it), the final norm, the output layer
+  and MTP layers from the last.
+Peak extra memory is one rule's tensors (for fused HF experts: one layer's stacked experts).
+What each stage holds (global name, stage, shape, dtype) is exchanged once per exporter, so the
+receiving stages can allocate without asking.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from agentrl.config.layout import Layout
+
 _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EMBEDDING = "embedding.word_embeddings.weight"
 
 
-def full_megatron_tensor(name: str, local: dict[str, torch.Tensor], config: Any) -> torch.Tensor:
-    """The full tensor `name` (global Megatron name, pp=1), assembled by collectives over this rank's
-    expert-parallel / tensor-parallel groups. Every rank of those groups must ask for the same names
-    in the same order."""
-    from megatron.core import parallel_state as ps
+@dataclass(frozen=True)
+class Held:
+    """Where one global Megatron tensor lives and what it looks like assembled."""
 
-    from agentrl.models.sharding import join_tensors, tp_kind
+    stage: int
+    local_name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
+
+def _global_name(local_name: str, stage_start: int, ep_rank: int, per_rank: int) -> str:
+    name = local_name
+    if m := _LAYER.match(name):
+        name = f"decoder.layers.{int(m.group(1)) + stage_start}.{m.group(2)}"
     if m := _LOCAL_EXPERT.match(name):
-        ep = ps.get_expert_model_parallel_world_size()
-        per_rank = config.n_routed_experts // ep
-        expert = int(m.group(2))
-        local_name = f"{m.group(1)}{expert % per_rank}{m.group(3)}"
-        t = local[local_name]
-        if ep > 1:
-            owner = expert // per_rank
-            buf = t.contiguous() if ps.get_expert_model_parallel_rank() == owner else torch.empty_like(t)
-            dist.broadcast(buf, group=ps.get_expert_model_parallel_group(), group_src=owner)
+        name = f"{m.group(1)}{ep_rank * per_rank + int(m.group(2))}{m.group(3)}"
+    return name
+
+
+def _full_shape(local_name: str, t: torch.Tensor, tp: int) -> tuple[int, ...]:
+    from agentrl.models.sharding import tp_kind
+
+    shape = list(t.shape)
+    if tp > 1 and not _LOCAL_EXPERT.match(local_name):
+        kind = tp_kind(local_name)
+        if kind in ("column", "glu"):
+            shape[0] *= tp
+        elif kind == "row":
+            shape[1] *= tp
+    return tuple(shape)
+
+
+class MegatronExporter:
+    """HF weights of one rank's Megatron model; build it on every rank (its constructor is a
+    collective) and iterate `hf_weights` on every rank in step."""
+
+    def __init__(self, model: torch.nn.Module, config: Any, layout: Layout):
+        from megatron.core import parallel_state as ps
+
+        self.model, self.config, self.layout = model, config, layout
+        self.stage = ps.get_pipeline_model_parallel_rank()
+        start = layout.stages()[self.stage].start
+        per_rank = (config.n_routed_experts // layout.ep) if config.n_routed_experts else 0
+        ep_rank, tp = ps.get_expert_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        mine: dict[str, Held] = {}
+        for local_name, t in self._local().items():
+            if local_name == _EMBEDDING and self.stage != 0:
+                continue  # the MTP stage's copy; the first stage's is exported
+            name = _global_name(local_name, start, ep_rank, per_rank)
+            mine[name] = Held(self.stage, local_name, _full_shape(local_name, t, tp), t.dtype)
+        everyone: list[dict[str, Held]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, mine)
+        self.table: dict[str, Held] = {}
+        for held in everyone:
+            self.table.update(held)
+
+    def _local(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict(keep_vars=True).items()
+                if not k.endswith("_extra_state")}
+
+    def full_tensor(self, name: str, local: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The full tensor `name` (global Megatron name) on every rank; `dtype`: that of `local`'s
+        tensors when they are not the model's (gradients)."""
+        from megatron.core import parallel_state as ps
+
+        held = self.table.get(name)
+        if held is None:
+            raise KeyError(f"{name}: no rank of this model holds it (was the model built from this config?)")
+        dtype = dtype or held.dtype
+        t = self._assemble(name, held, local, dtype) if held.stage == self.stage else None
+        if self.layout.pp > 1:
+            buf = t.contiguous() if t is not None else torch.empty(held.shape, dtype=dtype, device=self._device(local))
+            dist.broadcast(buf, group=ps.get_pipeline_model_parallel_group(), group_src=held.stage)
             t = buf
-        etp = ps.get_expert_tensor_parallel_world_size()
-        if etp > 1:
-            kind = "glu" if ".linear_fc1." in name else "row"
-            t = join_tensors(_all_gather(t, ps.get_expert_tensor_parallel_group(), etp), kind, name)
         return t
-    if name not in local:
-        raise KeyError(f"{name}: not a tensor of this rank's Megatron model (pipeline stages other than one "
-                       "are not exported by this path)")
-    t = local[name]
-    tp = ps.get_tensor_model_parallel_world_size()
-    kind = tp_kind(name)
-    if tp > 1 and kind != "replicated":
-        t = join_tensors(_all_gather(t, ps.get_tensor_model_parallel_group(), tp), kind, name)
-    return t
+
+    @staticmethod
+    def _device(local: dict[str, torch.Tensor]) -> torch.device:
+        return next(iter(local.values())).device
+
+    def _assemble(self, name: str, held: Held, local: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Collective over this stage's EP / TP groups."""
+        from megatron.core import parallel_state as ps
+
+        from agentrl.models.sharding import join_tensors, tp_kind
+
+        if m := _LOCAL_EXPERT.match(name):
+            ep = ps.get_expert_model_parallel_world_size()
+            per_rank = self.config.n_routed_experts // ep
+            expert = int(m.group(2))
+            local_name = _LOCAL_EXPERT.sub(lambda x: f"{x.group(1)}{expert % per_rank}{x.group(3)}", held.local_name)
+            t = local[local_name]
+            if ep > 1:
+                owner = expert // per_rank
+                buf = t.contiguous() if ps.get_expert_model_parallel_rank() == owner else torch.empty(
+                    held.shape, dtype=dtype, device=t.device)
+                dist.broadcast(buf, group=ps.get_expert_model_parallel_group(), group_src=owner)
+                t = buf
+            return t
+        t = local[held.local_name]
+        tp = ps.get_tensor_model_parallel_world_size()
+        kind = tp_kind(held.local_name)
+        if tp > 1 and kind != "replicated":
+            pieces = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(pieces, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+            t = join_tensors(pieces, kind, name)
+        return t
+
+    def hf_weights(self, hf_experts: str = "fused", local: dict[str, torch.Tensor] | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`local`: fp32 tensors in the place of the model's own (same names and shapes): gradients."""
+        dtype = None if local is None else torch.float32
+        local = self._local() if local is None else local
+        yield from hf_named_weights(self.config, lambda n: self.full_tensor(n, local, dtype), hf_experts=hf_experts)
 
 
-def _all_gather(t: torch.Tensor, group: Any, n: int) -> list[torch.Tensor]:
-    pieces = [torch.empty_like(t) for _ in range(n)]
-    dist.all_gather(pieces, t.contiguous(), group=group)
-    return pieces
+def grads_like_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state-dict names mapped to fp32 gradients (`main_grad`; zeros for frozen
+    params and buffers), with grouped experts' stacked grads seen as per-expert views."""
+    grads = {n: p.main_grad for n, p in model.named_parameters() if getattr(p, "main_grad", None) is not None}
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name.endswith("_extra_state"):
+            continue
+        m = re.match(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.linear_fc([12])\.weight$", name)
+        if m and f"{m.group(1)}weight{m.group(3)}" in grads:
+            out[name] = grads[f"{m.group(1)}weight{m.group(3)}"][int(m.group(2))]
+        else:
+            out[name] = grads.get(name, torch.zeros(t.shape, dtype=torch.float32, device=t.device))
+    return out
 
 
 def hf_named_weights(config: Any, fetch: Callable[[str], torch.Tensor], *,
@@ -71,5 +174,4 @@ def hf_named_weights(config: Any, fetch: Callable[[str], torch.Tensor], *,
         raise ValueError(f"hf_experts must be 'fused' or 'per_expert', got {hf_experts!r}")
     for rule in mapping_rules(config, MegatronNaming(), hf_experts):  # type: ignore[arg-type]
         tensors = [fetch(n) for n in rule.mg]
-        for hf_name, t in zip(rule.hf, rule_to_hf(rule, tensors), strict=True):
-            yield hf_name, t
+        yield from zip(rule.hf, rule_to_hf(rule, tensors), strict=True)

@@ -2,7 +2,8 @@
 
 Each `step()` streams the state bucket by bucket through three host buffers: while bucket i is
 updated on the CPU, bucket i+1 is being read and bucket i-1 written (one reader and one writer
-thread; torch ops, os.preadv/os.pwrite release the GIL). Gradients come from `param.grad` (on a GPU
+thread; torch ops, os.preadv/os.pwrite release the GIL). Gradients come from `param.main_grad` (the
+Megatron backend's fp32 accumulator, agentrl.train.grads) when the param has one, else `param.grad` (on a GPU
 they are copied to pinned host memory on a side stream, one bucket ahead); updated master weights
 are copied back into the params, cast to their dtype. The arithmetic is torch's own fused AdamW
 kernel (one pass over memory; equal to torch.optim.AdamW within fp32 rounding), or with fused=False
@@ -94,6 +95,12 @@ def fused_adamw_update(
         amsgrad=False,
         maximize=False,
     )
+
+
+def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient a step uses: the fp32 `main_grad` accumulator when the param has one."""
+    main = getattr(p, "main_grad", None)
+    return main if main is not None else p.grad
 
 
 class DiskOffloadAdamW(OffloadStateMixin, torch.optim.Optimizer):
@@ -206,7 +213,7 @@ class DiskOffloadAdamW(OffloadStateMixin, torch.optim.Optimizer):
                 f"holds committed state {self._commit} in {self.directory}: build the optimizer "
                 "again with resume=True (it restores params from it) or load a checkpoint"
             )
-        has_grad = [p.grad is not None for p in self._params]
+        has_grad = [_grad_of(p) is not None for p in self._params]
         if not any(has_grad):
             return loss
         try:
@@ -365,7 +372,7 @@ class DiskOffloadAdamW(OffloadStateMixin, torch.optim.Optimizer):
         for s in b.segments:
             if not has_grad[s.param]:
                 continue
-            src = self._params[s.param].grad.reshape(-1)[s.start : s.stop]
+            src = _grad_of(self._params[s.param]).reshape(-1)[s.start : s.stop]
             dst = gbuf.f32[s.offset : s.offset + s.numel]
             if src.is_cuda:
                 with torch.cuda.stream(stream):
