@@ -129,7 +129,7 @@ async def _serve(*, model, port, host, device, max_batch_size, prefix_cache_toke
 
     server = EmbeddedEngineServer(policy, tokenizer, model_path=model, max_batch_size=max_batch_size,
                                   prefix_cache_tokens=prefix_cache_tokens, seed=seed,
-                                  weight_update_timeout_s=weight_update_timeout_s)
+                                  weight_update_timeout_s=weight_update_timeout_s, join_threads_on_stop=False)
     url = await server.start(host, port)
     typer.echo(f"embedded engine: {model} on {device} (max batch {max_batch_size}, {nnodes} node(s)) at {url}")
     await stop.wait()

@@ -55,7 +55,11 @@ class EmbeddedEngineServer:
 
     def __init__(self, model, tokenizer=None, *, model_path: str = "", max_batch_size: int = 32,
                  prefix_cache_tokens: int = 262144, prefill_chunk_tokens: int = 1024, seed: int = 0,
-                 weight_version: str = "0", weight_update_timeout_s: float = 120.0) -> None:
+                 weight_version: str = "0", weight_update_timeout_s: float = 120.0,
+                 join_threads_on_stop: bool = True) -> None:
+        """join_threads_on_stop: stop() waits (bounded) for rendezvous threads still running, which an
+        in-process server needs (a thread left in torch's store client aborts the interpreter at
+        exit); a process that leaves with os._exit (agentrl engine serve) passes False."""
         eos = model.config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
@@ -65,6 +69,7 @@ class EmbeddedEngineServer:
                                    prefill_chunk_tokens=prefill_chunk_tokens, eos_token_ids=eos_ids, decode=decode,
                                    seed=seed, weight_version=weight_version)
         self.weights = WeightAPI(self, weight_update_timeout_s)
+        self._join_threads = join_threads_on_stop
         self._inflight: set[str] = set()
         self._runner: web.AppRunner | None = None
         self.base_url: str | None = None
@@ -97,7 +102,7 @@ class EmbeddedEngineServer:
 
     async def _on_cleanup(self, _app) -> None:
         await asyncio.to_thread(self.scheduler.stop)
-        await asyncio.to_thread(self.weights.close)
+        await asyncio.to_thread(self.weights.close, self._join_threads)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)

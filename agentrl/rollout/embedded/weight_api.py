@@ -60,9 +60,9 @@ class WeightAPI:
         router.add_post("/update_weights_from_distributed", self.from_distributed)
         router.add_post("/update_weight_version", self.update_version)
 
-    def close(self) -> None:
-        # torch's store client gives up after about twice its timeout (measured: 5 s -> 11.6 s).
-        join_threads(self.threads, 2 * self.timeout_s + 1)
+    def close(self, join: bool = True) -> None:
+        if join:  # torch's store client gives up after about twice its timeout (measured: 5 s -> 11.6 s)
+            join_threads(self.threads, 2 * self.timeout_s + 1)
         for g in self.groups.values():
             g.close()
         self.groups.clear()
