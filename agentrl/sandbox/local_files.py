@@ -4,12 +4,18 @@ planted) resolve in the sandbox's own mount namespace and can never reach a host
 from __future__ import annotations
 
 import base64
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from agentrl.sandbox.base import SandboxError
+from agentrl.sandbox.base import ExecResult, SandboxError
 
-if TYPE_CHECKING:
-    from agentrl.sandbox.local_box import LocalSandbox
+
+class LocalSandbox(Protocol):
+    """What these functions use of local_box.LocalSandbox (named here, not imported: no circle)."""
+
+    id: str
+    workdir: str
+
+    async def _run(self, script: str, args: list[str], **kw) -> ExecResult: ...
 
 MAX_DOWNLOAD_BYTES = 256 << 20
 # Write to a temp file and rename over the target, so a symlink the agent planted at the target
