@@ -2,9 +2,10 @@
 circles between modules, the library (agentrl/) imports neither the benchmarks (bench/) nor the
 tests, and no benchmark or test double lives inside the library.
 
-Every `import` and `from ... import` counts, at module level, inside functions and under
-`if TYPE_CHECKING:` alike: a circle that only a function-level import keeps from failing at
-import time is still a circle (each side knows the other).
+Every `import` and `from ... import` that runs counts, at module level and inside functions alike:
+a circle that only a function-level import keeps from failing at import time is still a circle
+(each side knows the other). Imports under `if TYPE_CHECKING:` never run and are left out: a
+helper module may name the type of the object it is handed.
 """
 
 from __future__ import annotations
@@ -48,8 +49,12 @@ def imported_names(source: str, module: str, is_package: bool = False) -> list[t
     resolved; a `from X import y` yields X.y (a submodule when there is one) and X."""
     tree = ast.parse(source)
     package = module if is_package else module.rpartition(".")[0]
+    typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking_block(block)
+                   for stmt in block.body for n in ast.walk(stmt)}
     out = []
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             out += [(alias.name, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -61,6 +66,15 @@ def imported_names(source: str, module: str, is_package: bool = False) -> list[t
             out.append((base, node.lineno))
             out += [(f"{base}.{alias.name}", node.lineno) for alias in node.names if alias.name != "*"]
     return out
+
+
+def _is_type_checking_block(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` or `if typing.TYPE_CHECKING:`."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def imports_of(path: Path) -> list[tuple[str, int]]:
@@ -171,6 +185,8 @@ def test_the_reader_sees_every_kind_of_import_and_finds_circles():
     names = {n for n, _ in imported_names(src, "agentrl.envs.probe")}
     assert {"agentrl.config.schema", "agentrl.buffer.replay", "agentrl.envs.base",
             "agentrl.config.plan.resolve_plan"} <= names
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from agentrl.orchestrator import X\n"
+    assert "agentrl.orchestrator" not in {n for n, _ in imported_names(typed, "agentrl.envs.probe")}
     graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {}}
     assert circles(graph) == [["a", "b", "c", "a"]]
     assert describe(["a", "b", "c", "a"], graph) == "a (line 1) -> b (line 2) -> c (line 3) -> a"
