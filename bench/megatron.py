@@ -211,7 +211,7 @@ def tp2_attempt() -> dict:
     from agentrl.config.layout import Layout
     from agentrl.models.hf_config import hf_config_for
     from agentrl.models.megatron_builder import megatron_config_fields
-    from agentrl.train.megatron_parallel import cpu_megatron
+    from agentrl.train.cpu_shims import cpu_megatron
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
