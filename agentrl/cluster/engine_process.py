@@ -6,7 +6,8 @@ process that serves HTTP (node_rank 0), waits until `health_path` answers 200 (S
 that serves no HTTP (node_rank > 0 of a multi-node engine) is up once it has not exited within
 SETTLE_S. The engine runs in its own process group (stop() ends it and everything it spawned)
 and, where util-linux's setpriv exists, with a parent-death signal: if the actor that started it
-dies, the engine gets SIGTERM instead of holding its GPUs and ports as an orphan.
+dies, the engine gets SIGTERM instead of holding its GPUs and ports as an orphan. Restarts (with
+backoff, all nodes of an engine together) are agentrl.cluster.engines.EngineGroup's.
 """
 
 from __future__ import annotations
@@ -60,18 +61,6 @@ def free_port_block(host: str, count: int, attempts: int = 50) -> int:
     raise OSError(f"no block of {count} free ports on {host} after {attempts} tries")
 
 
-def local_engine_argv(argv: list[str], host: str, port: int) -> tuple[list[str], str]:
-    """A command whose first word is `agentrl` made runnable here (this interpreter), with `--port`
-    set to `port` (0 picks a free one). Returns (argv, url)."""
-    port = port or free_port(host)
-    argv = list(argv)
-    if argv[:1] == ["agentrl"]:
-        argv = [sys.executable, "-m", "agentrl.cli", *argv[1:]]
-    if "--port" in argv:
-        argv[argv.index("--port") + 1] = str(port)
-    return argv, f"http://{host}:{port}"
-
-
 class EngineStartError(RuntimeError):
     pass
 
@@ -83,15 +72,13 @@ def _with_parent_death_signal(argv: list[str]) -> list[str]:
 
 class EngineProcess:
     def __init__(self, argv: list[str], url: str | None, log_path: Path, env: dict[str, str] | None = None,
-                 ready_timeout_s: float = 600.0, max_restarts: int = 5, health_path: str = "/health_generate"):
+                 ready_timeout_s: float = 600.0, health_path: str = "/health_generate"):
         self.argv = argv
         self.url = url  # None: this process serves no HTTP (node_rank > 0)
         self.log_path = Path(log_path)
         self.env = env or {}
         self.ready_timeout_s = ready_timeout_s
-        self.max_restarts = max_restarts
         self.health_path = health_path
-        self.restarts = 0
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -139,17 +126,6 @@ class EngineProcess:
         self.stop()
         raise EngineStartError(f"engine not ready after {self.ready_timeout_s:.0f} s (no 200 from "
                                f"{self.url}{self.health_path}); see {self.log_path}")
-
-    async def ensure_alive(self) -> bool:
-        """Restart a dead engine (backoff 1, 2, 4, ... s). True if a restart happened."""
-        if self.alive():
-            return False
-        if self.restarts >= self.max_restarts:
-            raise EngineStartError(f"engine died {self.restarts} times; giving up (see {self.log_path})")
-        await asyncio.sleep(min(2 ** self.restarts, 30))
-        self.restarts += 1
-        await self.start()
-        return True
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         if self._proc is None or self._proc.poll() is not None:
