@@ -49,12 +49,12 @@ def test_buffer_bench_rejects_bad_sizes(tmp_path):
 
 def test_sandbox_bench_daytona_standin_leaves_nothing_behind(tmp_path, monkeypatch):
     monkeypatch.delenv("DAYTONA_API_KEY", raising=False)
-    r = run_sandbox_bench(tmp_path / "s.json", rounds=2, execs=3, concurrency=2, backends=("daytona",))
+    r = run_sandbox_bench(tmp_path / "s.json", rounds=1, execs=3, concurrency=2, backends=("daytona",))
     d = r["backends"]["daytona_standin"]
-    _check_cycles(d, rounds=2, concurrency=2)
+    _check_cycles(d, rounds=1, concurrency=2)
     # what the stand-in saw: every cycle created and deleted one sandbox and ran `execs` commands
-    assert d["standin_created"] == d["standin_deleted"] == 2 + 2 and d["left_behind"] == 0
-    assert d["standin_commands"] == (2 + 2) * 3
+    assert d["standin_created"] == d["standin_deleted"] == 1 + 2 and d["left_behind"] == 0
+    assert d["standin_commands"] == (1 + 2) * 3
     import os
 
     assert "DAYTONA_API_KEY" not in os.environ  # the stand-in's key was put back
