@@ -91,7 +91,7 @@ def _compare(device: str, dtype: torch.dtype, use_triton: bool | None, seqlens: 
     logits, grads = _run(model, device, seqlens)
     stats = dsa_kernel_stats(model)
     # layers 1, 2, 4 compute a top-k, 3 and 5 reuse it; all five attend through the kernels
-    assert stats == {"topk": 3, "attention": 5, "fallback": 0, "fallback_reasons": []}, stats
+    assert stats == {"topk": 3, "attention": 5, "fallback": 0, "offset_runs": 0, "fallback_reasons": []}, stats
     scale = ref_logits.abs().max()
     assert (logits - ref_logits).abs().max() <= tol * scale, float((logits - ref_logits).abs().max() / scale)
     assert grads.keys() == ref_grads.keys()
@@ -106,6 +106,36 @@ def test_switch_matches_megatron_unfused_dsa_torch_path(megatron_single_rank):
     # 3 packed sequences: shorter and longer than top-k 8, so both the -1 padding and real
     # selection are exercised
     _compare("cpu", torch.float32, use_triton=False, seqlens=[6, 17, 12], tol=1e-4)
+
+
+@pytest.mark.parametrize("cp_rank", [0, 1])
+def test_a_cp_query_chunk_against_gathered_keys_uses_the_offset_kernel(cp_rank):
+    """Zigzag CP rows of two packed sequences against all their keys: the switch's top-k (runs at
+    offsets) selects exactly Megatron's dense scorer's keys, with no fallback."""
+    from megatron.core.transformer.experimental_attention_variant import dsa, dsa_layout, dsa_masking
+
+    from agentrl.models.megatron_dsa_switch import _ACTIVE, DsaKernelState, _install_dispatchers
+
+    _install_dispatchers()
+    cu = torch.tensor([0, 16, 40])
+    pos = dsa_layout.build_packed_allgather_cp_local_positions(cu, 2, cp_rank, torch.device("cpu"))
+    starts, ends = dsa_masking.generate_varlen_mask_params_for_positions(cu, pos)
+    gen = torch.Generator().manual_seed(cp_rank)
+    sq, sk, heads, dim, topk = pos.numel(), 40, 4, 16, 8
+    q, k = torch.randn(sq, 1, heads, dim, generator=gen), torch.randn(sk, 1, dim, generator=gen)
+    w = torch.rand(sq, 1, heads, generator=gen)
+    from agentrl.models.megatron_dsa_switch import _ORIGINALS
+
+    _, want = _ORIGINALS["fused_qk_topk_naive"](q, k, w, topk, varlen_starts=starts, varlen_ends=ends)
+    state = DsaKernelState(use_triton=False)
+    token = _ACTIVE.set(state)
+    try:
+        _, got = dsa.fused_qk_topk_naive(q, k, w, topk, varlen_starts=starts, varlen_ends=ends)
+    finally:
+        _ACTIVE.reset(token)
+    assert state.calls["fallback"] == 0 and state.calls["offset_runs"] == 1, state.calls
+    for row in range(sq):
+        assert sorted(i for i in got[0, row].tolist() if i >= 0) == sorted(i for i in want[0, row].tolist() if i >= 0)
 
 
 def test_unswitched_model_and_other_models_are_untouched(megatron_single_rank):

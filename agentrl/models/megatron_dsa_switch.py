@@ -14,6 +14,14 @@ process, by dispatchers that use the kernels only inside such a context and only
 support (absorbed MLA; packed THD causal segments or no mask; identity key positions; relu
 scoring; power-of-two top-k), and call Megatron's originals otherwise. Unswitched models are
 unaffected. Each state counts kernel calls and fallbacks, so a run can see what ran.
+
+Context parallelism and TP sequence parallelism: the local query rows are chunks of their
+sequences (CP's zigzag chunks, a TP rank's row shard) against keys gathered over the group; each
+chunk is a run of consecutive positions at an offset into its sequence's keys, and the indexer
+kernel takes that offset (kernels/indexer.py), instead of the fallback to Megatron's dense scorer
+(its per-head fp32 scores [sq, heads, sk]: 8K local queries x 32 heads x 32K keys at CP4 = 34 GB
+per computing layer).
+The sparse attention needs nothing more: its indices already point into the gathered keys.
 """
 
 from __future__ import annotations
@@ -36,7 +44,9 @@ class DsaKernelState:
     """Per switched layer: which implementation to use and what ran."""
 
     use_triton: bool | None = None  # None: Triton on CUDA tensors, the torch references elsewhere
-    calls: dict[str, int] = field(default_factory=lambda: {"topk": 0, "attention": 0, "fallback": 0})
+    # offset_runs: top-k calls whose query rows sit at an offset into the keys (CP / SP chunks)
+    calls: dict[str, int] = field(default_factory=lambda: {"topk": 0, "attention": 0, "fallback": 0,
+                                                           "offset_runs": 0})
     fallback_reasons: set[str] = field(default_factory=set)
 
     def triton_for(self, t: torch.Tensor) -> bool:
@@ -51,36 +61,41 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _causal_segments(sq: int, sk: int, mask, starts, ends, key_positions) -> list[tuple[int, int]] | str:
-    """[(start, end)] of causal segments covering the sq rows, or the reason they do not exist."""
+def _query_runs(sq: int, sk: int, mask, starts, ends, key_positions) -> list[tuple[int, int, int, int]] | str:
+    """[(row_start, row_end, key_start, offset)] covering the sq query rows, or why they do not exist.
+
+    A run is a stretch of rows at consecutive positions of one sequence: row r of it attends keys
+    key_start .. key_start + offset + (r - row_start), i.e. the run's queries sit `offset` keys into
+    their sequence's keys. Without CP or sequence parallelism every packed sequence is one run with
+    offset 0; under CP (zigzag chunks against the all-gathered keys) or TP sequence parallelism
+    (a row shard against the TP-gathered keys) the local rows are chunks at offsets."""
     if key_positions is not None:
         return "explicit key positions"
-    if sq != sk:
-        return f"sq={sq} != sk={sk}"
     if starts is None:
-        return [(0, sq)] if mask is None else "additive mask"
+        if mask is not None:
+            return "additive mask"
+        return [(0, sq, 0, 0)] if sq == sk else f"sq={sq} != sk={sk} without varlen bounds"
     if ends is None or starts.numel() != sq or ends.numel() != sq:
         return "varlen bounds do not cover the rows"
-    rows = torch.arange(sq, device=starts.device)
-    starts, ends = starts.to(torch.int64), ends.to(torch.int64)
-    if not torch.equal(ends, rows + 1):
-        return "varlen ends are not causal"
-    cut = torch.nonzero(starts[1:] != starts[:-1]).flatten().add(1).tolist()
+    if sq == 0:
+        return []
+    starts, pos = starts.to(torch.int64), ends.to(torch.int64) - 1
+    if bool((pos < starts).any()) or int(pos.max()) >= sk:
+        return "varlen bounds are not causal within the keys"
+    cut = torch.nonzero((starts[1:] != starts[:-1]) | (pos[1:] != pos[:-1] + 1)).flatten().add(1).tolist()
     bounds = [0, *cut, sq]
-    if starts[0].item() != 0 or not torch.equal(starts[torch.tensor(bounds[:-1], device=starts.device)],
-                                                 torch.tensor(bounds[:-1], device=starts.device)):
-        return "varlen starts are not segment starts"
-    return list(itertools.pairwise(bounds))
+    s_list, p_list = starts.tolist(), pos.tolist()
+    return [(a, b, s_list[a], p_list[a] - s_list[a]) for a, b in itertools.pairwise(bounds)]
 
 
-def _topk_segment(state: DsaKernelState, q, k, w, topk: int) -> torch.Tensor:
-    """[n, topk] int64 causal top-k of one segment (local key indices, -1 padded)."""
+def _topk_run(state: DsaKernelState, q, k, w, topk: int, offset: int) -> torch.Tensor:
+    """[n, topk] int64 causal top-k of one run (indices into `k`, -1 padded)."""
     if state.triton_for(q):
         from kernels.indexer import indexer_topk
         kd = k.to(q.dtype)
-        return indexer_topk(q.contiguous(), kd.contiguous(), w.float().contiguous(), topk, offset=0).long()
+        return indexer_topk(q.contiguous(), kd.contiguous(), w.float().contiguous(), topk, offset=offset).long()
     from kernels.indexer_torch import reference_indexer_topk
-    return reference_indexer_topk(q, k, w, topk, offset=0, chunk_rows=256, stable=True).long()
+    return reference_indexer_topk(q, k, w, topk, offset=offset, chunk_rows=256, stable=True).long()
 
 
 def _kernel_qk_topk(q, k, weights, index_topk, mask=None, varlen_starts=None, varlen_ends=None,
@@ -94,19 +109,22 @@ def _kernel_qk_topk(q, k, weights, index_topk, mask=None, varlen_starts=None, va
     if state is None:
         return original(*args, **kwargs)
     sq, b = q.shape[0], q.shape[1]
-    segments = _causal_segments(sq, k.shape[0], mask, varlen_starts, varlen_ends, key_positions)
+    runs = _query_runs(sq, k.shape[0], mask, varlen_starts, varlen_ends, key_positions)
     reason = ("relu scoring off" if not use_relu else f"index_topk {index_topk} not a power of two"
               if not _pow2(index_topk) else f"indexer head dim {q.shape[-1]} not a power of two >= 16"
               if not (_pow2(q.shape[-1]) and q.shape[-1] >= 16) else None)
-    if isinstance(segments, str) or reason:
-        state.fallback(reason or segments)
+    if isinstance(runs, str) or reason:
+        state.fallback(reason or runs)
         return original(*args, **kwargs)
     state.calls["topk"] += 1
+    if any(offset for *_, offset in runs):
+        state.calls["offset_runs"] += 1
     out = torch.full((b, sq, index_topk), -1, dtype=torch.int64, device=q.device)
     for bi in range(b):
-        for s0, s1 in segments:
-            local = _topk_segment(state, q[s0:s1, bi], k[s0:s1, bi], weights[s0:s1, bi], index_topk)
-            out[bi, s0:s1] = torch.where(local >= 0, local + s0, local)
+        for r0, r1, k0, offset in runs:
+            local = _topk_run(state, q[r0:r1, bi], k[k0:k0 + offset + (r1 - r0), bi], weights[r0:r1, bi],
+                              index_topk, offset)
+            out[bi, r0:r1] = torch.where(local >= 0, local + k0, local)
     return None, out
 
 
@@ -194,7 +212,7 @@ def apply_dsa_kernels(model: torch.nn.Module, use_triton: bool | None = None) ->
 
 def dsa_kernel_stats(model: torch.nn.Module) -> dict[str, Any]:
     """Summed kernel / fallback call counts and the fallback reasons over the switched layers."""
-    calls = {"topk": 0, "attention": 0, "fallback": 0}
+    calls = {"topk": 0, "attention": 0, "fallback": 0, "offset_runs": 0}
     reasons: set[str] = set()
     for module in model.modules():
         state = getattr(module, "_agentrl_dsa_kernels", None)

@@ -33,7 +33,21 @@ FORMAT = "agentrl-megatron-1"
 
 
 def _model_sharded(backend: MegatronBackend) -> dict:
-    return {k: v for k, v in backend.model.sharded_state_dict().items() if not k.endswith("_extra_state")}
+    """GPTModel.sharded_state_dict without `_extra_state`, with the DSA indexer's replica ids fixed:
+    megatron-core 0.19.2's modelopt Linear ("duplicated" over TP) passes tp_group=None with a DP
+    group, so make_sharded_tensors_for_checkpoint gives every TP rank TP replica 0 and a TP > 1
+    load fails its access-pattern check; the TP rank is the right replica index."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    out = {}
+    for k, v in backend.model.sharded_state_dict().items():
+        if k.endswith("_extra_state"):
+            continue
+        if ".indexer." in k and isinstance(getattr(v, "replica_id", None), tuple) and len(v.replica_id) == 3:
+            v.replica_id = (v.replica_id[0], tp_rank, v.replica_id[2])
+        out[k] = v
+    return out
 
 
 def _by_data(sharded: dict) -> dict[int, Any]:

@@ -6,8 +6,9 @@ interpreter each: megatron's process-global parallel_state is never shared with 
 calls `fn(dist_init, *args)` in each and returns the results by rank. `fn` must be importable by
 name (a module-level function), and a script calling run_ranks needs the `if __name__ ==
 "__main__":` guard (spawn re-imports the main module). A rank that raises fails the call with its
-traceback; a rank that dies or hangs fails it (after `timeout_s`). Each rank uses `threads` torch
-threads (CPU machines here have few cores and several ranks).
+traceback; a rank that dies or hangs fails it (after `timeout_s`). Ranks are not daemonic
+(dist_checkpointing starts writer processes of its own); they are joined, or killed, before
+run_ranks returns. Each rank uses `threads` torch threads (few cores, several ranks).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from agentrl.train.megatron_parallel import DistInit
 
 DEFAULT_TIMEOUT_S = 600.0
 POLL_S = 1.0  # how often a silent wait checks whether a rank died
+FAILURE_GRACE_S = 20.0  # after one rank fails, how long to wait for the others' tracebacks
 
 
 def free_port() -> int:
@@ -53,21 +55,28 @@ def _rank_main(fn: Callable[..., Any], dist_init: DistInit, args: tuple, threads
 
 def _collect(procs: list, results: Any, world: int, timeout_s: float) -> dict[int, Any]:
     out: dict[int, Any] = {}
+    failed: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
-    while len(out) < world:
+    while len(out) + len(failed) < world:
         try:
             rank, ok, value = results.get(timeout=POLL_S)
         except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
-            if dead:
-                raise RuntimeError(f"ranks {dead} of {world} exited (codes {[procs[r].exitcode for r in dead]}) "
-                                   "without a result") from None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world - len(out)} of {world} ranks gave no result within {timeout_s:.0f} s") from None
+            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out and r not in failed]
+            if dead or time.monotonic() > deadline:
+                break
             continue
-        if not ok:
-            raise RuntimeError(f"rank {rank} of {world} failed:\n{value}")
-        out[rank] = pickle.loads(value)
+        if ok:
+            out[rank] = pickle.loads(value)
+        else:
+            failed[rank] = value
+            # the other ranks fail soon after (their collectives lose a peer); report them together
+            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+    if failed:
+        raise RuntimeError("\n".join(f"rank {r} of {world} failed:\n{tb}" for r, tb in sorted(failed.items())))
+    missing = [r for r in range(world) if r not in out]
+    if missing:
+        codes = [procs[r].exitcode for r in missing]
+        raise TimeoutError(f"ranks {missing} of {world} gave no result within {timeout_s:.0f} s (exit codes {codes})")
     return out
 
 
@@ -78,7 +87,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, DistInit(r, world, "127.0.0.1", port, r, timeout_s), args,
-                                                   threads, results), daemon=True) for r in range(world)]
+                                                   threads, results)) for r in range(world)]
     for p in procs:
         p.start()
     try:
