@@ -25,12 +25,14 @@ from agentrl.config.plan import RunPlan
 from agentrl.config.schema import RunConfig
 from agentrl.loggers import RunLoggers
 from agentrl.policy.admission import AdmissionPolicy
+from agentrl.policy.dynamic_sampling import DynamicSampler
 from agentrl.policy.retry import RetryPolicy
 from agentrl.progress import Progress
 
 LOOP_TICK_S = 1.0  # longest the loop sleeps with nothing happening (progress panel, health checks)
 ENGINE_CHECK_INTERVAL_S = 5.0  # how often dead engines are looked for (and server info refreshed)
 PLOT_EVERY_STEPS = 5  # curves.png redrawn every this many steps, and at the end
+ZERO_VARIANCE = "zero_variance"  # the retirement reason of a group dynamic sampling left out
 
 
 class Orchestrator:
@@ -43,6 +45,7 @@ class Orchestrator:
         self.admission = AdmissionPolicy(a.prompts_per_step, a.group_size, cfg.buffer.max_staleness,
                                          cfg.buffer.max_episodes_in_flight)
         self.retry = RetryPolicy()
+        self.dynamic = DynamicSampler.from_config(a)
         self.outcomes: Counter[str] = Counter()
         self.generated_tokens = 0
         self.readmit: list[tuple[str, str]] = []  # (task, lineage) of groups to run again
@@ -168,13 +171,19 @@ class Orchestrator:
 
     async def _set_up_tasks(self, resumed: dict | None) -> None:
         from agentrl.agent.runner import split_tasks
+        from agentrl.policy.curriculum import PassRateCurriculum
         from agentrl.policy.sampling import RoundRobinSampler
 
         all_ids, suggested = await self.workers[0].task_ids.remote()
         self.train_tasks, self.eval_tasks = split_tasks(self.cfg, all_ids, suggested)
-        self.sampler = RoundRobinSampler(self.train_tasks, self.cfg.seed)
+        if self.cfg.env.curriculum.sampler == "pass_rate":
+            self.sampler = PassRateCurriculum.from_config(self.train_tasks, self.cfg.env.curriculum, seed=self.cfg.seed)
+        else:
+            self.sampler = RoundRobinSampler(self.train_tasks, self.cfg.seed)
         if resumed and resumed.get("sampler"):
             self.sampler.load_state_dict(resumed["sampler"])
+        if resumed and resumed.get("dynamic_sampling"):
+            self.dynamic.load_state_dict(resumed["dynamic_sampling"])
         self.progress.note(f"{len(self.train_tasks)} training task(s), {len(self.eval_tasks)} eval task(s)")
 
     # -- episodes ------------------------------------------------------------------------------
@@ -232,6 +241,16 @@ class Orchestrator:
         trainable = [s["reward"] or 0.0 for s in summaries if not s["outcome"].startswith("infra_error")]
         if len(trainable) == n:
             self.sampler.observe(task_id, trainable)
+            await self._filter_zero_variance(gid, task_id, trainable)
+
+    async def _filter_zero_variance(self, gid: str, task_id: str, rewards: list[float]) -> None:
+        """Dynamic sampling: a group whose rewards are all equal carries no gradient; when the policy
+        drops it, it leaves the buffer untrained and its admission slot goes to a new group."""
+        from agentrl.policy.dynamic_sampling import GroupRewards
+
+        sel = self.dynamic.select([GroupRewards(gid, task_id, tuple(rewards))])
+        if sel.dropped and await self.buffer.retire_ready.remote(gid, ZERO_VARIANCE):
+            self._handled.discard(gid)  # the buffer's fact comes back through _handle_retired
 
     def _handle_retired(self, retired: list) -> None:
         for r in retired:
@@ -239,13 +258,16 @@ class Orchestrator:
                 self._handled.discard(r.group_id)
                 continue
             self._on_group_left(r.group_id, r.task_id, list(r.outcomes) or [f"infra_error:{r.reason}"],
-                                stale=r.reason.startswith("stale"))
+                                stale=r.reason.startswith("stale"), reason=r.reason)
 
-    def _on_group_left(self, gid: str, task_id: str, outcomes: list[str], stale: bool = False) -> None:
+    def _on_group_left(self, gid: str, task_id: str, outcomes: list[str], stale: bool = False,
+                       reason: str = "") -> None:
         """A started group left untrained: its admission slot frees up and the policies say whether
         it runs again."""
         self.admission.on_group_retired()
         lineage = self._lineage.pop(gid, gid)
+        if reason == ZERO_VARIANCE:
+            return  # dynamic sampling: the freed slot admits a new group, not this one again
         if stale:
             if self.cfg.buffer.stale_policy == "regenerate":
                 self.readmit.append((task_id, lineage))
@@ -302,7 +324,8 @@ class Orchestrator:
         self.step = step
         if step % self.cfg.train.checkpoint_every == 0 or step == self.cfg.train.max_steps:
             await self.trainers.save_checkpoint({"step": step, "outcomes": dict(self.outcomes),
-                                                 "sampler": self.sampler.state_dict()})
+                                                 "sampler": self.sampler.state_dict(),
+                                                 "dynamic_sampling": self.dynamic.state_dict()})
         self.trainer_busy_s += time.perf_counter() - t0
         return {**metrics, **sync, "staleness_max": max(batch.staleness), "staleness_mean":
                 sum(batch.staleness) / len(batch.staleness), "staleness": batch.staleness}
@@ -321,6 +344,7 @@ class Orchestrator:
                # Over the loop only: start-up (model load, engine start) is its own field.
                "trainer_idle_ratio": 1.0 - self.trainer_busy_s / max(loop, 1e-9), "startup_s": self.startup_s,
                "wall_s": wall, "time": time.time(), "retries": dict(self.retry.counters),
+               **self.dynamic.metrics(), **self.sampler.metrics(),
                **{k: v for k, v in metrics.items() if k not in ("reward_mean", "staleness_max", "staleness_mean")}}
         done_evals = [r for r in self.eval_results.values() if r.get("eval_pass_rate") is not None]
         if done_evals:

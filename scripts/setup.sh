@@ -46,6 +46,7 @@ fi
 missing=()
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
 command -v tmux >/dev/null 2>&1 || missing+=(tmux)
+command -v slirp4netns >/dev/null 2>&1 || missing+=(slirp4netns)  # sandbox network without the host's loopback
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)  # optional: tests/test_view.py renders the report
 if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

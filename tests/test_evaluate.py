@@ -81,4 +81,4 @@ def test_eval_command_names_a_missing_checkpoint(tmp_path):
     result = CliRunner().invoke(app, ["eval", "--task", "write-name", "--samples", "1",
                                       "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "r.json")])
     assert result.exit_code == 2
-    assert "no state.pt" in result.output
+    assert "not a checkpoint folder" in result.output

@@ -25,6 +25,8 @@ NEEDS_SANDBOX = {"sandbox_hanging_command", "task_reward_file_missing", "task_re
                  "input_malformed_model_output", "worker_replay_log_disk_full", "sandbox_dies_mid_episode",
                  "sandbox_gigabyte_of_output", "task_solution_hangs", "task_runaway_output", "task_test_sh_hangs",
                  "input_oversized_prompt"}
+# The integrity scenarios (bench/faults_integrity.py) all play or score tasks in real sandboxes.
+NEEDS_SANDBOX |= {n for n in FAST if n.startswith("integrity_")}
 
 
 def _run(name: str) -> dict:

@@ -70,7 +70,7 @@ class Retired:
 
     group_id: str
     task_id: str
-    reason: str  # "infra_error", "stale_lag_<k>", "worker_lost", "incomplete_at_resume"
+    reason: str  # "infra_error", "stale_lag_<k>", "worker_lost", "incomplete_at_resume", or a policy's
     outcomes: tuple[str, ...]  # of its accepted episodes
 
 
@@ -259,6 +259,15 @@ class ReplayBuffer:
             return 0
         self._retire(g, reason)
         return len(g.trajectories)
+
+    def retire_ready(self, group_id: str, reason: str) -> bool:
+        """Retire a complete group that is still waiting to train (a policy left it out, e.g. dynamic
+        sampling's zero-variance filter); False if it is not waiting (already taken or gone)."""
+        g = self._ready.get(group_id)
+        if g is None:
+            return False
+        self._retire(g, reason)
+        return True
 
     def pop_retired(self) -> list[Retired]:
         """Groups that left untrained since the last call (the run loop decides what to re-run)."""

@@ -71,7 +71,21 @@ class TrainerWorker:
         return self.backend.load_checkpoint(latest)
 
     def train_step(self, trajectories: list) -> dict[str, float]:
-        return self.backend.train_step(trajectories, [t.group_id for t in trajectories])
+        metrics = self.backend.train_step(trajectories, [t.group_id for t in trajectories])
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # This rank's high-water mark since it started (weights, grads, optimizer, activations).
+            metrics["trainer_peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        return metrics
+
+    def placement(self) -> dict:
+        """Where Ray put this rank: node id, the GPU ids it was given (CUDA_VISIBLE_DEVICES), pid."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"rank": self.rank, "node_id": ctx.get_node_id(), "node_ip": self.node_ip,
+                "gpu_ids": sorted(int(g) for g in ray.get_gpu_ids()), "pid": os.getpid()}
 
     async def push_weights(self, urls: list[str] | None) -> dict[str, Any]:
         """Every rank walks the weights (the export's collectives need it); rank 0 sends them to

@@ -19,6 +19,10 @@ class TaskSampler(Protocol):
         """The rewards of a finished group of `task_id` (trainable episodes only)."""
         ...
 
+    def metrics(self) -> dict[str, float]:
+        """What the metrics row reports of the sampler (e.g. a curriculum's band sizes)."""
+        ...
+
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
@@ -39,6 +43,9 @@ class RoundRobinSampler:
 
     def observe(self, task_id: str, rewards: list[float]) -> None:
         return None  # the order does not depend on results
+
+    def metrics(self) -> dict[str, float]:
+        return {}
 
     def state_dict(self) -> dict:
         return {"kind": "round_robin", "order": list(self.order), "position": self.position}
