@@ -307,17 +307,27 @@ def trainer_killed_then_resumed(tmp: Path) -> Outcome:
 
 
 def sigint_launcher(tmp: Path) -> Outcome:
+    # What a terminal's Ctrl-C does: SIGINT to the whole foreground process group.
+    return _interrupt_launcher(tmp, lambda pid: os.killpg(pid, signal.SIGINT), "Ctrl-C")
+
+
+def sigterm_launcher(tmp: Path) -> Outcome:
+    # What `kill PID` or a scheduler's stop does: SIGTERM to the launcher alone.
+    return _interrupt_launcher(tmp, lambda pid: os.kill(pid, signal.SIGTERM), "SIGTERM")
+
+
+def _interrupt_launcher(tmp: Path, send, what: str) -> Outcome:
     c = Checks()
     with _Scratch() as t:
         run = started_run(c, tmp / "run", t, "train.max_steps=50")
         tree = run.sample()
         boxes = [cmd for cmd in tree.values() if "bwrap" in cmd and "agentrl-sandboxes" in cmd]
         c.details["processes_at_interrupt"] = len(tree)
-        os.killpg(run.p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        send(run.p.pid)
         t0 = time.monotonic()
         rc = run.finish(timeout_s=180)
         took = time.monotonic() - t0
-        c(rc == 130 and "interrupted" in run.stderr, f"exit {rc} {took:.0f} s after Ctrl-C: "
+        c(rc == 130 and "interrupted" in run.stderr, f"exit {rc} {took:.0f} s after {what}: "
           f"{run.stderr.strip().splitlines()[-1][:120]}")
         left = run.leftovers()
         c(not left, f"{len(run.seen)} processes seen (incl. {len(boxes)} sandboxes at the interrupt); "
@@ -430,6 +440,9 @@ SCENARIOS = (
     Scenario("worker_launcher_ctrl_c", "worker",
              "Ctrl-C (SIGINT to the launcher's process group) mid-run: exit 130 with a message, every process "
              "of the run stops and every sandbox is deleted", sigint_launcher, slow=True),
+    Scenario("worker_launcher_sigterm", "worker",
+             "SIGTERM to the launcher alone mid-run (a scheduler's stop): the same clean stop as Ctrl-C, exit 130, "
+             "every process of the run stops and every sandbox is deleted", sigterm_launcher, slow=True),
     Scenario("security_secret_scan_of_a_run", "security",
              "a run with DAYTONA_API_KEY planted leaves it in no process command line, run-dir file (logs, "
              "checkpoints, transcripts) or Ray session file (runtime_env, logs); dashboard and engines listen on "

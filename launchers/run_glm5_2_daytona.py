@@ -223,6 +223,11 @@ def _train(cfg, plan, quiet: bool = False) -> None:
     from agentrl.orchestrator import Orchestrator
     from agentrl.progress import Progress
 
+    import signal
+
+    # SIGTERM (a scheduler's stop, `kill`) ends the run the way Ctrl-C does: the orchestrator's
+    # shutdown stops workers, sandboxes, engines and Ray before the process exits.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         summary = asyncio.run(Orchestrator(cfg, plan, Progress(quiet=quiet)).run())
     except KeyboardInterrupt:
