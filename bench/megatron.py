@@ -6,9 +6,10 @@ Three parts, run by bench/gpu/megatron_gpu.py (or `agentrl bench megatron`):
           trajectories, several steps, fp32 (the parity number) and bf16 (Megatron's training
           dtype, reported beside it), for the tiny GLM and a 5-layer GLM-5.2-shaped model.
   dual    two processes (torchrun): the tiny GLM with EP2 x DP2 (expert shards on two GPUs), its
-          loss against the single-process run of the same batch; a TP2 attempt (the refusal is
-          recorded); the export path (HF names -> optional FP8 -> flattened buckets -> broadcast)
-          against a raw broadcast of the same bucket sizes, and FP8 quantisation time.
+          loss against the single-process run of the same batch; a TP2 build with and without
+          sequence parallelism (what builds, and Megatron's refusal without it, are recorded);
+          the export path (HF names -> optional FP8 -> flattened buckets -> broadcast) against a
+          raw broadcast of the same bucket sizes, and FP8 quantisation time.
   merge   the two JSONs + offload_stream_efficiency (read from bench/results/offload_h200.json,
           measured there) -> megatron.json with the headline keys.
 No number is filled in: a stage that fails records its error and the headline stays absent.
@@ -184,7 +185,7 @@ def run_dual(out: Path, *, export_gib: float = 8.0, bucket_mb: int = 256, seed: 
         batch = trajectories(8, 64, config.vocab_size, seed)
         mb = MegatronBackend(config, train, AlgorithmConfig(group_size=4), hf_state=state, layout=layout,
                              dist_init=dist_init)
-        rec["local_experts"] = sum(1 for n, _ in mb.named_params if ".local_experts." in n and "fc1" in n)
+        rec["local_experts"] = sum(1 for n in mb.model.state_dict() if ".local_experts." in n and "linear_fc1" in n)
         rec["steps"] = [mb.train_step(batch, [t.group_id for t in batch]) for _ in range(3)]
         exported = dict(mb.named_weights())
         rec["exported_tensors"] = len(exported)
@@ -203,8 +204,8 @@ def run_dual(out: Path, *, export_gib: float = 8.0, bucket_mb: int = 256, seed: 
 
 
 def tp2_attempt() -> dict:
-    """Ask megatron itself for a TP2 DSA model without TransformerEngine (our builder refuses first;
-    this records Megatron's own answer)."""
+    """Ask megatron itself for a TP2 DSA model without TransformerEngine, with agentrl's sequence-
+    parallel norms (builds) and without sequence parallelism (AbsorbedMLA refuses); records both."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 

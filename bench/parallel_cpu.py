@@ -108,7 +108,8 @@ def rank_program(dist_init, spec: dict[str, Any], dsa_kernels: bool = False) -> 
     step_s = time.perf_counter() - t0
     grads = {k: v.clone() for k, v in backend.named_grads()}
     weights = {k: v.clone() for k, v in backend.named_weights()}
-    out: dict[str, Any] = {"metrics": metrics, "export_exact": exact, "step_s": step_s}
+    out: dict[str, Any] = {"metrics": metrics, "export_exact": exact, "step_s": step_s,
+                           "memory": backend.memory_report()}
     if dsa_kernels:
         from agentrl.models.megatron_dsa_switch import dsa_kernel_stats
 
@@ -133,7 +134,10 @@ def run_layout(name: str, reference: dict[str, Any] | None = None, *, dsa_kernel
     result = {"layout": name, "world": spec["world"], "export_exact": all(r["export_exact"] for r in ranks),
               "same_metrics_on_every_rank": same_metrics, "loss": head["metrics"]["loss"],
               "step_time_s": head["metrics"]["step_time_s"], "wall_s": wall,
-              "micro_batches": head["metrics"]["micro_batches"], "grads": head["grads"], "weights": head["weights"]}
+              "micro_batches": head["metrics"]["micro_batches"], "grads": head["grads"], "weights": head["weights"],
+              "memory_accounted_equals_measured": all(r["memory"]["accounted"] == r["memory"]["measured"]
+                                                      for r in ranks),
+              "state_bytes_per_rank": [r["memory"]["measured"] for r in ranks]}
     if dsa_kernels:
         result["dsa_kernels"] = [r["dsa_kernels"] for r in ranks]
     if reference is not None:

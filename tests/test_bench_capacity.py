@@ -39,7 +39,8 @@ def test_reference_plan_memory_fits_and_splits_by_role():
     t = trainer_memory(cfg, plan)
     e = engine_memory(cfg, plan)
     assert t["optimizer_gb"] == 0 and t["optimizer_on_disk_gb_per_gpu"] > 100  # optimizer on node-local disk
-    assert t["grads_gb"] == pytest.approx(2 * t["weights_gb"])  # fp32 grads of bf16 weights
+    # fp32 grads of the trainable bf16 weights; the frozen DSA indexer and MTP layer (~5%) have none
+    assert t["grads_gb"] == pytest.approx(2 * t["weights_gb"], rel=0.1) and t["grads_gb"] < 2 * t["weights_gb"]
     assert 100 < t["total_gb"] < 288 and e["weights_gb"] + e["kv_pool_gb"] == pytest.approx(0.85 * 288)
     # optimizer in HBM instead would not fit the busiest stage
     cfg.train.optimizer.offload = "none"

@@ -1,15 +1,22 @@
-"""Memory per GPU by role for a resolved plan: the planner's accounting, shown by `train --dry-run`
-(agentrl/config/show.py) and used by the capacity benchmark (bench/capacity.py).
+"""Memory per GPU by role for a resolved plan: the one byte accounting used by `train --dry-run`
+(agentrl/config/show.py), the capacity benchmark (bench/capacity.py) and the Megatron backend's
+own report (MegatronBackend.memory_report, checked against its real tensors by the tests).
 
-From the model's shapes and the plan's layout:
-- trainer (Megatron, bf16 weights): non-expert weights / (TP * PP), expert weights / (EP * ETP * PP)
-  on the busiest pipeline stage (most layers, plus embedding or LM head); fp32 main gradients of
-  the same shard; activations with full recompute = one bf16 hidden state per layer of the stage
-  for every micro-batch in flight in 1F1B (PP of them on stage 0) + the working set of the one
-  layer being recomputed + one log-prob chunk; optimizer state (fp32 master + 2 moments, 12 B per
-  param) on node-local disk when train.optimizer.offload = disk, else in HBM.
-- engine (SGLang, FP8 weights, dp-attention): experts split over the engine's GPUs (EP = engine
-  size), everything else replicated per GPU; the KV pool is what mem_fraction_static leaves.
+Trainer (Megatron backend, per GPU of the busiest pipeline stage; parameter counts from
+agentrl/config/model_shapes.py, TP / EP / duplicated / frozen parameters as the backend holds them):
+- persistent state, bytes per parameter (`STATE_BYTES`): weights in train.dtype (frozen ones too);
+  an fp32 gradient accumulator (main_grad) per trainable param; fp32 masters when the weights are
+  not fp32; Adam's two fp32 moments. Masters and moments sit in HBM, or on node-local disk with
+  train.optimizer.offload=disk (the disk Adam keeps an fp32 master for every trainable param):
+  bf16 + disk = 2 + 4 = 6 B per param in HBM.
+- activations with full recompute (`activation_bytes`): one bf16 hidden state per layer of the
+  stage for every micro-batch in flight in 1F1B (PP of them on stage 0); the DSA top-k of every
+  computing layer of the stage, int64, kept per micro-batch in flight (the index sharing carries
+  it to later layers and to the recomputed backward); the working set of the one layer being
+  recomputed and differentiated (its saved activations, per token, from the shapes, times
+  BACKWARD_WORKING_FACTOR); one log-prob chunk's fp32 logits and their gradient.
+Engine (SGLang, FP8 weights, dp-attention): experts split over the engine's GPUs (EP = engine
+size), everything else replicated per GPU; the KV pool is what mem_fraction_static leaves.
 Every hardware number is named in HARDWARE.
 """
 
@@ -60,31 +67,86 @@ def param_counts(model: str) -> dict[str, float]:
             "total": float(expert + dense)}
 
 
+WEIGHT_BYTES = {"bfloat16": 2, "float32": 4}
+MAIN_GRAD_BYTES = 4  # fp32 gradient accumulator per trainable param (agentrl.train.grads)
+MASTER_BYTES = 4  # fp32 master copy of a trainable param
+MOMENT_BYTES = 8  # Adam's exp_avg and exp_avg_sq, fp32
+INDEX_BYTES = 8  # the DSA top-k indices are int64
+# The peak of a recomputed layer's backward holds its saved activations and, for about as long,
+# their gradients: x2 (an assumption; bench/gpu/parallel_gpu.py measures a slice against it).
+BACKWARD_WORKING_FACTOR = 2.0
+
+
+def state_bytes(params: Any, dtype: str, offload: str) -> dict[str, dict[str, float]]:
+    """Bytes of the trainer's persistent state for `params` (model_shapes.GpuParams), by place
+    ("device", "host", "disk") and kind ("weights", "grads", "masters", "moments")."""
+    if dtype not in WEIGHT_BYTES:
+        raise ValueError(f"train.dtype={dtype!r}: no byte size known (use one of {', '.join(WEIGHT_BYTES)})")
+    out: dict[str, dict[str, float]] = {place: {"weights": 0.0, "grads": 0.0, "masters": 0.0, "moments": 0.0}
+                                        for place in ("device", "host", "disk")}
+    out["device"]["weights"] = float(params.total * WEIGHT_BYTES[dtype])
+    out["device"]["grads"] = float(params.trainable * MAIN_GRAD_BYTES)
+    place = {"none": "device", "cpu": "host", "disk": "disk"}[offload]
+    if dtype != "float32" or offload == "disk":
+        out[place]["masters"] = float(params.trainable * MASTER_BYTES)
+    out[place]["moments"] = float(params.trainable * MOMENT_BYTES)
+    return out
+
+
+def layer_activation_bytes_per_token(s: Any, moe: bool, tp: int, etp: int = 1) -> float:
+    """Saved activations of one decoder layer per token (bf16), from the shapes: the MLA absorbed
+    path (latent projections, per-head absorbed queries and latent outputs), the indexer's queries,
+    and the MLP (for MoE: the top-k permuted copies of the hidden state around the expert GEMMs)."""
+    h, heads = s.hidden, s.heads
+    attn = (2 * h + 2 * s.q_lora + s.kv_lora + (s.kv_lora + s.qk_rope)  # norms, latents, key
+            + heads * ((s.qk_nope + s.qk_rope) + (s.kv_lora + s.qk_rope) + s.kv_lora + s.v_head) / tp  # q, absorbed q, out
+            + s.index_heads * s.index_dim + s.index_dim)
+    if moe:
+        k = s.experts_per_token
+        mlp = h + k * (2 * h + 4 * s.moe_inter) / etp + s.n_shared * 4 * s.moe_inter / tp
+    else:
+        mlp = h + 4 * s.dense_inter / tp
+    return 2.0 * (attn + mlp)
+
+
+def activation_bytes(s: Any, layers: range, *, tokens: int, tp: int, in_flight: int, chunk: int,
+                     last: bool, index_topk: int) -> dict[str, float]:
+    """Activation bytes of one GPU of the stage holding `layers` (see the module docstring)."""
+    local = tokens / tp  # sequence parallelism splits the hidden states over TP
+    computing = sum(1 for i in layers if s.computes_index(i + 1))
+    moe_layers = [i >= s.dense_layers for i in layers]
+    working = max(layer_activation_bytes_per_token(s, moe, tp) for moe in moe_layers) * tokens
+    return {"checkpoints": local * s.hidden * 2 * len(layers) * in_flight,
+            "dsa_topk": tokens * min(index_topk, tokens) * INDEX_BYTES * computing * in_flight,
+            "layer_working": working * BACKWARD_WORKING_FACTOR,
+            "logits": (min(chunk, tokens) * s.vocab / tp * 4 * 2) if last else 0.0}
+
+
 def trainer_memory(cfg: Any, plan: Any) -> dict[str, float]:
-    """GB per training GPU on the busiest pipeline stage."""
+    """GB per training GPU on the busiest pipeline stage (the one with the largest total)."""
+    from agentrl.config.model_shapes import shapes_of, stage_gpu_params
     from agentrl.models.arch import get_arch
 
     arch = get_arch(plan.model)
-    pc = param_counts(plan.model)
     p = plan.layout
-    stage_layers = max(p.pp_split)
-    frac = stage_layers / arch.num_layers
-    dense_shard = (pc["dense"] - pc["embedding"]) * frac / p.tp + pc["embedding"] / 2 / p.tp
-    expert_shard = pc["expert"] * frac / (p.ep * p.etp)
-    params = dense_shard + expert_shard
-    tokens = plan.max_tokens_per_gpu
-    hidden_bytes = tokens * arch.hidden_size * 2 / p.tp  # sequence parallel splits it by TP
-    checkpoints = hidden_bytes * stage_layers * p.pp  # 1F1B: stage 0 holds PP micro-batches
-    working = hidden_bytes * 24 + tokens * arch.experts_per_token * arch.moe_intermediate_size * 2 * 3 / max(p.etp, 1)
-    chunk = min(cfg.train.logprob_chunk_tokens, tokens)
-    logits = chunk * arch.vocab_size / p.tp * 4 * 2  # fp32 logits and their gradient
-    on_disk = cfg.train.optimizer.offload == "disk"
-    out = {"weights_gb": params * 2 / GB, "grads_gb": params * 4 / GB,
-           "activations_gb": (checkpoints + working + logits) / GB,
-           "optimizer_gb": 0.0 if on_disk else params * 12 / GB,
-           "optimizer_on_disk_gb_per_gpu": params * 12 / GB if on_disk else 0.0, "params_per_gpu_b": params / 1e9}
-    out["total_gb"] = out["weights_gb"] + out["grads_gb"] + out["activations_gb"] + out["optimizer_gb"]
-    return out
+    train = cfg.train
+    s = shapes_of(plan.model)
+    stages = p.stages()
+    best: dict[str, float] = {}
+    for i, params in enumerate(stage_gpu_params(s, stages, p.tp, p.ep)):
+        state = state_bytes(params, train.dtype, train.optimizer.offload)
+        act = activation_bytes(s, stages[i], tokens=plan.max_tokens_per_gpu, tp=p.tp, in_flight=p.pp - i,
+                               chunk=train.logprob_chunk_tokens, last=i == len(stages) - 1, index_topk=arch.index_topk)
+        dev = state["device"]
+        out = {"weights_gb": dev["weights"] / GB, "grads_gb": dev["grads"] / GB,
+               "activations_gb": sum(act.values()) / GB, "optimizer_gb": (dev["masters"] + dev["moments"]) / GB,
+               "optimizer_on_disk_gb_per_gpu": (state["disk"]["masters"] + state["disk"]["moments"]) / GB,
+               "params_per_gpu_b": params.total / 1e9, "stage": float(i),
+               **{f"activations_{k}_gb": v / GB for k, v in act.items()}}
+        out["total_gb"] = out["weights_gb"] + out["grads_gb"] + out["activations_gb"] + out["optimizer_gb"]
+        if not best or out["total_gb"] > best["total_gb"]:
+            best = out
+    return best
 
 
 def engine_memory(cfg: Any, plan: Any) -> dict[str, float]:

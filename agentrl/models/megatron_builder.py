@@ -9,7 +9,7 @@ for `linear()` (the DSA indexer and q/kv down projections are plain duplicated l
 every norm with agentrl.train.norms, which runs on sequence-parallel shards (megatron's torch norms
 refuse sequence parallelism, which AbsorbedMLA requires at TP > 1). Routed experts are grouped
 GEMMs (agentrl.train.grouped_experts) instead of the SequentialMLP loop. On CPU the model builds
-and trains inside megatron_parallel.cpu_megatron (REFERENCE section 9).
+and trains inside agentrl.train.cpu_shims.cpu_megatron (REFERENCE section 9).
 """
 
 from __future__ import annotations

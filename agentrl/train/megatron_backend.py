@@ -263,6 +263,31 @@ class MegatronBackend:
             "oldest_token_version": min(versions) if versions else -1, "step_time_s": float(elapsed.item()),
         }
 
+    # -- memory --------------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, dict[str, float]]:
+        """This rank's persistent training state in bytes: "accounted" by agentrl.config.memory (the
+        accounting --dry-run prints) and "measured" from the tensors the backend holds on its device
+        (weights, main_grads, masters, optimizer moments; the moments exist after the first step)."""
+        from megatron.core import parallel_state as ps
+
+        from agentrl.config.memory import state_bytes
+        from agentrl.config.model_shapes import gpu_params, shapes_of
+
+        stage = self.coords.pp
+        params = gpu_params(shapes_of(self.hf_config), self.layout.stages()[stage], first=ps.is_pipeline_first_stage(),
+                            last=ps.is_pipeline_last_stage(), tp=self.layout.tp, ep=self.layout.ep)
+        accounted = state_bytes(params, self.train_cfg.dtype, self.train_cfg.optimizer.offload)
+
+        def nbytes(tensors) -> float:
+            return float(sum(t.numel() * t.element_size() for t in tensors if t.device == self.device))
+
+        moments = [v for st in getattr(self.optimizer, "state", {}).values() if isinstance(st, dict)
+                   for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
+        measured = {"weights": nbytes(self.model.parameters()), "grads": nbytes(p.main_grad for _, p in self.named_params),
+                    "masters": nbytes(m for _, m in self.masters), "moments": nbytes(moments)}
+        return {"accounted": accounted["device"], "measured": measured,
+                "accounted_disk": accounted["disk"], "accounted_host": accounted["host"]}
+
     # -- weights out ---------------------------------------------------------------------------
     def named_weights(self, hf_experts: str = "fused") -> Iterator[tuple[str, torch.Tensor]]:
         """Every HF-named tensor of the whole model (global layer numbers, MTP included), one at a

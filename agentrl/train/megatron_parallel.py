@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from agentrl.config.layout import Layout, RankCoords
-from agentrl.train.cpu_shims import cpu_megatron  # noqa: F401 - the name bench/megatron.py imports
 
 
 @dataclass(frozen=True)
