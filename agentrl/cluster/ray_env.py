@@ -51,6 +51,21 @@ def ray_address(cfg: RunConfig) -> str | None:
 
 
 def init_ray(cfg: RunConfig, plan: RunPlan) -> RayHandle:
+    """Start or attach Ray for `plan`. The caller's SIGTERM handler survives: Ray's driver installs
+    its own (it prints a stack and aborts), which would skip the run's orderly shutdown."""
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        return _init_ray(cfg, plan)
+    finally:
+        if main and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _init_ray(cfg: RunConfig, plan: RunPlan) -> RayHandle:
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
