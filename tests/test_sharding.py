@@ -6,12 +6,12 @@ import pytest
 import torch
 from glm_fixtures import tiny_config, tiny_hf_state
 
-from agentrl.models.mapping import MegatronNaming, hf_to_megatron
 from agentrl.config.layout import Layout
+from agentrl.models.mapping import MegatronNaming, hf_to_megatron
 from agentrl.models.sharding import RankCoord, shard_state_dict, tp_kind, unshard_state_dict
 
 
-def ShardLayout(tp: int = 1, ep: int = 1, etp: int = 1, pp_split: tuple[int, ...] = (5,)) -> Layout:  # noqa: N802
+def ShardLayout(tp: int = 1, ep: int = 1, etp: int = 1, pp_split: tuple[int, ...] = (5,)) -> Layout:
     """A layout with these sharding sizes (DP fills the world so EP x ETP fits a stage)."""
     return Layout(tp=tp, pp=len(pp_split), cp=1, ep=ep, etp=etp, dp=max(1, ep * etp // tp), pp_split=pp_split)
 
@@ -113,3 +113,15 @@ def test_tp_kinds():
     assert tp_kind("decoder.layers.3.self_attention.linear_q_down_proj.weight") == "replicated"
     assert tp_kind("mtp.layers.0.eh_proj.weight") == "column"
     assert tp_kind("decoder.layers.2.mlp.shared_experts.linear_fc2.weight") == "row"
+
+
+def test_pp2_with_tied_weights_gives_the_last_stage_a_copy_of_the_embedding():
+    config = tiny_config(mtp=0, tie_word_embeddings=True)
+    hf = {k: v for k, v in tiny_hf_state(config).items() if k != "lm_head.weight"}  # tied: one tensor
+    state = hf_to_megatron(hf, config)
+    assert "output_layer.weight" not in state
+    shards = _round_trip(state, config, ShardLayout(tp=2, pp_split=(3, 2)))
+    for tp in (0, 1):
+        head = shards[RankCoord(1, tp, 0)]["output_layer.weight"]
+        assert torch.equal(head, shards[RankCoord(0, tp, 0)]["embedding.word_embeddings.weight"])
+        assert "embedding.word_embeddings.weight" not in shards[RankCoord(1, tp, 0)]

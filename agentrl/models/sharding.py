@@ -14,7 +14,8 @@ Experts: EP rank r owns global experts [r*E/ep, (r+1)*E/ep), renumbered from 0; 
 parallelism (etp) is supported for etp == 1 (experts whole on every TP rank) or etp == tp.
 Pipeline: stage s owns its decoder layers renumbered from 0; the embedding lives on the first stage
 (and on the last when there is MTP, which embeds the shifted tokens); final norm, output layer and
-MTP layers on the last. Every stage must start on a DSA index-computing layer.
+MTP layers on the last (with tied weights and no MTP, the last stage's output_layer.weight is a
+copy of the embedding). Every stage must start on a DSA index-computing layer.
 """
 
 from __future__ import annotations
@@ -184,6 +185,13 @@ def shard_state_dict(state_dict: dict[str, torch.Tensor], config: Any,
             for coord, shard in shards.items():
                 if coord.pp in p.stages and coord.ep == p.ep_rank:
                     shard[p.local_expert_name] = pieces[coord.tp % layout.etp]
+    if config.tie_word_embeddings and layout.pp > 1 and not has_mtp:
+        # Megatron's last stage holds the tied head as its own output_layer.weight, a copy of the
+        # embedding kept equal by the embedding-group all-reduce (export reads the first stage's).
+        pieces = split_tensor(state_dict["embedding.word_embeddings.weight"], layout.tp, "column", "output_layer.weight")
+        for coord, shard in shards.items():
+            if coord.pp == layout.pp - 1:
+                shard["output_layer.weight"] = pieces[coord.tp]
     return shards
 
 
@@ -213,8 +221,11 @@ def unshard_state_dict(shards: dict[RankCoord, dict[str, torch.Tensor]], config:
     # full name -> {split index: [copies]}, plus its kind
     pieces: dict[str, dict[int, list[torch.Tensor]]] = {}
     kinds: dict[str, TpKind] = {}
+    tied_copy = config.tie_word_embeddings and layout.pp > 1 and not num_mtp_layers(config)
     for coord in sorted(shards):
         for local, tensor in shards[coord].items():
+            if tied_copy and local == "output_layer.weight":
+                continue  # the last stage's copy of the tied embedding
             name, is_expert = _global_name(local, coord.pp, coord.ep, stages, per_rank)
             if is_expert:
                 kinds[name] = "glu" if ".linear_fc1." in name or "linear_fc1.weight" in name else "row"

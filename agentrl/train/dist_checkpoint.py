@@ -8,10 +8,12 @@ TP2 x PP2. Replicated copies (TP-duplicated norms, DP and CP replicas) are writt
 ids). `common`: the version, the Adam step, the caller's `extra`, the writing layout (information
 only), checked equal on every rank by dist_checkpointing.
 
-Crash safety: every rank writes into `<dir>.tmp`; once all have finished, rank 0 renames it to
-`<dir>` (removing an older one). A kill leaves the previous checkpoint whole; a leftover `.tmp` is
-discarded by the next save. dist_checkpointing reads every `common.pt` / `.metadata` with
-torch.load(weights_only=True).
+Crash safety: every rank writes into `<dir>.tmp`; once all have finished, rank 0 moves an older
+`<dir>` to `<dir>.old`, renames the new one to `<dir>` and removes `<dir>.old`. A kill at any
+point leaves a whole checkpoint (`<dir>`, or `<dir>.old` between the two renames); a leftover
+`.tmp` is discarded by the next save. Nothing is unpickled beyond tensors and plain containers: megatron
+reads the common state with torch.load(weights_only=True) (serialization.load_common_state_dict),
+so `extra` must be plain data (numbers, strings, lists, dicts).
 """
 
 from __future__ import annotations
@@ -102,9 +104,12 @@ def save_backend_checkpoint(backend: MegatronBackend, directory: Path, extra: di
         dist_checkpointing.save(_full_state(backend, optimizer, common), str(tmp))
     dist.barrier()
     if backend.coords.rank == 0:
+        old = directory.with_name(directory.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
         if directory.exists():
-            shutil.rmtree(directory)
+            directory.rename(old)  # a kill from here on leaves <dir>.old or the new <dir>, both whole
         tmp.rename(directory)
+        shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
 
 
@@ -113,7 +118,8 @@ def load_backend_checkpoint(backend: MegatronBackend, directory: Path) -> dict:
 
     if not (directory / "metadata.json").exists():
         raise ValueError(f"{directory} is not a complete checkpoint (no metadata.json); a save that was killed "
-                         "leaves only <dir>.tmp, so resume from the previous checkpoint")
+                         f"leaves {directory.name}.tmp (incomplete) or {directory.name}.old (whole): resume from the "
+                         "previous checkpoint")
     with cpu_megatron():
         common = dist_checkpointing.load_common_state_dict(str(directory)).get("agentrl", {})
     if common.get("format") != FORMAT:
