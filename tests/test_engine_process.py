@@ -19,6 +19,7 @@ from agentrl.cluster.engine_process import (
     free_port_block,
     ports_free,
 )
+from tests.proc_util import running
 
 SERVER = r"""
 import http.server, sys
@@ -96,10 +97,8 @@ def test_engine_dies_with_the_process_that_started_it(tmp_path):
     try:
         os.kill(parent.pid, signal.SIGKILL)  # an actor killed outright
         parent.wait(10)
-        for _ in range(100):
-            try:
-                os.kill(child, 0)
-            except ProcessLookupError:
+        for _ in range(200):
+            if not running(child):
                 break
             time.sleep(0.05)
         else:

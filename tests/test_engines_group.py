@@ -17,6 +17,7 @@ from agentrl.config.loader import load_config
 from agentrl.config.plan import EngineSpec, resolve_plan
 from agentrl.rollout.client import EngineClient
 from agentrl.rollout.types import SamplingParams
+from tests.proc_util import running
 
 pytestmark = pytest.mark.slow
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
@@ -88,9 +89,7 @@ async def test_two_engines_start_serve_and_one_killed_is_restarted(local_ray, tm
         pid0 = await group.pid(0)
         ray.kill(group.actors[0][0])
         for _ in range(200):
-            try:
-                os.kill(pid0, 0)
-            except ProcessLookupError:
+            if not running(pid0):
                 break
             await asyncio.sleep(0.05)
         else:
