@@ -110,8 +110,10 @@ def layer_activation_bytes_per_token(s: Any, moe: bool, tp: int, etp: int = 1) -
 
 
 def activation_bytes(s: Any, layers: range, *, tokens: int, tp: int, in_flight: int, chunk: int,
-                     last: bool, index_topk: int) -> dict[str, float]:
-    """Activation bytes of one GPU of the stage holding `layers` (see the module docstring)."""
+                     last: bool, index_topk: int, fused_logprobs: bool = False) -> dict[str, float]:
+    """Activation bytes of one GPU of the stage holding `layers` (see the module docstring).
+    `fused_logprobs`: the head runs the fused Triton kernel (one GPU with TP 1), which never
+    writes logits; otherwise a chunk of fp32 logits and their gradient exist at once."""
     local = tokens / tp  # sequence parallelism splits the hidden states over TP
     computing = sum(1 for i in layers if s.computes_index(i + 1))
     moe_layers = [i >= s.dense_layers for i in layers]
@@ -119,7 +121,7 @@ def activation_bytes(s: Any, layers: range, *, tokens: int, tp: int, in_flight: 
     return {"checkpoints": local * s.hidden * 2 * len(layers) * in_flight,
             "dsa_topk": tokens * min(index_topk, tokens) * INDEX_BYTES * computing * in_flight,
             "layer_working": working * BACKWARD_WORKING_FACTOR,
-            "logits": (min(chunk, tokens) * s.vocab / tp * 4 * 2) if last else 0.0}
+            "logits": (min(chunk, tokens) * s.vocab / tp * 4 * 2) if last and not fused_logprobs else 0.0}
 
 
 def trainer_memory(cfg: Any, plan: Any) -> dict[str, float]:
@@ -136,7 +138,8 @@ def trainer_memory(cfg: Any, plan: Any) -> dict[str, float]:
     for i, params in enumerate(stage_gpu_params(s, stages, p.tp, p.ep)):
         state = state_bytes(params, train.dtype, train.optimizer.offload)
         act = activation_bytes(s, stages[i], tokens=plan.max_tokens_per_gpu, tp=p.tp, in_flight=p.pp - i,
-                               chunk=train.logprob_chunk_tokens, last=i == len(stages) - 1, index_topk=arch.index_topk)
+                               chunk=train.logprob_chunk_tokens, last=i == len(stages) - 1, index_topk=arch.index_topk,
+                               fused_logprobs=p.tp == 1 and bool(plan.gpus_per_rank))
         dev = state["device"]
         out = {"weights_gb": dev["weights"] / GB, "grads_gb": dev["grads"] / GB,
                "activations_gb": sum(act.values()) / GB, "optimizer_gb": (dev["masters"] + dev["moments"]) / GB,
