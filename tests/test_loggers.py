@@ -200,5 +200,5 @@ def test_orchestrator_fails_fast_on_a_missing_tracker_and_cleans_up(tmp_path, mo
     with pytest.raises(RuntimeError, match="pip install wandb"):
         asyncio.run(orch.run())
     assert ended == [True]
-    assert not hasattr(orch, "ray")  # failed before Ray was started
+    assert orch.ray is None  # failed before Ray was started
     assert (tmp_path / "tensorboard").is_dir()  # opened, then closed by the failure

@@ -174,5 +174,5 @@ def test_sglang_flags_are_0_5_23_names():
     assert "--attention-backend" in cmd and cmd[cmd.index("--attention-backend") + 1] == "dsa"
     assert "--dsa-prefill-backend" in cmd and "--dsa-decode-backend" in cmd
     assert not any(a.startswith("--nsa") for a in cmd)
-    for flag in ("--enable-dp-attention", "--kv-cache-dtype", "--page-size", "--watchdog-timeout", "--ep-size"):
+    for flag in ("--attn-dp-size", "--kv-cache-dtype", "--page-size", "--watchdog-timeout", "--ep-size"):
         assert flag in cmd
