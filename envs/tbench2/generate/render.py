@@ -23,7 +23,7 @@ _TASK_TOML = """\
 schema_version = "1.1"
 
 [task]
-name = "{name}"
+name = "agentrl/{name}"
 description = "{summary} (generated task family {family})."
 
 [metadata]
