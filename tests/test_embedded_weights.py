@@ -59,3 +59,81 @@ def test_non_finite_weights_change_nothing():
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
     good = wlib.prepare_named_tensors(model, {"model.norm.weight": torch.full((64,), 2.0)})
     assert wlib.load_named_tensors(model, good) == 1 and torch.equal(model.model.norm.weight, torch.full((64,), 2.0))
+
+
+def _per_expert(state: dict[str, torch.Tensor], layer: int, e: int) -> dict[str, torch.Tensor]:
+    """Checkpoint (per-expert) names of one expert, as SGLang and released checkpoints name them."""
+    gate_up = state[f"model.layers.{layer}.mlp.experts.gate_up_proj"][e]
+    half = gate_up.shape[0] // 2
+    base = f"model.layers.{layer}.mlp.experts.{e}."
+    return {base + "gate_proj.weight": gate_up[:half].clone() + 1, base + "up_proj.weight": gate_up[half:].clone() - 1,
+            base + "down_proj.weight": state[f"model.layers.{layer}.mlp.experts.down_proj"][e].clone() * 2}
+
+
+def test_per_expert_names_land_in_the_fused_experts_and_mtp_layers_are_received_not_served():
+    from tests.engine_models import glm_model
+
+    model = glm_model()
+    state = {n: t.clone() for n, t in model.state_dict().items()}
+    update = _per_expert(state, 2, 5)
+    n_layers = model.config.num_hidden_layers
+    update[f"model.layers.{n_layers}.eh_proj.weight"] = torch.zeros(64, 128)  # the MTP layer
+    prepared = wlib.prepare_named_tensors(model, update)
+    assert sorted(prepared.received) == sorted(update) and prepared.not_served == [f"model.layers.{n_layers}.eh_proj.weight"]
+    assert wlib.load_named_tensors(model, prepared) == 3
+    after = model.state_dict()
+    fused = after["model.layers.2.mlp.experts.gate_up_proj"]
+    assert torch.equal(fused[5, :32], state["model.layers.2.mlp.experts.gate_up_proj"][5, :32] + 1)
+    assert torch.equal(fused[5, 32:], state["model.layers.2.mlp.experts.gate_up_proj"][5, 32:] - 1)
+    assert torch.equal(fused[4], state["model.layers.2.mlp.experts.gate_up_proj"][4])  # other experts untouched
+    assert torch.equal(after["model.layers.2.mlp.experts.down_proj"][5], update["model.layers.2.mlp.experts.5.down_proj.weight"])
+    with pytest.raises(wlib.WeightUpdateError, match="unknown parameter name"):
+        wlib.prepare_named_tensors(model, {"model.layers.2.mlp.experts.8.gate_proj.weight": torch.zeros(32, 64)})
+    with pytest.raises(wlib.WeightUpdateError, match="shape mismatch"):
+        wlib.prepare_named_tensors(model, {"model.layers.2.mlp.experts.1.gate_proj.weight": torch.zeros(16, 64)})
+
+
+async def test_sglang_tensor_payload_receipts_and_get_weights_by_name():
+    """load_format null: SGLang's own payload (agentrl.sync.tensor_ipc; byte copies on CPU); the
+    session's receipt counts every HF name once per arrival; an unsafe pickle is refused."""
+    import base64
+    import os
+    import pickle
+
+    from agentrl.rollout.client import EngineClient, EngineError
+    from agentrl.rollout.embedded.server import EmbeddedEngineServer
+    from agentrl.sync.buckets import names_digest
+    from agentrl.sync.fp8 import to_wire
+    from agentrl.sync.tensor_ipc import encode
+    from tests.engine_models import glm_model
+
+    model = glm_model()
+    state = {n: t.clone() for n, t in model.state_dict().items()}
+    update = _per_expert(state, 3, 0)
+    fp8_name = "model.layers.1.self_attn.o_proj.weight"  # sent dequantised: CPU payloads carry no float8
+    wire = [(n, t) for n, t in update.items()] + [(fp8_name, state[fp8_name] * 0.5)]
+    with pytest.raises(ValueError, match="cannot carry torch.float8_e4m3fn"):
+        encode(to_wire(fp8_name, state[fp8_name], True))
+    server = EmbeddedEngineServer(model, model_path="test-ipc", max_batch_size=2)
+    url = await server.start()
+    client = EngineClient(url, timeout_s=30)
+    try:
+        await client.begin_weight_update()
+        await client.update_weights_from_tensor([encode(wire)], load_format=None, weight_version=3)
+        await client.update_weights_from_tensor([encode(wire[:1])], load_format=None)  # one name twice
+        bad = base64.b64encode(pickle.dumps([("x", os.system)])).decode()
+        with pytest.raises(EngineError, match="blocked global"):
+            await client.update_weights_from_tensor([bad], load_format=None)
+        end = await client.end_weight_update()
+        names = [*update, fp8_name]
+        assert end["received"] == {"tensors": 5, "distinct": 4, "names_digest": names_digest(names)}
+        got = await client.get_weights_by_name("model.layers.3.mlp.experts.0.down_proj.weight", truncate_size=10**6)
+        assert got == update["model.layers.3.mlp.experts.0.down_proj.weight"].reshape(-1).tolist()  # bitwise (fp32)
+        o_proj = await client.get_weights_by_name(fp8_name, truncate_size=10**6)
+        assert o_proj == (state[fp8_name] * 0.5).reshape(-1).tolist()
+        assert (await client.weight_version()) == 3
+        with pytest.raises(EngineError, match="unknown parameter name"):
+            await client.get_weights_by_name("no.such.weight")
+    finally:
+        await client.aclose()
+        await server.stop()

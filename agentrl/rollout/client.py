@@ -264,6 +264,11 @@ class EngineClient:
             payload["weight_version"] = str(weight_version)
         return await self._json("POST", "/update_weights_from_distributed", payload, timeout_s=self.timeout_s)
 
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first `truncate_size` values of parameter `name` (SGLang's test endpoint)."""
+        resp = await self._call("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+        return resp.json()
+
     async def update_weight_version(self, new_version: str | int, *, abort_all_requests: bool = False) -> dict:
         return await self._json("POST", "/update_weight_version",
                                 {"new_version": str(new_version), "abort_all_requests": abort_all_requests})

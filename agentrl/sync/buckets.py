@@ -176,3 +176,14 @@ def views(flat: torch.Tensor, bucket: PlannedBucket) -> list[tuple[str, torch.Te
         raise ValueError(f"bucket {bucket.index} holds {bucket.nbytes} bytes; got {flat.numel()} of {flat.dtype}")
     return [(e.name, flat[o:o + e.nbytes].view(getattr(torch, e.dtype)).reshape(e.shape))
             for e, o in zip(bucket.entries, bucket.offsets, strict=True)]
+
+
+def names_digest(names: Iterable[str]) -> str:
+    """An order-free digest of a set of tensor names (XOR of their sha256 prefixes): the sender
+    combines its stages' digests, the engine reports the one of what it received."""
+    import hashlib
+
+    acc = 0
+    for n in set(names):
+        acc ^= int.from_bytes(hashlib.sha256(n.encode()).digest()[:16], "big")
+    return f"{acc:032x}"

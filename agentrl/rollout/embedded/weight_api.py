@@ -13,17 +13,24 @@
   weight_update_timeout_s and run on daemon threads, so the HTTP loop keeps answering and
   SIGTERM still ends the process while a rendezvous is blocked.
 - `/update_weight_version` {new_version, abort_all_requests (default true)}.
+- `/get_weights_by_name` {name, truncate_size (default 100)}: the first values of a tensor, by
+  checkpoint name (SGLang's test endpoint; a per-expert name reads its slice of the fused tensor).
+- Receipts (an addition): `/end_weight_update` answers `received` {tensors, distinct,
+  names_digest} for the session, HF names counted once per arrival (agentrl.sync.buckets.
+  names_digest), so the sender can check that every tensor arrived exactly once.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 from aiohttp import web
 
 from agentrl.rollout.embedded import weights as wlib
 from agentrl.rollout.embedded.http_util import (
     BadRequest,
+    error,
     field,
     in_daemon_thread,
     join_threads,
@@ -48,6 +55,7 @@ class WeightAPI:
     def __init__(self, server, timeout_s: float) -> None:
         self.server, self.timeout_s = server, timeout_s
         self.session_open = False
+        self.received: Counter[str] = Counter()  # HF names loaded in the open session
         self.groups: dict[str, wlib.WeightUpdateGroup] = {}
         self.threads: set = set()  # rendezvous and broadcasts still running
 
@@ -59,6 +67,7 @@ class WeightAPI:
         router.add_post("/destroy_weights_update_group", self.destroy_group)
         router.add_post("/update_weights_from_distributed", self.from_distributed)
         router.add_post("/update_weight_version", self.update_version)
+        router.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
 
     def close(self, join: bool = True) -> None:
         if join:  # torch's store client gives up after about twice its timeout (measured: 5 s -> 11.6 s)
@@ -77,13 +86,19 @@ class WeightAPI:
         if self.session_open:
             return result(False, "a weight-update session is already open; call end_weight_update() first")
         self.session_open = True
+        self.received.clear()
         return result(True, "Success")
 
     async def end(self, request: web.Request) -> web.Response:
         if not self.session_open:
             return result(False, "no weight-update session is open; call begin_weight_update() first")
+        from agentrl.sync.buckets import names_digest
+
         self.session_open = False
-        return result(True, "Success")
+        received = {"tensors": sum(self.received.values()), "distinct": len(self.received),
+                    "names_digest": names_digest(self.received)}
+        self.received.clear()
+        return result(True, "Success", received=received)
 
     # ---- loads -------------------------------------------------------------------------------
     def _common(self, body: dict) -> tuple[bool, str | None]:
@@ -97,9 +112,11 @@ class WeightAPI:
 
     async def _load(self, tensors: dict, version: str | None, flush: bool, ok_message: str) -> web.Response:
         srv = self.server
-        tensors = await asyncio.to_thread(wlib.prepare_named_tensors, srv.model, tensors)
+        prepared = await asyncio.to_thread(wlib.prepare_named_tensors, srv.model, tensors)
+        del tensors  # IPC handles are released once their copies are in the model
         out = await srv.run_on_scheduler(lambda: srv.scheduler.load_weights(
-            lambda: wlib.load_named_tensors(srv.model, tensors), version, flush))
+            lambda: wlib.load_named_tensors(srv.model, prepared), version, flush))
+        self.received.update(prepared.received)
         if flush and not out["flushed"]:
             return result(False, NOT_FLUSHED, weight_version=srv.scheduler.weight_version)
         if version is not None:
@@ -181,6 +198,21 @@ class WeightAPI:
             return result(False, "The group to be destroyed does not exist.")
         group.close()
         return result(True, "Succeeded to destroy custom process group.")
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        try:
+            body = await json_body(request)
+            name = field(body, "name", str, hint="a parameter name")
+            size = field(body, "truncate_size", int, 100, check=lambda v: v >= 1, hint="an int >= 1")
+            state = self.server.model.state_dict()
+            num_layers = getattr(self.server.model.config, "num_hidden_layers", None)
+            target = wlib.target_of(name, state, num_layers)
+            if target is None:
+                raise BadRequest(f"{name} is in a layer this engine does not serve")
+        except (BadRequest, wlib.WeightUpdateError) as exc:
+            return error(400, str(exc))
+        t = state[target.param][target.index] if target.index else state[target.param]
+        return web.json_response(t.detach().float().reshape(-1)[:size].cpu().tolist())
 
     async def update_version(self, request: web.Request) -> web.Response:
         try:

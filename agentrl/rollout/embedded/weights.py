@@ -1,11 +1,20 @@
-"""Weight updates for the embedded engine: local tensor formats, the broadcast group, the checks.
+"""Weight updates for the embedded engine: tensor payloads, the broadcast group, the checks.
 
 `/update_weights_from_tensor` takes `serialized_named_tensors`, a list with one item per TP rank
-(the embedded engine has one rank), in one of two local formats:
+(the embedded engine has one rank), in one of these formats:
+- load_format None, "direct" or "flattened_bucket": SGLang 0.5.23's own payload, decoded as SGLang
+  decodes it (agentrl.sync.tensor_ipc): base64 of a pickled [(name, tensor)] list (or a flattened
+  bucket), through an allowlist of tensor rebuilds; CUDA tensors arrive as IPC handles of a
+  trainer on the same GPU (named by uuid), CPU tensors as bytes;
 - load_format "safetensors_b64": the item is base64 of safetensors bytes of {hf_name: tensor};
 - load_format "safetensors_path": the item is the path of a .safetensors file on this host
   (e.g. under /dev/shm), read and left in place; the caller owns and removes the file.
-SGLang's own format (pickled CUDA IPC handles) cannot exist on a CPU engine.
+
+Names are checkpoint (HF) names, as SGLang loads them: routed experts per expert
+(`mlp.experts.{e}.{gate,up,down}_proj.weight`) land in transformers' fused `gate_up_proj` /
+`down_proj` (gate rows first); tensors of layers the model does not build (the MTP layers
+`model.layers.{N+k}`, which transformers leaves out, as it does when loading a checkpoint) are
+received and counted but not served.
 
 `/init_weights_update_group` joins a group the trainer hosts exactly as SGLang 0.5.23 builds
 its own (utils/common.py init_custom_process_group): a tcp:// store at master_address:master_port
@@ -27,12 +36,17 @@ from __future__ import annotations
 
 import base64
 import datetime
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-LOAD_FORMATS = ("safetensors_b64", "safetensors_path")
+LOCAL_FORMATS = ("safetensors_b64", "safetensors_path")
+SGLANG_FORMATS = (None, "direct", "flattened_bucket")
+LOAD_FORMATS = (*LOCAL_FORMATS, *SGLANG_FORMATS)
+_PER_EXPERT = re.compile(r"^(?P<base>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<kind>gate|up|down)_proj\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class WeightUpdateError(ValueError):
@@ -49,12 +63,23 @@ def decode_named_tensors(serialized: list[str], load_format: str | None) -> dict
     from safetensors import SafetensorError
     from safetensors.torch import load, load_file
 
+    from agentrl.sync import tensor_ipc
+
     if load_format not in LOAD_FORMATS:
         raise WeightUpdateError(
             f"load_format {load_format!r} is not supported by the embedded engine; use one of {LOAD_FORMATS}"
         )
     if not isinstance(serialized, list) or len(serialized) != 1 or not isinstance(serialized[0], str):
         raise WeightUpdateError("serialized_named_tensors must be a list of one string (one TP rank)")
+    if load_format in SGLANG_FORMATS:
+        try:
+            pairs = tensor_ipc.named_tensors(tensor_ipc.decode(serialized[0]), load_format)
+        except tensor_ipc.PayloadError as exc:
+            raise WeightUpdateError(f"serialized_named_tensors[0]: {exc}") from None
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            raise WeightUpdateError("serialized_named_tensors[0] names a tensor twice")
+        return out
     if load_format == "safetensors_b64":
         try:
             return load(base64.b64decode(serialized[0], validate=True))
@@ -137,16 +162,65 @@ def unpack_bucket(flat: torch.Tensor, layout: list[BucketEntry]) -> dict[str, to
     return {e.name: flat[e.start:e.end].view(e.dtype).reshape(e.shape) for e in layout}
 
 
-def check_named_tensors(model: torch.nn.Module, names_shapes: dict[str, tuple[int, ...]]) -> None:
+@dataclass(frozen=True)
+class Target:
+    """Where one received HF tensor goes: a model tensor, or a slice of a fused one."""
+
+    param: str
+    index: tuple = ()
+
+
+def target_of(name: str, state: dict[str, torch.Tensor], num_layers: int | None) -> Target | None:
+    """The model tensor `name` loads into; None for a layer the model does not build (MTP)."""
+    if name in state:
+        return Target(name)
+    if m := _PER_EXPERT.match(name):
+        base, e, kind = m.group("base"), int(m.group("e")), m.group("kind")
+        fused = state.get(f"{base}.gate_up_proj" if kind != "down" else f"{base}.down_proj")
+        if fused is not None and e < fused.shape[0]:
+            if kind == "down":
+                return Target(f"{base}.down_proj", (e,))
+            half = fused.shape[1] // 2
+            rows = slice(0, half) if kind == "gate" else slice(half, 2 * half)
+            return Target(f"{base}.gate_up_proj", (e, rows))
+    m = _LAYER.match(name)
+    if m and num_layers is not None and int(m.group(1)) >= num_layers:
+        return None
+    raise WeightUpdateError(f"unknown parameter name {name!r}; expected HF checkpoint names")
+
+
+@dataclass
+class PreparedLoad:
+    """A checked update: (target, tensor) pairs to copy, and the HF names that arrived."""
+
+    loads: list[tuple[Target, torch.Tensor]] = field(default_factory=list)
+    received: list[str] = field(default_factory=list)
+    not_served: list[str] = field(default_factory=list)  # layers the model does not build (MTP)
+
+
+def resolve_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> PreparedLoad:
     """Fail before touching any weight if a name is unknown or a shape differs."""
     state = model.state_dict(keep_vars=True)
-    unknown = [n for n in names_shapes if n not in state]
-    if unknown:
-        raise WeightUpdateError(f"unknown parameter names {unknown[:5]} (of {len(unknown)}); expected HF names")
-    bad = [f"{n}: got {tuple(s)}, model has {tuple(state[n].shape)}"
-           for n, s in names_shapes.items() if tuple(state[n].shape) != tuple(s)]
+    num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    out = PreparedLoad(received=list(tensors))
+    bad = []
+    for name, t in tensors.items():
+        target = target_of(name, state, num_layers)
+        if target is None:
+            out.not_served.append(name)
+            continue
+        have = tuple(state[target.param][target.index].shape)
+        if have != tuple(t.shape):
+            bad.append(f"{name}: got {tuple(t.shape)}, model has {have}")
+        out.loads.append((target, t))
     if bad:
         raise WeightUpdateError("shape mismatch: " + "; ".join(bad[:5]))
+    return out
+
+
+def check_named_tensors(model: torch.nn.Module, names_shapes: dict[str, tuple[int, ...]]) -> None:
+    """Fail before touching any weight if a name is unknown or a shape differs."""
+    resolve_named_tensors(model, {n: torch.empty(s, device="meta") for n, s in names_shapes.items()})
 
 
 def check_finite(tensors: dict[str, torch.Tensor]) -> None:
@@ -182,21 +256,23 @@ def dequantize_fp8_weights(tensors: dict[str, torch.Tensor], block: int = 128) -
 
 
 @torch.no_grad()
-def prepare_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def prepare_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> PreparedLoad:
     """Dequantise FP8 pairs and run every check; raises WeightUpdateError before anything changes."""
     tensors = dequantize_fp8_weights(tensors)
-    check_named_tensors(model, {n: tuple(t.shape) for n, t in tensors.items()})
+    prepared = resolve_named_tensors(model, tensors)
     check_finite(tensors)
-    return tensors
+    return prepared
 
 
 @torch.no_grad()
-def load_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
-    """Copy checked tensors (prepare_named_tensors) into the model by HF name; returns how many."""
+def load_named_tensors(model: torch.nn.Module, prepared: PreparedLoad) -> int:
+    """Copy a checked update (prepare_named_tensors) into the model; returns how many tensors."""
     state = model.state_dict(keep_vars=True)
-    for name, t in tensors.items():
-        state[name].data.copy_(t.to(dtype=state[name].dtype))
-    return len(tensors)
+    for target, t in prepared.loads:
+        dst = state[target.param].data
+        dst = dst[target.index] if target.index else dst
+        dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
+    return len(prepared.loads)
 
 
 class WeightUpdateGroup:
