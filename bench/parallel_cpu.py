@@ -5,8 +5,8 @@ layers 1, 2, 4 compute the top-k, 3 and 5 reuse it; sigmoid MoE; one MTP layer),
 Per layout: the HF export before training equals the HF weights bit for bit; one train_step; its
 loss, the reduced gradients of every HF tensor and the weights after the optimizer step, against
 the same step on one rank; every rank's metrics dict is the same. `run_layout` is what the slow
-tests (tests/test_megatron_parallel.py) assert on; `agentrl bench parallel-cpu` (or `python -m
-bench.parallel_cpu`) writes bench/results/parallel_cpu.json.
+tests (tests/test_megatron_parallel.py) assert on; `python -m bench.parallel_cpu` writes
+bench/results/parallel_cpu.json.
 
 Why the tolerances hold: all layouts compute the same fp32 math; only summation order differs
 (TP partial sums, DP/CP gradient all-reduce, different micro-batch packing per DP rank). The Adam
@@ -27,7 +27,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "PP2": {"world": 2, "pp": 2},
     "CP2": {"world": 2, "cp": 2},
     "EP2": {"world": 2, "ep": 2},
-    "TP2xPP2": {"world": 4, "tp": 2, "pp": 2},
+    "TP2xPP2": {"world": 4, "tp": 2, "pp": 2, "recompute": "full"},  # and full recompute with the 1F1B schedule
     "PP2xEP2": {"world": 4, "pp": 2, "ep": 2},
     "TP2xCP2": {"world": 4, "tp": 2, "cp": 2},
 }
@@ -69,12 +69,12 @@ def model_case(seed: int = 0):
     return model.config, state
 
 
-def train_config(dsa_kernels: bool = False):
+def train_config(dsa_kernels: bool = False, recompute: str = "none"):
     from agentrl.config.schema import TrainConfig
 
     train = TrainConfig(logprob_chunk_tokens=32, dtype="float32", dsa_kernels=dsa_kernels)
     train.optimizer.lr, train.optimizer.eps = LR, ADAM_EPS
-    train.parallel.recompute = "none"
+    train.parallel.recompute = recompute
     train.parallel.max_tokens_per_gpu = MAX_TOKENS_PER_GPU
     return train
 
@@ -98,7 +98,8 @@ def rank_program(dist_init, spec: dict[str, Any], dsa_kernels: bool = False) -> 
     from agentrl.train.megatron_backend import MegatronBackend
 
     config, state = model_case()
-    backend = MegatronBackend(config, train_config(dsa_kernels), AlgorithmConfig(group_size=2),
+    backend = MegatronBackend(config, train_config(dsa_kernels, spec.get("recompute", "none")),
+                              AlgorithmConfig(group_size=2),
                               layout=layout_of(spec, config), dist_init=dist_init, hf_state=state)
     exported = dict(backend.named_weights())
     exact = set(exported) == set(state) and all(torch.equal(exported[k], state[k]) for k in state)
@@ -108,8 +109,11 @@ def rank_program(dist_init, spec: dict[str, Any], dsa_kernels: bool = False) -> 
     step_s = time.perf_counter() - t0
     grads = {k: v.clone() for k, v in backend.named_grads()}
     weights = {k: v.clone() for k, v in backend.named_weights()}
+    # PP > 1 with MTP: the last stage's embedding copy must stay equal to the first stage's
+    shared = backend.shared_embedding
     out: dict[str, Any] = {"metrics": metrics, "export_exact": exact, "step_s": step_s,
-                           "memory": backend.memory_report()}
+                           "memory": backend.memory_report(),
+                           "shared_embedding": shared.detach().clone() if shared is not None else None}
     if dsa_kernels:
         from agentrl.models.megatron_dsa_switch import dsa_kernel_stats
 
@@ -137,12 +141,30 @@ def run_layout(name: str, reference: dict[str, Any] | None = None, *, dsa_kernel
               "micro_batches": head["metrics"]["micro_batches"], "grads": head["grads"], "weights": head["weights"],
               "memory_accounted_equals_measured": all(r["memory"]["accounted"] == r["memory"]["measured"]
                                                       for r in ranks),
-              "state_bytes_per_rank": [r["memory"]["measured"] for r in ranks]}
+              "state_bytes_per_rank": [r["memory"]["measured"] for r in ranks],
+              "embedding_copies": sum(r["shared_embedding"] is not None for r in ranks),
+              "embedding_copies_equal": _copies_equal([r["shared_embedding"] for r in ranks], spec)}
     if dsa_kernels:
         result["dsa_kernels"] = [r["dsa_kernels"] for r in ranks]
     if reference is not None:
         result.update(compare(result, reference))
     return result
+
+
+def _copies_equal(copies: list, spec: dict[str, Any]) -> bool:
+    """The embedding on the first and last stage of each pipeline (same TP rank) bit for bit."""
+    import torch
+
+    from agentrl.models.hf_config import hf_config_for
+
+    layout = layout_of(spec, hf_config_for("tiny"))
+    if layout.pp == 1:
+        return all(c is None for c in copies)
+    for group in layout.groups()["pp"]:
+        first, last = copies[group[0]], copies[group[-1]]
+        if first is None or last is None or not torch.equal(first, last):
+            return False
+    return True
 
 
 def compare(run: dict[str, Any], reference: dict[str, Any]) -> dict[str, float]:

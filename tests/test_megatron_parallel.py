@@ -34,6 +34,8 @@ def test_layout_trains_like_one_rank(name, one_rank):
     assert run["same_metrics_on_every_rank"]
     # every rank's weights, main_grads, masters and moments are what agentrl.config.memory accounts
     assert run["memory_accounted_equals_measured"], run["state_bytes_per_rank"]
+    # with PP, the MTP stage's embedding copy equals the first stage's after the step (embedding group)
+    assert run["embedding_copies_equal"]
     assert run["loss_rel_diff"] <= LOSS_REL_TOL, run["loss_rel_diff"]
     assert run["grad_max_diff"] <= GRAD_TOL < run["grad_max_abs"], (run["grad_max_diff"], run["grad_max_abs"])
     assert run["weight_max_diff_after_step"] <= WEIGHT_TOL, run["weight_max_diff_after_step"]
