@@ -26,6 +26,7 @@ import uuid
 from aiohttp import web
 
 from agentrl.rollout.embedded.http_util import BadRequest, error, field, json_body
+from agentrl.rollout.embedded.openai_api import OpenAIChatAPI
 from agentrl.rollout.embedded.request import GenOutput, GenRequest
 from agentrl.rollout.embedded.sampling import RowParams
 from agentrl.rollout.embedded.scheduler import PAUSE_MODES, Busy, Scheduler
@@ -92,6 +93,7 @@ class EmbeddedEngineServer:
         r.add_route("GET", "/flush_cache", self.flush_cache)
         r.add_route("POST", "/flush_cache", self.flush_cache)
         self.weights.add_routes(r)
+        OpenAIChatAPI(self, version_spans).add_routes(r)  # /v1/chat/completions, /v1/models (openai_api.py)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
