@@ -168,7 +168,7 @@ def train(model_name: ModelName = None, num_nodes: NumNodes = None, gpus_per_nod
     if rehearse:
         from agentrl.cluster.rehearsal_report import run_for_launcher
 
-        raise typer.Exit(run_for_launcher(plan, cfg.cluster.episode_workers, as_json, typer.echo))
+        raise typer.Exit(run_for_launcher(cfg, plan, cfg.cluster.episode_workers, as_json, typer.echo))
     _train(cfg, plan, quiet)
 
 

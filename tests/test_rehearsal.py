@@ -20,14 +20,8 @@ from agentrl.cluster.rehearsal_checks import (
     precheck_plan,
 )
 from agentrl.cluster.simulated import group_nodes
-from agentrl.cluster.rehearsal_ranks import (
-    Layout,
-    RankLayoutError,
-    check_groups,
-    check_groups_in_node,
-    process_groups,
-    rank_coords,
-)
+from agentrl.cluster.rehearsal_ranks import RankLayoutError, check_groups, check_groups_in_node
+from agentrl.config.layout import Layout
 from agentrl.cluster.rehearsal_weights import (
     WeightScheduleError,
     build_schedule,
@@ -47,7 +41,12 @@ def launcher(*args: str, timeout: int = 60) -> subprocess.CompletedProcess:
 
 
 def plan_of(recipe: str, **cluster):
-    return resolve_plan(load_config(recipe, [], {"cluster": cluster} if cluster else {}))
+    """Placement only: whether the backend or transport can run a plan is test_plan's business."""
+    return resolve_plan(load_config(recipe, [], {"cluster": cluster} if cluster else {}), check_runnable=False)
+
+
+def layout_of(tp: int, cp: int, dp: int, pp: int, ep: int = 1, etp: int = 1) -> Layout:
+    return Layout(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dp, pp_split=(1,) * pp)
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +55,9 @@ def ref_plan():
 
 
 def test_rank_coords_follow_megatron_order(ref_plan):
-    lay = Layout.from_plan(ref_plan)
+    lay = ref_plan.layout
     assert (lay.tp, lay.cp, lay.dp, lay.pp, lay.ep, lay.edp) == (2, 4, 1, 4, 8, 1)
-    coords = rank_coords(lay)
+    coords = lay.all_coords()
     # tp fastest, then cp, then dp, pp outermost; experts: ep fastest (etp=1) within a stage
     assert coords[1].tp == 1 and coords[2].cp == 1 and coords[8].pp == 1 and coords[31].pp == 3
     assert [c.ep for c in coords[:8]] == list(range(8)) and coords[8].ep == 0
@@ -68,8 +67,9 @@ def test_rank_coords_follow_megatron_order(ref_plan):
 def test_groups_match_megatron_rank_generator(tp, cp, dp, pp, ep, etp):
     parallel_state = pytest.importorskip("megatron.core.parallel_state")
     world = tp * cp * dp * pp
-    lay = Layout(tp=tp, cp=cp, dp=dp, pp=pp, etp=etp, ep=ep, edp=world // pp // (ep * etp))
-    ours = process_groups(lay)
+    lay = layout_of(tp, cp, dp, pp, ep, etp)
+    assert lay.edp == world // pp // (ep * etp)
+    ours = lay.groups()
     check_groups(ours, lay)
     dense = parallel_state.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
     expert = parallel_state.RankGenerator(tp=etp, ep=ep, dp=lay.edp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
@@ -81,8 +81,8 @@ def test_groups_match_megatron_rank_generator(tp, cp, dp, pp, ep, etp):
 
 
 def test_tp_group_across_nodes_is_refused():
-    lay = Layout(tp=2, cp=1, dp=4, pp=1, etp=1, ep=1, edp=4)
-    groups = process_groups(lay)
+    lay = layout_of(2, 1, 4, 1)
+    groups = lay.groups()
     check_groups_in_node(groups["tp"], {r: r // 4 for r in range(8)}, "tensor-parallel")
     # 3 GPUs per node: ranks 2 and 3 form a TP group split over nodes 0 and 1
     with pytest.raises(RankLayoutError, match=r"tensor-parallel group of ranks \[2, 3\] spans nodes \[0, 1\]"):
@@ -90,10 +90,10 @@ def test_tp_group_across_nodes_is_refused():
 
 
 def test_inconsistent_rank_view_is_refused(ref_plan):
-    lay = Layout.from_plan(ref_plan)
-    layout_json = {f: getattr(lay, f) for f in ("tp", "cp", "dp", "pp", "etp", "ep", "edp")}
+    lay = ref_plan.layout
+    layout_json = lay.to_json()
     reports = [rank_view(r, layout_json) for r in range(lay.world)]
-    coords, groups = rank_coords(lay), process_groups(lay)
+    coords, groups = lay.all_coords(), lay.groups()
     nodes = {r: r // 4 for r in range(lay.world)}
     check_trainer_reports(reports, coords, lay, groups, nodes)
     # rank 5 started with CP2 x DP2 instead of CP4: its cp group differs from its peers'
@@ -115,8 +115,8 @@ def test_gpu_sharing_and_node_capacity_are_refused():
 
 
 def test_weight_schedule_sends_every_tensor_once_per_engine(ref_plan):
-    lay = Layout.from_plan(ref_plan)
-    coords, groups = rank_coords(lay), process_groups(lay)
+    lay = ref_plan.layout
+    coords, groups = lay.all_coords(), lay.groups()
     tensors = model_tensors("GLM-5.2")
     names = [t.name for t in tensors]
     assert len(names) == len(set(names))
@@ -131,7 +131,7 @@ def test_weight_schedule_sends_every_tensor_once_per_engine(ref_plan):
     assert all(b.nbytes <= 1 << 30 or len(b.tensors) == 1 for b in buckets)
     first = buckets[0]
     assert first.tensors[0] == "model.embed_tokens.weight" and first.sources == [0, 1]  # its TP group
-    assert tensor_stage("model.layers.18.input_layernorm.weight", ref_plan.pp_stage_first_layers, 78) == 1
+    assert tensor_stage("model.layers.18.input_layernorm.weight", ref_plan.layout.stage_first_layers, 78) == 1
     # a bucket sent by two stages reaches every engine twice
     dup = copy.deepcopy(buckets)
     dup.append(copy.deepcopy(dup[0]))
@@ -156,8 +156,10 @@ def _too_few_inference_nodes(plan):
 
 
 def _engine_wider_than_node(plan):
+    import dataclasses
+
     bad = copy.deepcopy(plan)
-    bad.engines[0].gpus = 8  # one node of 4 GPUs
+    bad.engines[0] = dataclasses.replace(bad.engines[0], gpus_per_node=8.0)  # one node of 4 GPUs
     return bad
 
 
@@ -214,7 +216,7 @@ def _assert_passed(rep, plan):
     else:  # Ray's PACK chose: some inference node each, mismatches noted
         assert sorted(placed.values()) == sorted(e.nodes[0] for e in plan.engines)
         assert len(rep["notes"]) == sum(placed[e.index] != e.nodes[0] for e in plan.engines)
-    assert len(rep["weights"]["update_groups"]) == plan.parallel.pp
+    assert len(rep["weights"]["update_groups"]) == plan.layout.pp
 
 
 def test_launcher_rehearse_refuses_a_cpu_plan():
@@ -265,7 +267,8 @@ def test_report_table():
 def test_unpinned_placement_one_raylet_per_node(rehearse_in):
     # Ray's PACK chooses the nodes (no agentrl_node_<i> pins), as on a real cluster.
     plan = resolve_plan(load_config("glm5_2_5layer_1node", ["train.parallel.tp=2", "rollout.sglang.gpus_per_engine=2"],
-                                    {"cluster": {"num_nodes": 4, "train_nodes": 2, "gpus_per_node": 2}}))
+                                    {"cluster": {"num_nodes": 4, "train_nodes": 2, "gpus_per_node": 2}}),
+                        check_runnable=False)
     rep = rehearse_in(plan, nodes_per_raylet=1)
     _assert_passed(rep, plan)
     assert len(rep["cluster"]["raylets"]) == 4
@@ -284,7 +287,7 @@ def test_variants_rehearse(recipe, cluster, rehearse_in):
 def test_ray_refuses_an_engine_wider_than_a_node(ref_plan, rehearse_in):
     bad = _engine_wider_than_node(ref_plan)
     bad.engines = bad.engines[:1]
-    with pytest.raises(RehearsalError, match="could not place the inference placement group .* lack the capacity"):
+    with pytest.raises(RehearsalError, match="could not place engine 0.* lack the capacity"):
         rehearse_in(bad, precheck=False, placement_timeout_s=5)
 
 
@@ -293,7 +296,8 @@ def test_engine_spanning_two_nodes(rehearse_in):
     # one 4-GPU engine over two 2-GPU inference nodes: its first bundle holds the EngineActor, the
     # second a process for SGLang node_rank 1, each with its node's GPUs
     plan = resolve_plan(load_config("glm5_2_5layer_1node", ["train.parallel.tp=2", "rollout.sglang.gpus_per_engine=4"],
-                                    {"cluster": {"num_nodes": 4, "train_nodes": 2, "gpus_per_node": 2}}))
+                                    {"cluster": {"num_nodes": 4, "train_nodes": 2, "gpus_per_node": 2}}),
+                        check_runnable=False)
     assert [e.nodes for e in plan.engines] == [[2, 3]]
     rep = rehearse_in(plan)
     _assert_passed(rep, plan)

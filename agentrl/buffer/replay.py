@@ -94,6 +94,9 @@ class ReplayBuffer:
         self._log = DurableLog(self.path, fsync=fsync)  # opening drops a torn, unacknowledged tail
         self._recover(resume_step)
 
+    def __repr__(self) -> str:  # what the Ray dashboard shows for the buffer actor
+        return f"ReplayBuffer(groups of {self.group_size}, log {self.path})"
+
     # -- recovery ------------------------------------------------------------------------------
     def _on_malformed(self, _number: int, why: str) -> None:
         if why not in self.malformed:

@@ -79,6 +79,17 @@ class EngineActor:
 
         return ray.get_runtime_context().get_node_id()
 
+    def placement(self) -> dict:
+        """Where Ray put this actor: node id, the GPU ids it was given (its process's
+        CUDA_VISIBLE_DEVICES), the actor's pid and its engine process's pid."""
+        import os
+
+        import ray
+
+        return {"engine": self.spec.index, "node_rank": self.node_rank, "node_id": self.node_id(),
+                "node_ip": self.ip, "gpu_ids": sorted(int(g) for g in ray.get_gpu_ids()), "pid": os.getpid(),
+                "process_pid": self.pid()}
+
     def reserve_dist_init(self) -> str:
         """"ip:port" of this engine's rendezvous: a block of DIST_INIT_PORT_SPAN ports free on this node."""
         from agentrl.cluster.engine_process import free_port_block

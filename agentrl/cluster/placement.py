@@ -15,6 +15,7 @@ it asked for and what the cluster has.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,30 +50,42 @@ def _bundle(cpus: float, gpus: float, role_resource: str) -> dict[str, float]:
     return b
 
 
-def trainer_slots(plan: RunPlan, run_id: str, timeout_s: float = PLACEMENT_TIMEOUT_S) -> list[Slot]:
-    """One slot per trainer rank, in rank order."""
+# (plan node, the bundle's GPUs) -> extra resources that pin a bundle to that node
+Pin = Callable[[int, float], dict[str, float]]
+
+
+def trainer_slots(plan: RunPlan, run_id: str, timeout_s: float = PLACEMENT_TIMEOUT_S,
+                  pin: Pin | None = None) -> list[Slot]:
+    """One slot per trainer rank, in rank order. `pin` (the rehearsal's simulated nodes) adds
+    resources that tie each bundle to its plan node."""
     from ray.util.placement_group import placement_group
 
     per = plan.ranks_per_train_node
     pgs = []
-    for node in range(plan.layout.world // per):
-        pgs.append(placement_group([_bundle(1, plan.gpus_per_rank, TRAIN_RESOURCE)] * per, strategy="STRICT_PACK",
-                                   name=f"{run_id}-train-node{node}"))
+    train_nodes = [r.node for r in plan.node_roles if "train" in r.role]
+    for i in range(plan.layout.world // per):
+        extra = pin(train_nodes[i], plan.gpus_per_rank) if pin else {}
+        pgs.append(placement_group([{**_bundle(1, plan.gpus_per_rank, TRAIN_RESOURCE), **extra}] * per,
+                                   strategy="STRICT_PACK", name=f"{run_id}-train-node{i}"))
     _wait([(pg, f"training node {i}: {per} rank(s) x ({per and plan.gpus_per_rank:g} GPU, 1 CPU, {TRAIN_RESOURCE})")
            for i, pg in enumerate(pgs)], timeout_s)
     return [Slot(pgs[r // per], r % per, plan.gpus_per_rank) for r in range(plan.layout.world)]
 
 
-def engine_slots(plan: RunPlan, run_id: str, timeout_s: float = PLACEMENT_TIMEOUT_S) -> list[list[Slot]]:
+def engine_slots(plan: RunPlan, run_id: str, timeout_s: float = PLACEMENT_TIMEOUT_S,
+                 pin: Pin | None = None) -> list[list[Slot]]:
     """Per engine, one slot per node it spans (index = node_rank). Engine processes take no
-    logical CPU: on a CPU machine they would otherwise starve the episode workers' share."""
+    logical CPU: on a CPU machine they would otherwise starve the episode workers' share. With `pin`,
+    each bundle is tied to its plan node by resources instead of spread by the strategy."""
     from ray.util.placement_group import placement_group
 
     pgs, out = [], []
     for e in plan.engines:
         n = len(e.nodes)
-        pg = placement_group([_bundle(0.001, e.gpus_per_node, INFER_RESOURCE)] * n,
-                             strategy="STRICT_SPREAD" if n > 1 else "STRICT_PACK", name=f"{run_id}-engine{e.index}")
+        bundles = [{**_bundle(0.001, e.gpus_per_node, INFER_RESOURCE), **(pin(node, e.gpus_per_node) if pin else {})}
+                   for node in e.nodes]
+        strategy = "PACK" if pin else "STRICT_SPREAD" if n > 1 else "STRICT_PACK"
+        pg = placement_group(bundles, strategy=strategy, name=f"{run_id}-engine{e.index}")
         pgs.append((pg, f"engine {e.index}: {n} node(s) x ({e.gpus_per_node:g} GPU, {INFER_RESOURCE})"))
         out.append([Slot(pg, k, e.gpus_per_node, num_cpus=0.001) for k in range(n)])
     _wait(pgs, timeout_s)

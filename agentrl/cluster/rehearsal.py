@@ -1,25 +1,27 @@
 """Placement rehearsal: the plan placed for real on a simulated local Ray cluster.
 
 `run_glm5_2_daytona.py train --num-nodes 16 --rehearse` starts a 127.0.0.1-only Ray cluster that
-stands for the plan's nodes (simulated.py), asks Ray for the run's placement groups per
-role (agentrl.cluster.ray_env's bundles and role_placement_group), places one stand-in actor per
-training GPU and per engine in those bundles, the replay buffer and the episode workers (with their
-session-affine router), forms the weight-update groups and works out the bucket schedule, then shuts
-everything down in the run's order. No model weights are loaded. It fails loudly (RehearsalError)
-when an actor would share a GPU, a role lacks capacity, a TP group leaves its node, or the ranks'
-own views of their process groups disagree.
+stands for the plan's nodes (simulated.py), then places the run's own actors with the run's own
+placement code (agentrl.cluster.placement): one TrainerWorker per trainer rank through TrainerGroup
+(with the DryBackend: no model), and the engines through EngineGroup / EngineActor, each running a
+dry engine process (agentrl.cluster.dry_engine: no model; the same ports and multi-node rendezvous
+as a run), then the replay buffer and the episode workers (with their session-affine router). It
+works out the weight-update groups and the bucket schedule and shuts everything down in the run's
+order. It fails loudly (RehearsalError) when an actor would share a GPU, a role lacks capacity, a TP
+group leaves its node, or the ranks' own views of their process groups disagree.
 
 Plans with more GPU participants than `max_actors` probe each trainer rank and engine with a Ray
-task in its own bundle (same resources, same report; workers are reused), since one actor is one
-process (~1 s, ~50 MB here): 322 of them for the 64-node variant would not fit this machine.
+task in its own slot (the same TrainerWorker class builds the rank's report; workers are reused),
+since one actor is one process (~1 s, ~50 MB here): 322 of them for the 64-node variant would not
+fit this machine.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
-import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from agentrl.cluster.rehearsal_checks import (
@@ -51,50 +53,29 @@ def _default_nodes_per_raylet(num_nodes: int) -> int:
     return max(1, min(16, -(-num_nodes // 4) if num_nodes > 16 else 8))
 
 
-def _place_group(role: str, bundles: list[dict[str, float]], name: str, timeout_s: float):
-    """ray_env.role_placement_group, bounded: an infeasible group becomes a clear error, not a hang."""
-    import ray
+def _slots(plan, k: int, timeout_s: float):
+    """The run's placement code, with pins when several simulated nodes share a raylet."""
+    from agentrl.cluster.placement import engine_slots, trainer_slots
+    from agentrl.cluster.roles import ClusterError
 
-    from agentrl.cluster.ray_env import role_placement_group
-
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["pg"] = role_placement_group(role, bundles, name)
-        except BaseException as e:  # noqa: BLE001 - reported below with the plan's numbers
-            box["error"] = e
-
-    t = threading.Thread(target=run, daemon=True, name=f"pg-{role}")
-    t.start()
-    t.join(timeout_s)
-    if "pg" in box:
-        return box["pg"]
-    gpus = sum(b.get("GPU", 0) for b in bundles)
+    # A simulated node advertises its GPU count of its own resource; each bundle takes its share.
+    pin = (lambda node, gpus: {NODE_RESOURCE.format(node): float(gpus or 0.001)}) if k > 1 else None
     try:
-        ray.util.remove_placement_group(ray.util.get_placement_group(name))
-    except ValueError:  # no group of that name was created; the error below says why
-        box.setdefault("error", f"no placement group named {name} was created")
-    t.join(10)  # the removed group's ready() fails at once; the thread must not outlive Ray
-    raise RehearsalError(
-        f"Ray could not place the {role} placement group ({len(bundles)} bundles, {gpus:g} GPUs, e.g. "
-        f"{bundles[0]}) within {timeout_s:.0f} s: the {role} nodes lack the capacity"
-        + (f" ({box['error']})" if "error" in box else ""))
+        return (trainer_slots(plan, "rh", timeout_s=timeout_s, pin=pin),
+                engine_slots(plan, "rh", timeout_s=timeout_s, pin=pin))
+    except ClusterError as err:
+        raise RehearsalError(f"{err} (the nodes lack the capacity)") from None
 
 
-def _bundle_nodes(pg, cluster: SimCluster, pinned: list[int] | None) -> list[int]:
-    """Simulated node of every bundle, from where Ray put it."""
+def _slot_node(slot, cluster: SimCluster, pinned: int | None) -> int:
+    """Simulated node of a slot, from where Ray put its bundle."""
     from ray.util.placement_group import placement_group_table
 
-    table = placement_group_table(pg)["bundles_to_node_id"]
-    out = []
-    for i in range(len(table)):
-        raylet = cluster.raylet_of_node_id(table[i])
-        node = pinned[i] if pinned else raylet.nodes[0]
-        if node not in raylet.nodes:
-            raise RehearsalError(f"bundle {i} asked for node {node} but Ray put it on a raylet hosting {raylet.nodes}")
-        out.append(node)
-    return out
+    raylet = cluster.raylet_of_node_id(placement_group_table(slot.pg)["bundles_to_node_id"][slot.bundle])
+    node = pinned if pinned is not None else raylet.nodes[0]
+    if node not in raylet.nodes:
+        raise RehearsalError(f"a bundle asked for node {node} but Ray put it on a raylet hosting {raylet.nodes}")
+    return node
 
 
 def _holder(name: str, kind: str, rep: dict, node: int, gpus: int, cluster: SimCluster, **extra) -> dict:
@@ -105,7 +86,23 @@ def _holder(name: str, kind: str, rep: dict, node: int, gpus: int, cluster: SimC
             "node_id": rep["node_id"], "gpu_ids": rep["gpu_ids"], "gpus": gpus, "pid": rep["pid"], **extra}
 
 
-def rehearse(plan, *, nodes_per_raylet: int | None = None, max_actors: int = 48, episode_workers: int = 1,
+def _probe_trainer_rank(cfg: dict, plan: dict, rank: int, run_dir: str) -> dict[str, Any]:
+    """Task form of a trainer rank (large plans): the real TrainerWorker builds its report in the
+    rank's own slot."""
+    from agentrl.cluster.trainer_group import TrainerWorker
+
+    w = TrainerWorker(cfg, plan, rank, "rh", run_dir)
+    return {**w.setup("127.0.0.1", 0), **w.placement(), "started_at": time.time(), "kind": "task"}
+
+
+def _probe_engine_slot(index: int, node_rank: int) -> dict[str, Any]:
+    """Task form of an engine's node (large plans): where Ray put its slot."""
+    from agentrl.cluster.rehearsal_actors import where
+
+    return {"engine": index, "node_rank": node_rank, "started_at": time.time(), **where()}
+
+
+def rehearse(plan, *, cfg=None, nodes_per_raylet: int | None = None, max_actors: int = 48, episode_workers: int = 1,
              bucket_bytes: int = DEFAULT_BUCKET_BYTES, placement_timeout_s: float = 60.0,
              precheck: bool = True, temp_root: str = "/tmp") -> dict[str, Any]:
     """Place `plan` on a simulated cluster; returns the report (rehearsal_report.format_report prints
@@ -113,14 +110,9 @@ def rehearse(plan, *, nodes_per_raylet: int | None = None, max_actors: int = 48,
     socket paths must stay under 107 characters), removed at the end."""
     import ray
 
-    from agentrl.cluster.rehearsal_actors import (
-        RehearsalBuffer,
-        RehearsalEngine,
-        RehearsalEngineNode,
-        RehearsalEpisodeWorker,
-        RehearsalTrainer,
-        probe_trainer_rank,
-    )
+    from agentrl.config.schema import RunConfig
+
+    cfg = cfg or RunConfig()
     layout = precheck_plan(plan) if precheck else plan.layout
     coords, groups = layout.all_coords(), layout.groups()
     tensors = model_tensors(plan.model)
@@ -143,13 +135,14 @@ def rehearse(plan, *, nodes_per_raylet: int | None = None, max_actors: int = 48,
         raise
     phases["cluster_start_s"] = cluster.started_s
     try:
-        report = _place_and_probe(plan, cluster, k, layout, coords, groups, ugroups, use_actors, episode_workers,
-                                  placement_timeout_s, phases, stops, timeline, actors,
-                                  (RehearsalTrainer, RehearsalEngine, RehearsalEngineNode, RehearsalBuffer,
-                                   RehearsalEpisodeWorker, probe_trainer_rank))
+        report = _place_and_probe(cfg, plan, cluster, k, layout, coords, groups, ugroups, use_actors,
+                                  episode_workers, placement_timeout_s, phases, stops, timeline, actors, tmp)
     finally:
         for a in actors:  # whatever is left after an error; the ordered shutdown kills the rest
-            ray.kill(a, no_restart=True)
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
         stops["cluster_s"] = stop_cluster(cluster)
     report["timings"] = {"startup": {k2: round(v, 2) for k2, v in phases.items()},
                          "shutdown": {k2: round(v, 2) for k2, v in stops.items()}}
@@ -168,106 +161,80 @@ def _timed(phases: dict[str, float], key: str, fn):
     return out
 
 
-def _place_and_probe(plan, cluster, k, layout, coords, groups, ugroups, use_actors, episode_workers,
-                     timeout_s, phases, stops, timeline, actors, classes) -> dict[str, Any]:
+def _place_and_probe(cfg, plan, cluster, k, layout, coords, groups, ugroups, use_actors, episode_workers,
+                     timeout_s, phases, stops, timeline, actors, tmp) -> dict[str, Any]:
+    import asyncio
+    import dataclasses
+
     import ray
 
-    from agentrl.cluster.ray_env import engine_bundles, in_bundle, trainer_bundles
+    from agentrl.cluster.engines import EngineGroup
+    from agentrl.cluster.rehearsal_actors import RehearsalBuffer, RehearsalEpisodeWorker
+    from agentrl.cluster.trainer_group import TrainerGroup
 
-    Trainer, Engine, EngineNode, Buffer, Worker, probe_rank = classes
     gpn = plan.gpus_per_node
+    # The run's own plan, with no model anywhere: the dry trainer backend and dry engine processes.
+    # Simulated nodes share 127.0.0.1, so engines take free ports instead of the plan's fixed ones.
+    dry = dataclasses.replace(plan, backend="dry",
+                              engines=[dataclasses.replace(e, kind="dry", port=0) for e in plan.engines])
+    t_slots, e_slots = _timed(phases, "placement_groups_s", lambda: _slots(dry, k, timeout_s))
     train_nodes = [nr.node for nr in plan.node_roles if "train" in nr.role]
-    t_bundles, e_bundles = trainer_bundles(plan), engine_bundles(plan)
-    t_pins = [train_nodes[j // gpn] for j in range(len(t_bundles))] if k > 1 else None
-    e_pins = [n for e in plan.engines for n in e.nodes] if k > 1 else None
-    if t_pins:
-        t_bundles = [{**b, NODE_RESOURCE.format(n): b.get("GPU", 1)} for b, n in zip(t_bundles, t_pins, strict=True)]
-        e_bundles = [{**b, NODE_RESOURCE.format(n): b.get("GPU", 1)} for b, n in zip(e_bundles, e_pins, strict=True)]
-    train_pg = _timed(phases, "placement_group_train_s", lambda: _place_group("train", t_bundles, "rh-train", timeout_s))
-    infer_pg = _timed(phases, "placement_group_inference_s",
-                      lambda: _place_group("inference", e_bundles, "rh-inference", timeout_s))
-    t_nodes, e_nodes = _bundle_nodes(train_pg, cluster, t_pins), _bundle_nodes(infer_pg, cluster, e_pins)
+    per = plan.ranks_per_train_node
+    t_nodes = [_slot_node(t_slots[r], cluster, train_nodes[r // per] if k > 1 else None) for r in range(layout.world)]
 
-    # Rank r takes the r-th bundle in (node, bundle) order, so consecutive ranks share a node
-    # whatever order PACK filled the bundles in.
-    order = sorted(range(len(t_bundles)), key=lambda b: (t_nodes[b], b))
-    layout_json = layout.to_json()
     t0 = time.perf_counter()
+    cfg_json, plan_json = cfg.model_dump(mode="json"), dry.to_json()
     if use_actors:
-        trainers = {r: ray.remote(Trainer).options(num_cpus=1, num_gpus=1, **in_bundle(train_pg, b)).remote(r, layout_json)
-                    for r, b in enumerate(order)}
-        actors.extend(trainers.values())
-        t_reports = ray.get([a.report.remote() for a in trainers.values()])
+        trainers = TrainerGroup(cfg, dry, "rh", Path(tmp), slots=t_slots)
+        asyncio.run(trainers.start())
+        actors.extend(trainers.actors)
+        t_reports = [{**info, **place, "started_at": time.time(), "kind": "actor"}
+                     for info, place in zip(trainers.info, ray.get([a.placement.remote() for a in trainers.actors]),
+                                            strict=True)]
     else:
-        probe = ray.remote(probe_rank)
+        trainers = None
+        probe = ray.remote(_probe_trainer_rank)
         t_reports = []
-        for i in range(0, len(order), TASK_WAVE):  # waves keep the pool of worker processes small
-            t_reports += ray.get([probe.options(num_cpus=1, num_gpus=1, **in_bundle(train_pg, b)).remote(r, layout_json)
-                                  for r, b in list(enumerate(order))[i:i + TASK_WAVE]])
-        # The senders of the weight update stay up as actors: they join the update groups below.
-        senders = sorted({g.sender for g in ugroups})
-        trainers = {r: ray.remote(Trainer).options(num_cpus=1, num_gpus=1, **in_bundle(train_pg, order[r]))
-                    .remote(r, layout_json) for r in senders}
-        actors.extend(trainers.values())
-        sender_reports = {r: rep for r, rep in zip(senders, ray.get([trainers[r].report.remote() for r in senders]),
-                                                   strict=True)}
-        for r, rep in sender_reports.items():
-            if (rep["node_id"], rep["gpu_ids"]) != (t_reports[r]["node_id"], t_reports[r]["gpu_ids"]):
-                raise RehearsalError(f"trainer rank {r}: its actor and its probe got different GPUs or nodes")
+        for i in range(0, layout.world, TASK_WAVE):  # waves keep the pool of worker processes small
+            t_reports += ray.get([probe.options(**t_slots[r].options()).remote(cfg_json, plan_json, r, str(tmp))
+                                  for r in range(i, min(i + TASK_WAVE, layout.world))])
     phases["trainers_s"] = time.perf_counter() - t0
-    holders = [_holder(f"trainer rank {rep['rank']}", "trainer", rep, t_nodes[order[rep["rank"]]], 1, cluster,
-                       rank=rep["rank"], bundle=order[rep["rank"]], coords=rep["coords"], probe=rep["kind"])
-               for rep in t_reports]
-    node_of_rank = {h["rank"]: h["node"] for h in holders}
-    check_trainer_reports(t_reports, coords, layout, groups, node_of_rank)
+    holders = [_holder(f"trainer rank {rep['rank']}", "trainer", rep, t_nodes[rep["rank"]], int(plan.gpus_per_rank),
+                       cluster, rank=rep["rank"], coords=rep["coords"], probe=rep["kind"]) for rep in t_reports]
+    check_trainer_reports(t_reports, coords, layout, groups, {h["rank"]: h["node"] for h in holders})
     timeline["trainer_started"] = [rep["started_at"] for rep in t_reports]
 
-    buffer = _timed(phases, "buffer_s", lambda: ray.remote(Buffer).options(num_cpus=0).remote())
+    buffer = _timed(phases, "buffer_s", lambda: ray.remote(RehearsalBuffer).options(num_cpus=0).remote())
     actors.append(buffer)
 
     t0 = time.perf_counter()
-    e_reports, first_bundle, at = [], [], 0
-    for e in plan.engines:
-        first_bundle.append(at)
-        at += len(e.nodes)
-    urls = [f"http://node{e.nodes[0]}:{e.port}" for e in plan.engines]
-    ranks_of, nxt = {}, 1
-    for e in plan.engines:
-        ranks_of[e.index] = list(range(nxt, nxt + max(int(e.gpus), 1)))
-        nxt += max(int(e.gpus), 1)
-    world = nxt
-    engine_actors, node_actors = [], []
-    for e, b0, url in zip(plan.engines, first_bundle, urls, strict=True):
-        per = int(e.gpus_per_node)
-        opts = {"num_cpus": 1, "num_gpus": per, **in_bundle(infer_pg, b0)}
-        if use_actors:
-            engine_actors.append(ray.remote(Engine).options(**opts).remote(e.index, int(e.gpus), e.nodes, url))
-        for j in range(1, len(e.nodes)):
-            node_actors.append(ray.remote(EngineNode).options(num_cpus=1, num_gpus=per, **in_bundle(infer_pg, b0 + j))
-                               .remote(e.index, j))
-    actors.extend(engine_actors + node_actors)
+    e_nodes = [[_slot_node(s, cluster, e.nodes[r] if k > 1 else None) for r, s in enumerate(slots)]
+               for e, slots in zip(plan.engines, e_slots, strict=True)]
     if use_actors:
-        e_reports = ray.get([a.report.remote() for a in engine_actors])
+        engines = EngineGroup(cfg, dry, Path(tmp), "rh", slots=e_slots)
+        urls = asyncio.run(engines.start())
+        engine_actors = [a for nodes in engines.actors for a in nodes]
+        actors.extend(engine_actors)
+        e_reports = ray.get([a.placement.remote() for a in engine_actors])
     else:
-        probe_e = ray.remote(_probe_engine)
-        calls = list(zip(plan.engines, first_bundle, urls, strict=True))
+        engines, engine_actors = None, []
+        urls = [f"http://node{e.nodes[0]}:{e.port}" for e in plan.engines]
+        probe_e = ray.remote(_probe_engine_slot)
+        calls = [(e.index, r, s) for e, slots in zip(plan.engines, e_slots, strict=True) for r, s in enumerate(slots)]
+        e_reports = []
         for i in range(0, len(calls), TASK_WAVE):
-            e_reports += ray.get([probe_e.options(num_cpus=1, num_gpus=int(e.gpus_per_node), **in_bundle(infer_pg, b0))
-                                  .remote(e.index, int(e.gpus), e.nodes, url, _joins(ugroups, ranks_of[e.index], world))
-                                  for e, b0, url in calls[i:i + TASK_WAVE]])
-    n_reports = ray.get([a.report.remote() for a in node_actors])
+            e_reports += ray.get([probe_e.options(**s.options()).remote(idx, r) for idx, r, s in calls[i:i + TASK_WAVE]])
     phases["engines_s"] = time.perf_counter() - t0
-    timeline["engine_started"] = [r["started_at"] for r in e_reports + n_reports]
-    for e, b0, rep in zip(plan.engines, first_bundle, e_reports, strict=True):
-        holders.append(_holder(f"engine {e.index}", "engine", rep, e_nodes[b0], int(e.gpus_per_node), cluster,
-                               engine=e.index, bundle=b0, url=rep["url"], update_ranks=ranks_of[e.index]))
-    for rep in n_reports:
-        b = first_bundle[rep["index"]] + rep["node_rank"]
-        e = plan.engines[rep["index"]]
-        holders.append(_holder(f"engine {e.index} node_rank {rep['node_rank']}", "engine-node", rep, e_nodes[b],
-                               int(e.gpus_per_node), cluster, engine=e.index, bundle=b))
-    # Unpinned, PACK may put engine i on any inference node: not an error, but the plan's node
-    # numbers for engines are then nominal (addresses must come from where the actor landed).
+    timeline["engine_started"] = [rep.get("started_at", time.time()) for rep in e_reports]
+    for rep in e_reports:
+        e = plan.engines[rep["engine"]]
+        r = rep["node_rank"]
+        name = f"engine {e.index}" if r == 0 else f"engine {e.index} node_rank {r}"
+        holders.append(_holder(name, "engine" if r == 0 else "engine-node", rep, e_nodes[e.index][r],
+                               int(e.gpus_per_node), cluster, engine=e.index,
+                               **({"url": urls[e.index]} if r == 0 else {})))
+    # Unpinned, Ray may put engine i on any inference node: not an error, but the plan's node
+    # numbers for engines are then nominal (addresses come from where the actor landed).
     notes = [f"engine {h['engine']} runs on node {h['node']}; the plan lists node {plan.engines[h['engine']].nodes[0]}"
              for h in holders if h["kind"] == "engine" and h["node"] != plan.engines[h["engine"]].nodes[0]]
     check_gpu_exclusive(holders)
@@ -278,20 +245,7 @@ def _place_and_probe(plan, cluster, k, layout, coords, groups, ugroups, use_acto
         raise RehearsalError(f"{wrong_role[:3]} landed on nodes of the wrong role")
 
     t0 = time.perf_counter()
-    joins = []
-    for g in ugroups:
-        joins.append(trainers[g.sender].join_update_group.remote(g.name, 0, g.world_size))
-        if use_actors:
-            joins += [a.join_update_group.remote(g.name, ranks_of[e.index], g.world_size)
-                      for e, a in zip(plan.engines, engine_actors, strict=True)]
-    actor_joins = ray.get(joins)
-    phases["update_groups_s"] = time.perf_counter() - t0
-    _check_update_groups(ugroups, actor_joins + ([] if use_actors else [j for r in e_reports for j in r["joined"]]))
-    # (engine probe tasks join inside their own task, so only actor joins are ordered)
-    timeline["update_group_joined"] = [j["at"] for j in actor_joins]
-
-    t0 = time.perf_counter()
-    workers = [ray.remote(Worker).options(num_cpus=0, max_concurrency=16).remote(i, urls, buffer)
+    workers = [ray.remote(RehearsalEpisodeWorker).options(num_cpus=0, max_concurrency=16).remote(i, urls, buffer)
                for i in range(episode_workers)]
     actors.extend(workers)
     w_reports = ray.get([w.report.remote() for w in workers])
@@ -305,29 +259,45 @@ def _place_and_probe(plan, cluster, k, layout, coords, groups, ugroups, use_acto
     b_report = ray.get(buffer.report.remote())
     if sorted(b_report["seen"]) != sorted(f"worker-{i}" for i in range(episode_workers)):
         raise RehearsalError(f"the buffer heard from {b_report['seen']}, not from every episode worker")
-    check_ordering(timeline, [("trainer_started", "update_group_joined"), ("engine_started", "update_group_joined"),
-                              ("engine_started", "worker_started")], "start-up order")
+    check_ordering(timeline, [("trainer_started", "engine_started"), ("engine_started", "worker_started")],
+                   "start-up order")
 
     # Shutdown in the run's order: workers (they close sandboxes), engines, trainers, buffer.
     shut: dict[str, list[float]] = {}
-    for key, group in (("workers", workers), ("engines", engine_actors + node_actors),
-                       ("trainers", list(trainers.values())), ("buffer", [buffer])):
+    for key in ("workers", "engines", "trainers", "buffer"):
         t0 = time.perf_counter()
-        shut[key] = ray.get([a.shutdown.remote() for a in group]) if group else []
+        if key == "workers":
+            group = workers
+            shut[key] = ray.get([a.shutdown.remote() for a in group])
+        elif key == "engines":
+            group = engine_actors
+            if engines is not None:
+                asyncio.run(engines.stop())
+            shut[key] = [time.time()]
+        elif key == "trainers":
+            group = trainers.actors if trainers is not None else []
+            shut[key] = [time.time()]
+        else:
+            group = [buffer]
+            shut[key] = ray.get([buffer.shutdown.remote()])
         for a in group:
-            ray.kill(a, no_restart=True)
-            actors.remove(a)
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - stopped with its group
+                pass
+            if a in actors:
+                actors.remove(a)
         stops[f"{key}_s"] = time.perf_counter() - t0
     check_ordering(shut, [("workers", "engines"), ("engines", "trainers"), ("trainers", "buffer")], "shutdown order")
 
-    checks = ["role capacity: both placement groups placed", "no GPU held by two actors",
-              f"trainer ranks agree on coordinates and {', '.join(groups)} groups ({MEGATRON_ORDER})",
-              "every tensor-parallel group inside one node", "every router reaches every engine",
-              "start-up and shutdown order"]
+    checks = ["role capacity: the run's placement groups placed", "no GPU held by two actors",
+              f"trainer ranks (TrainerWorker) agree on coordinates and {', '.join(groups)} groups ({MEGATRON_ORDER})",
+              "every tensor-parallel group inside one node", "engines (EngineActor) up with their rendezvous",
+              "every router reaches every engine", "start-up and shutdown order"]
     return {
         "plan": {"model": plan.model, "num_nodes": plan.num_nodes, "gpus_per_node": gpn, "train_nodes": plan.train_nodes,
                  "inference_nodes": plan.inference_nodes, "train_gpus": plan.train_gpus, "engines": len(plan.engines),
-                 "parallel": layout_json, "rank_order": MEGATRON_ORDER},
+                 "parallel": layout.to_json(), "rank_order": MEGATRON_ORDER},
         "cluster": {"nodes_per_raylet": k, "raylets": [{"index": r.index, "role": r.role, "nodes": r.nodes,
                                                         "gpus": r.gpus} for r in cluster.raylets],
                     "probe": "actors" if use_actors else "tasks",
@@ -338,28 +308,3 @@ def _place_and_probe(plan, cluster, k, layout, coords, groups, ugroups, use_acto
         "checks": checks,
         "notes": notes,
     }
-
-
-def _check_update_groups(ugroups, join_recs: list[dict[str, Any]]) -> None:
-    """Every rank of every update group taken exactly once (rank 0 by the sender)."""
-    taken: dict[str, list[int]] = {g.name: [] for g in ugroups}
-    for j in join_recs:
-        taken.setdefault(j["group"], []).extend(j.get("group_ranks", [j.get("group_rank")]))
-    for g in ugroups:
-        if sorted(taken[g.name]) != list(range(g.world_size)):
-            raise RehearsalError(f"update group {g.name} (world {g.world_size}) has ranks {sorted(taken[g.name])[:8]}...: "
-                                 f"every rank must be joined exactly once")
-
-
-def _joins(ugroups, ranks: list[int], world: int) -> list[tuple[str, list[int], int]]:
-    return [(g.name, ranks, world) for g in ugroups]
-
-
-def _probe_engine(index: int, gpus: int, nodes: list[int], url: str, joins: list) -> dict[str, Any]:
-    """Task form of an engine (large plans): report placement and join every update group."""
-    from agentrl.cluster.rehearsal_actors import RehearsalEngine
-
-    eng = RehearsalEngine(index, gpus, nodes, url)
-    for name, ranks, world in joins:
-        eng.join_update_group(name, ranks, world)
-    return {**eng.report(), "joined": eng.joined}

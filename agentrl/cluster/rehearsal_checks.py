@@ -43,7 +43,7 @@ def precheck_plan(plan) -> Layout:
                             f"too few inference nodes for {len(plan.engines)} engines")
         per_node = e.gpus_per_node
         if per_node > gpn:
-            problems.append(f"engine {e.index} needs {per_node} GPUs on node {e.nodes[0]}, wider than a node of "
+            problems.append(f"engine {e.index} needs {per_node:g} GPUs on node {e.nodes[0]}, wider than a node of "
                             f"{gpn} GPUs; set rollout.sglang.gpus_per_engine to a divisor or multiple of {gpn}")
         for n in e.nodes:
             demand[n] += per_node

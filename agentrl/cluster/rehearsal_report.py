@@ -73,7 +73,7 @@ def format_report(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_for_launcher(plan, episode_workers: int, as_json: bool, echo: Callable[[str], None]) -> int:
+def run_for_launcher(cfg, plan, episode_workers: int, as_json: bool, echo: Callable[[str], None]) -> int:
     """`train --rehearse`: 0 when the rehearsal passes, 1 with the reason on failure."""
     from agentrl.cluster.rehearsal import RehearsalError, rehearse
     from agentrl.cluster.rehearsal_ranks import RankLayoutError
@@ -83,7 +83,7 @@ def run_for_launcher(plan, episode_workers: int, as_json: bool, echo: Callable[[
         # Ray's driver prints raylet notices (e.g. "N PYTHON worker processes have been started") to
         # stdout from a thread; they go to stderr so that stdout carries only the report.
         with contextlib.redirect_stdout(sys.stderr):
-            rep = rehearse(plan, episode_workers=episode_workers)
+            rep = rehearse(plan, cfg=cfg, episode_workers=episode_workers)
     except (RehearsalError, RankLayoutError, WeightScheduleError) as e:
         echo(f"rehearsal FAILED: {e}")
         return 1

@@ -57,8 +57,9 @@ class TrainerWorker:
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world), LOCAL_RANK="0" if self.plan.gpus_per_rank else str(local))
         dist_init = DistInit(self.rank, world, master_addr, master_port, local_rank=0)
         self.backend = make_backend(self.cfg, self.plan, dist_init, self.run_dir)
-        return {"rank": self.rank, "coords": self.coords.to_json(), "node_ip": self.node_ip, "pid": os.getpid(),
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        groups = {kind: next(g for g in gs if self.rank in g) for kind, gs in self.plan.layout.groups().items()}
+        return {"rank": self.rank, "coords": self.coords.to_json(), "groups": groups, "node_ip": self.node_ip,
+                "pid": os.getpid(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def version(self) -> int:
         return self.backend.version
@@ -118,8 +119,11 @@ def _node_ip() -> str:
 class TrainerGroup:
     """All trainer ranks of a plan, as one object the orchestrator awaits."""
 
-    def __init__(self, cfg: RunConfig, plan: RunPlan, run_id: str, run_dir: Path):
+    def __init__(self, cfg: RunConfig, plan: RunPlan, run_id: str, run_dir: Path, slots: list | None = None):
+        """`slots`: one placement slot per rank (agentrl.cluster.placement.trainer_slots; made at start
+        when not given)."""
         self.cfg, self.plan, self.run_id, self.run_dir = cfg, plan, run_id, Path(run_dir)
+        self.slots = slots
         self.actors: list[Any] = []
         self.info: list[dict] = []
 
@@ -129,7 +133,7 @@ class TrainerGroup:
 
         from agentrl.cluster.placement import trainer_slots
 
-        slots = await asyncio.to_thread(trainer_slots, self.plan, self.run_id)
+        slots = self.slots or await asyncio.to_thread(trainer_slots, self.plan, self.run_id)
         cfg, plan = self.cfg.model_dump(mode="json"), self.plan.to_json()
         cls = ray.remote(TrainerWorker)
         self.actors = [cls.options(name=f"{self.run_id}-trainer-{r}", **slots[r].options()).remote(

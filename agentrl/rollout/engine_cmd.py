@@ -31,8 +31,14 @@ def engine_argv(cfg: RunConfig, spec, *, node_rank: int, host: str, port: int | 
         raise ValueError(f"engine {spec.index} spans {nnodes} nodes: it needs dist_init_addr (ip:port on its node 0)")
     if spec.kind == "embedded":
         return _embedded_argv(cfg, spec, node_rank=node_rank, host=host, port=port, dist_init_addr=dist_init_addr)
+    if spec.kind == "dry":  # train --rehearse: the same actor and rendezvous, no model (agentrl.cluster.dry_engine)
+        argv = [sys.executable, "-m", "agentrl.cluster.dry_engine", "--host", host, "--port", str(port),
+                "--model-path", spec.model_path]
+        if nnodes > 1:
+            argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
+        return argv
     if spec.kind != "sglang":
-        raise ValueError(f"engine {spec.index}: unknown kind {spec.kind!r}; use sglang or embedded")
+        raise ValueError(f"engine {spec.index}: unknown kind {spec.kind!r}; use sglang, embedded or dry")
     s = cfg.rollout.sglang
     if spec.gpus_per_node >= 1 and spec.gpus_per_node * nnodes != s.gpus_per_engine:
         raise ValueError(f"engine {spec.index} holds {spec.gpus_per_node:g} GPU(s) on each of {nnodes} node(s) but "
