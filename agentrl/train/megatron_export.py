@@ -175,3 +175,171 @@ def hf_named_weights(config: Any, fetch: Callable[[str], torch.Tensor], *,
     for rule in mapping_rules(config, MegatronNaming(), hf_experts):  # type: ignore[arg-type]
         tensors = [fetch(n) for n in rule.mg]
         yield from zip(rule.hf, rule_to_hf(rule, tensors), strict=True)
+
+
+# ---------------------------------------------------------------- weight updates: one stage, to its sender
+
+EXPERT_WINDOW = 4  # expert messages the sender has posted receives for ahead of use (bounded buffers)
+
+
+@dataclass(frozen=True)
+class StageItem:
+    """One mapping rule of a stage: its HF tensors, its Megatron tensors and who holds them."""
+
+    rule: Any  # agentrl.models.mapping.Rule
+    hf: list[Any]  # agentrl.sync.buckets.TensorSpec per HF tensor
+    local: list[str]  # the rule's Megatron tensors by their name on the holding rank
+    kind: str  # "local": the sender has it whole; "tp": TP shards gathered to the sender; "expert"
+    owner: int  # global rank holding it (an expert's EP owner; else the sender)
+    tp_kind: str = "replicated"
+
+
+class StageExport:
+    """The HF tensors of one pipeline stage, assembled on the stage's sender only (the tp = cp = dp
+    = 0 rank): TP shards gathered to it over its TP group, routed experts sent to it point to point
+    by their owner in its EP group (EXPERT_WINDOW messages in flight; FP8 conversion done by the
+    owner), layer names made global (the MTP layer included). Ranks outside the sender's TP and EP
+    groups take no part. Every participant calls `run` with the same arguments.
+
+    `specs()` (the same on every rank of the stage, from local shapes alone) is what the bucket
+    planner plans with; `run(emit, fp8)` calls emit(wire_name, tensor) on the sender for every wire
+    tensor in spec order (FP8 weights as e4m3 + `_scale_inv`)."""
+
+    def __init__(self, model: torch.nn.Module, config: Any, layout: Layout, rank: int):
+        from agentrl.models.mapping import MegatronNaming, mapping_rules
+        from agentrl.models.sharding import tp_kind
+        from agentrl.sync.buckets import TensorSpec, dtype_name
+
+        self.model, self.config, self.layout, self.rank = model, config, layout, rank
+        coords = layout.all_coords()
+        me = coords[rank]
+        self.stage = me.pp
+        self.sender = next(c.rank for c in coords if c.pp == me.pp and c.tp == 0 and c.cp == 0 and c.dp == 0)
+        groups = layout.groups()
+        self.tp_ranks = next(g for g in groups["tp"] if self.sender in g)
+        self.ep_ranks = next(g for g in groups["ep"] if self.sender in g)
+        self.participates = rank in self.tp_ranks or rank in self.ep_ranks
+        n_exp = config.n_routed_experts or 0
+        per_rank = n_exp // layout.ep if n_exp else 0
+        start = layout.stages()[self.stage].start
+        local = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
+        held: dict[str, tuple[str, torch.Tensor]] = {}  # global Megatron name -> (local name, local tensor)
+        for name, t in local.items():
+            if name == _EMBEDDING and self.stage != 0:
+                continue  # the MTP stage's copy; the first stage's is exported
+            if m := _LOCAL_EXPERT.match(name):
+                for owner in range(layout.ep):  # every EP rank's experts look like this rank's own
+                    held[_global_name(name, start, owner, per_rank)] = (name, t)
+            else:
+                held[_global_name(name, start, 0, per_rank)] = (name, t)
+        tp = layout.tp
+        self.items: list[StageItem] = []
+        for rule in mapping_rules(config, MegatronNaming(), "per_expert"):
+            if rule.kind == "alias" or not all(n in held for n in rule.mg):
+                continue
+            locs = [held[n][0] for n in rule.mg]
+            t0 = held[rule.mg[0]][1]
+            shape = _full_shape(locs[0], t0, tp)
+            hf_shapes = [(shape[0] // 2, *shape[1:])] * 2 if rule.kind == "glu" else [shape]
+            hf = [TensorSpec(n, dtype_name(t0.dtype), tuple(s)) for n, s in zip(rule.hf, hf_shapes, strict=True)]
+            if m := _LOCAL_EXPERT.match(rule.mg[0]):
+                owner = self.ep_ranks[int(m.group(2)) // per_rank]
+                self.items.append(StageItem(rule, hf, locs, "expert", owner))
+                continue
+            kind = tp_kind(locs[0])
+            sharded = tp > 1 and kind != "replicated"
+            self.items.append(StageItem(rule, hf, locs, "tp" if sharded else "local", self.sender, kind))
+        self._local = local
+
+    def specs(self) -> list[Any]:
+        return [s for it in self.items for s in it.hf]
+
+    def _wire(self, item: StageItem, tensors: list[torch.Tensor], fp8: frozenset[str]) -> list[tuple[str, torch.Tensor]]:
+        from agentrl.models.mapping import rule_to_hf
+        from agentrl.sync.fp8 import to_wire
+
+        out = []
+        for spec, t in zip(item.hf, rule_to_hf(item.rule, tensors), strict=True):
+            out += to_wire(spec.name, t.contiguous(), spec.name in fp8)
+        return out
+
+    @staticmethod
+    def _wire_order(item: StageItem, fp8: frozenset[str]) -> list[Any]:
+        from agentrl.sync.buckets import wire_entries
+
+        return [e for s in item.hf for e in wire_entries(s, s.name in fp8)]
+
+    @staticmethod
+    def _message(item: StageItem, fp8: frozenset[str]):
+        from agentrl.sync.buckets import aligned
+
+        return aligned(StageExport._wire_order(item, fp8))
+
+    def run(self, emit: Callable[[str, torch.Tensor], None], fp8: frozenset[str] = frozenset()) -> None:
+        from megatron.core import parallel_state as ps
+
+        from agentrl.models.sharding import join_tensors
+        from agentrl.sync.buckets import fill
+
+        if not self.participates:
+            return
+        device = next(iter(self._local.values())).device
+        sender = self.rank == self.sender
+        remote = [i for i, it in enumerate(self.items) if it.kind == "expert" and it.owner != self.sender]
+        posted: dict[int, tuple[Any, torch.Tensor]] = {}
+        next_post = 0
+
+        def post(i: int) -> None:
+            """Receives posted for the next remote experts, at least up to item i, at most
+            EXPERT_WINDOW ahead of it (per owner, messages match in order)."""
+            nonlocal next_post
+            while next_post < len(remote) and (len(posted) < EXPERT_WINDOW or remote[next_post] <= i):
+                j = remote[next_post]
+                _, _, nbytes = self._message(self.items[j], fp8)
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                posted[j] = (dist.irecv(buf, src=self.items[j].owner), buf)
+                next_post += 1
+
+        for i, it in enumerate(self.items):
+            if it.kind == "expert":
+                if it.owner == self.rank:
+                    wire = self._wire(it, [self._local[n] for n in it.local], fp8)
+                    if sender:
+                        for name, t in wire:
+                            emit(name, t)
+                        continue
+                    entries, offsets, nbytes = self._message(it, fp8)
+                    flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                    by_name = dict(wire)
+                    for e, off in zip(entries, offsets, strict=True):
+                        fill(flat, off, by_name[e.name])
+                    dist.send(flat, dst=self.sender)
+                elif sender:
+                    post(i)
+                    work, buf = posted.pop(i)
+                    work.wait()
+                    entries, offsets, _ = self._message(it, fp8)
+                    at = {e.name: (e, off) for e, off in zip(entries, offsets, strict=True)}
+                    for e in self._wire_order(it, fp8):  # emitted in spec order, FP8 pairs in place
+                        off = at[e.name][1]
+                        emit(e.name, buf[off:off + e.nbytes].view(getattr(torch, e.dtype)).reshape(e.shape))
+                    post(i + 1)
+                continue
+            if it.kind == "tp":
+                if self.rank not in self.tp_ranks:
+                    continue
+                group = ps.get_tensor_model_parallel_group()
+                parts = []
+                for n in it.local:
+                    t = self._local[n].contiguous()
+                    pieces = [torch.empty_like(t) for _ in self.tp_ranks] if sender else None
+                    dist.gather(t, pieces, group=group, group_dst=0)
+                    if sender:
+                        parts.append(join_tensors(pieces, it.tp_kind, n))
+                if sender:
+                    for name, t in self._wire(it, parts, fp8):
+                        emit(name, t)
+                continue
+            if sender:
+                for name, t in self._wire(it, [self._local[n] for n in it.local], fp8):
+                    emit(name, t)
