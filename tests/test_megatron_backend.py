@@ -196,6 +196,7 @@ def test_make_backend_builds_the_megatron_backend_from_the_plan(megatron_world, 
     assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
 
 
+@pytest.mark.slow  # ~14 s: builds and steps the backend
 def test_memory_report_matches_the_accounting_after_a_step(megatron_world):
     """agentrl.config.memory (what --dry-run prints) accounts exactly the bytes the backend holds:
     bf16 weights (frozen indexer and MTP included), fp32 main_grads, fp32 masters, Adam moments."""
@@ -216,6 +217,7 @@ def test_memory_report_matches_the_accounting_after_a_step(megatron_world):
     assert report["accounted"]["weights"] == 2 * counts.total and report["accounted"]["moments"] == 8 * counts.trainable
 
 
+@pytest.mark.slow  # ~23 s: two backends
 def test_grouped_gemm_experts_train_like_megatrons_sequential_mlp(megatron_world):
     """The default grouped-GEMM experts and megatron's SequentialMLP loop: same loss, same
     gradients of every HF tensor, same export."""
