@@ -21,6 +21,9 @@ def eval_command(
                                                          "model's own weights.")] = None,
     concurrency: Annotated[int, typer.Option(min=1, help="Episodes run at once.")] = 8,
     out: Annotated[Path | None, typer.Option(help="Write the JSON report here (episodes go beside it).")] = None,
+    harness: Annotated[str, typer.Option(help="agentrl (its own agent), or harbor: also Harbor's Terminus-2 on the "
+                                              "same engine, checkpoint, tasks and sampling, reported beside it "
+                                              "(needs the harbor extra; agentrl/harbor/eval.py).")] = "agentrl",
 ) -> None:
     """Play SAMPLES episodes of each task in real sandboxes and report pass rates with 95% intervals."""
     import asyncio
@@ -46,9 +49,15 @@ def eval_command(
                    f"(passed so far {done['passed']})", err=True)
 
     typer.echo(f"evaluating {cfg.model.name} on {len(task_ids)} task(s) x {samples} sample(s)", err=True)
+    if harness not in ("agentrl", "harbor"):
+        typer.echo(f"error: --harness {harness!r}: use agentrl or harbor", err=True)
+        raise typer.Exit(2)
+    run = evaluate
+    if harness == "harbor":
+        from agentrl.harbor.eval import compare_harnesses as run
     try:
-        report = asyncio.run(evaluate(cfg, task_ids, samples, checkpoint=checkpoint, concurrency=concurrency,
-                                      work_dir=work_dir, on_episode=progress))
+        report = asyncio.run(run(cfg, task_ids, samples, checkpoint=checkpoint, concurrency=concurrency,
+                                 work_dir=work_dir, on_episode=progress))
     except (FileNotFoundError, ValueError) as e:
         typer.echo(error_line(e), err=True)
         raise typer.Exit(2) from None
@@ -56,6 +65,11 @@ def eval_command(
     if out:
         out.write_text(text + "\n")
         typer.echo(f"wrote {out}", err=True)
+    if harness == "harbor":
+        from agentrl.harbor.eval import comparison_line
+
+        typer.echo(comparison_line(report))
+        return
     typer.echo(f"pass rate {report['pass_rate']} ({report['passed']}/{report['samples']}, 95% CI {report['ci95']})")
 
 

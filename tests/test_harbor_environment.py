@@ -93,8 +93,8 @@ def test_compose_tasks_are_refused(tmp_path):
          ("scored", 1.0)),
         ({"exception_info": {"exception_type": "VerifierTimeoutError"}}, ("infra_error:verifier_timeout", None)),
         ({"exception_info": {"exception_type": "RewardFileNotFoundError"}}, ("infra_error:verifier", None)),
-        ({"exception_info": {"exception_type": "SandboxBuildFailedError"}}, ("harbor_error:SandboxBuildFailedError", None)),
-        ({}, ("harbor_error:no_reward", None)),
+        ({"exception_info": {"exception_type": "SandboxBuildFailedError"}}, ("infra_error:harbor_SandboxBuildFailedError", None)),
+        ({}, ("infra_error:harbor_no_reward", None)),
     ],
 )
 def test_trial_outcomes_read_like_agentrl_outcomes(result, expected):

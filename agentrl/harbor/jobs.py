@@ -9,7 +9,8 @@ A trial's outcome, in agentrl's words (agentrl/agent/trajectory.py):
   as Harbor's error policy says (`has_valid_reward`), and as agentrl scores a timed-out episode;
 - `infra_error:verifier_timeout` / `infra_error:verifier`: Harbor's VerifierTimeoutError, and its
   missing / empty / unparsable reward errors: never a reward, as in agentrl;
-- `harbor_error:<ExceptionType>`: anything else (the environment, the model API, ...).
+- `infra_error:harbor_<ExceptionType>`: anything else (the environment, the model API, ...): an
+  infrastructure failure, counted apart and never as a failed attempt.
 """
 
 from __future__ import annotations
@@ -48,12 +49,15 @@ def harbor_executable() -> str:
 
 def run_job(tasks_dir: Path, agent: str, jobs_dir: Path, job_name: str, *, tasks: list[str] | None = None,
             model: str | None = None, agent_kwargs: dict[str, Any] | None = None, n_concurrent: int = 2,
-            timeout_s: float = JOB_TIMEOUT_S, env: dict[str, str] | None = None) -> Path:
+            n_attempts: int = 1, agent_max_timeout_s: float | None = None, timeout_s: float = JOB_TIMEOUT_S,
+            env: dict[str, str] | None = None) -> Path:
     """`harbor run` of `agent` on the tasks of `tasks_dir` (all, or the named folders) in agentrl's
-    local sandbox; returns the job folder. Raises RuntimeError with Harbor's last output lines
+    local sandbox; returns the job folder. `agent_max_timeout_s` caps each task's agent timeout
+    (Harbor's agent max_timeout_sec, which has no CLI flag: the job config is resolved with
+    --print-config, set, and run with -c). Raises RuntimeError with Harbor's last output lines
     when it exits non-zero."""
     argv = [harbor_executable(), "run", "-p", str(tasks_dir), "-a", agent, "--env", IMPORT_PATH,
-            "-o", str(jobs_dir), "--job-name", job_name, "-n", str(n_concurrent), "-y", "-q"]
+            "-o", str(jobs_dir), "--job-name", job_name, "-n", str(n_concurrent), "-k", str(n_attempts), "-y", "-q"]
     for t in tasks or []:
         argv += ["-i", t]
     if model:
@@ -62,12 +66,29 @@ def run_job(tasks_dir: Path, agent: str, jobs_dir: Path, job_name: str, *, tasks
         argv += ["--ak", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
     # LiteLLM fetches a price list from the internet at import unless told to use its own copy.
     child_env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", **(env or {})}
+    if agent_max_timeout_s is not None:
+        argv = _with_agent_max_timeout(argv, agent_max_timeout_s, jobs_dir / f"{job_name}.job.json", child_env)
     proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout_s, env=child_env)
     job_dir = jobs_dir / job_name
     if proc.returncode != 0 or not (job_dir / "result.json").is_file():
         tail = (proc.stdout + proc.stderr)[-_TAIL_CHARS:]
         raise RuntimeError(f"harbor run exited {proc.returncode} ({' '.join(argv[1:6])} ...): {tail}")
     return job_dir
+
+
+def _with_agent_max_timeout(argv: list[str], max_timeout_s: float, config_path: Path, env: dict[str, str]) -> list[str]:
+    printed = subprocess.run([*argv, "--print-config"], check=False, capture_output=True, text=True, timeout=120,
+                             env=env)
+    text = printed.stdout[printed.stdout.find("{"):]
+    try:
+        config = json.loads(text)
+    except ValueError:
+        raise RuntimeError(f"harbor run --print-config gave no job config: {(printed.stdout + printed.stderr)[-_TAIL_CHARS:]}") from None
+    for agent in config["agents"]:
+        agent["max_timeout_sec"] = max_timeout_s
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(json.dumps(config, indent=1))
+    return [argv[0], "run", "-c", str(config_path), "-y", "-q"]
 
 
 def trial_outcome(result: dict[str, Any]) -> tuple[str, float | None]:
@@ -81,7 +102,7 @@ def trial_outcome(result: dict[str, Any]) -> tuple[str, float | None]:
         return VERIFIER_ERRORS[exc], None
     if reward is not None and (exc is None or exc in REWARD_STANDS):
         return "scored", float(reward)
-    return f"harbor_error:{exc or 'no_reward'}", None
+    return f"infra_error:harbor_{exc or 'no_reward'}", None
 
 
 def short_task_name(name: str) -> str:

@@ -2,7 +2,7 @@
 expects of each task (`agentrl tasks check`'s expectations: the oracle scores 1.0 unless the
 fixture says otherwise in [metadata], an empty attempt scores 0.0 or the same verifier error).
 
-    python -m agentrl.harbor.parity --out bench/results/harbor_oracle.json
+    agentrl harbor parity --out bench/results/harbor_oracle.json
 
 Folders agentrl refuses to load (deliberately invalid fixtures) must be absent from Harbor's job:
 Harbor refuses them too.
@@ -10,19 +10,16 @@ Harbor refuses them too.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import subprocess
-import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 from agentrl.harbor.jobs import read_job, run_job
-from envs.tbench2.loader import DEFAULT_TASKS_DIR, TaskFormatError, list_task_dirs, load_task
+from envs.tbench2.loader import TaskFormatError, list_task_dirs, load_task
 
 AGENTS = {"oracle": "oracle", "nop": "empty"}  # Harbor agent -> which expectation of the task applies
 
@@ -77,23 +74,3 @@ def oracle_and_nop(tasks_dir: Path, jobs_dir: Path, *, n_concurrent: int = 2) ->
 
 def _mean(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 4) if values else None
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", type=Path, default=DEFAULT_TASKS_DIR)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--jobs-dir", type=Path, default=None, help="Where Harbor writes its jobs (default: a temp dir).")
-    ap.add_argument("-n", "--concurrent", type=int, default=2)
-    args = ap.parse_args()
-    jobs_dir = args.jobs_dir or Path(tempfile.mkdtemp(prefix="harbor-parity-"))
-    report = oracle_and_nop(args.tasks, jobs_dir, n_concurrent=args.concurrent)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1, sort_keys=False) + "\n")
-    print(f"{'ok' if report['ok'] else 'MISMATCH'}: oracle mean {report['oracle']['mean_reward']}, nop mean "
-          f"{report['nop']['mean_reward']}, {len(report['mismatches'])} mismatch(es); wrote {args.out}")
-    raise SystemExit(0 if report["ok"] else 1)
-
-
-if __name__ == "__main__":
-    main()
