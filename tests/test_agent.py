@@ -435,8 +435,14 @@ async def test_a_failing_close_is_recorded_not_raised(tok):
         ("thinking: maybe ```bash\nrm -rf /\n```</think>\n" + bash("ls"), "ls", False, None),
         ("<think>unclosed ```bash\nrm -rf /\n```", None, False, "No ```bash block"),
         ("All done. TASK_COMPLETE", None, True, None),
-        (bash("a") + bash("b"), None, False, "Found 2"),
-        (bash("ls") + " TASK_COMPLETE", None, False, "not both"),
+        (bash("a") + bash("b"), "a", False, None),  # the first ```bash block runs, the rest is ignored
+        (bash("ls") + " When the task is done, reply TASK_COMPLETE.", "ls", False, None),
+        ("```\nls\n``` TASK_COMPLETE", None, False, "not both"),  # an unlabeled fence is stricter
+        (bash("sudo rm -rf /app/x"), "rm -rf /app/x", False, None),  # the agent is root: sudo dropped
+        (bash("cd /app && sudo -E cp a b; sudo\tls | sudo tee c"), "cd /app && cp a b; ls | tee c", False, None),
+        (bash("echo pseudo sudoku > f"), "echo pseudo sudoku > f", False, None),  # only in command position
+        (bash("sudo"), "sudo", False, None),  # a bare sudo is left for the shell to refuse
+        (bash("sudo "), None, False, "empty"),
         ("```bash\nls", None, False, "No complete"),
         ("```bash\n\n```", None, False, "empty"),
         ("I think I should list files.", None, False, "No ```bash block"),

@@ -1,8 +1,14 @@
 """The two action formats a model may answer in, and what each tells the model.
 
-- `bash_block`: exactly one fenced ```bash block per turn (its contents go to the env as one
-  command), or the word TASK_COMPLETE to finish. This is the reference recipe's format. A reply
-  with no labelled block may use one unlabeled ``` fence instead.
+- `bash_block`: a fenced ```bash block per turn (its contents go to the env as one command), or
+  the word TASK_COMPLETE to finish. This is the reference recipe's format. A reply with no
+  labelled block may use one unlabeled ``` fence instead. Only the first labelled block runs:
+  what follows it (more blocks, prose, a TASK_COMPLETE) is ignored, since small models keep
+  writing after their command (SmolLM2-135M on generated tasks: 256 of 277 replies with a
+  ```bash block go on after it, 25 with another block or "... reply TASK_COMPLETE", which the
+  one-block rule refused). A `sudo` in command position is dropped: the agent already runs as
+  root and sandbox images have no sudo (SmolLM2 starts 59 of those 277 blocks with it, each a
+  sure failure otherwise).
 - `terminus_json`: the Terminus-2 protocol: a JSON object {"analysis", "plan", "commands":
   [{"keystrokes", "duration"}], "task_complete"}; keystrokes go verbatim to the terminal, each
   duration is clamped to the command timeout (60 s by default, as Terminus does), and finishing
@@ -32,15 +38,30 @@ _BASH_BLOCK = re.compile(r"```(?:bash|sh|shell)[ \t]*\n(.*?)```", re.DOTALL)
 _PLAIN_BLOCK = re.compile(r"```[ \t]*\n(.*?)```", re.DOTALL)
 _ANY_FENCE = re.compile(r"```")
 _TASK_COMPLETE = re.compile(rf"\b{TASK_COMPLETE}\b")
+# `sudo` (with its flags) where a command starts: a line start or after ; & | ( or `.
+_SUDO = re.compile(r"(^[ \t]*|[;&|(`][ \t]*)sudo(?:[ \t]+-\S+)*[ \t]+", re.MULTILINE)
 
+# Worked examples of training-family skills only (write, count, copy), never of a held-out family.
+# SmolLM2-135M on 136 generated training tasks, 1 turn: 6 passed with this prompt (T 0.5, this
+# parser), 1 at T 0.7 with the one-block parser; the earlier one-example prompt passed 0 (T 0.7).
 BASH_BLOCK_SYSTEM_PROMPT = f"""\
-You are a shell agent in a Linux terminal. Solve the task with shell commands, one per turn.
-Reply with one ```bash block holding the command, for example:
+You are a shell agent in a Linux terminal. Reply with one shell command in a ```bash block and nothing else.
+You are root already: never use sudo. No comments, no explanations.
+
+Examples:
+Task: Write the line `good morning` into `/app/greet.txt`.
 ```bash
-echo 'hello' > /app/hello.txt
+echo 'good morning' > /app/greet.txt
 ```
-Its output comes back as the next message.
-When the task is done, reply with {TASK_COMPLETE} and no code block."""
+Task: Count the lines of `/app/data/list.txt` and write the number to `/app/n.txt`.
+```bash
+wc -l < /app/data/list.txt > /app/n.txt
+```
+Task: Copy `/app/a.conf` to `/app/backup/a.conf`.
+```bash
+cp /app/a.conf /app/backup/a.conf
+```
+When the task is done, reply {TASK_COMPLETE}."""
 
 TERMINUS_SYSTEM_PROMPT = """\
 You solve a task by typing into a Linux terminal (a tmux session), one reply per turn.
@@ -73,6 +94,11 @@ def strip_reasoning(text: str) -> str:
     return text.split("<think>", 1)[0]
 
 
+def drop_sudo(command: str) -> str:
+    """The command without `sudo` where a command starts (the agent is root already)."""
+    return _SUDO.sub(r"\1", command)
+
+
 class _BadReply(Exception):
     """A reply that does not follow the format; its message is fed back to the model."""
 
@@ -98,22 +124,22 @@ class BashBlockFormat:
 
     def parse(self, text: str) -> ParsedTurn:
         visible = strip_reasoning(text)
-        blocks = _BASH_BLOCK.findall(visible) or _PLAIN_BLOCK.findall(visible)
+        labelled = _BASH_BLOCK.search(visible)
+        if labelled is not None:
+            return self._run(labelled.group(1))
         done = bool(_TASK_COMPLETE.search(visible))
-        if len(blocks) == 1 and not done:
-            command = blocks[0].strip()
-            if not command:
-                return ParsedTurn(error="Your ```bash block is empty. " + self._reminder())
-            return ParsedTurn(actions=[Action(command=command, duration_s=self.command_timeout_s)])
-        if not blocks and done:
+        plain = _PLAIN_BLOCK.findall(visible)
+        if len(plain) == 1 and not done:
+            return self._run(plain[0])
+        if not plain and done:
             return ParsedTurn(complete=True)
-        if blocks and done:
+        if plain and done:
             return ParsedTurn(
                 error=f"Reply with either one ```bash block or {TASK_COMPLETE}, not both. " + self._reminder()
             )
-        if len(blocks) > 1:
+        if len(plain) > 1:
             return ParsedTurn(
-                error=f"Found {len(blocks)} ```bash blocks; send exactly one per reply. " + self._reminder()
+                error=f"Found {len(plain)} ``` blocks; send exactly one ```bash block per reply. " + self._reminder()
             )
         if _ANY_FENCE.search(visible):
             return ParsedTurn(
@@ -121,6 +147,12 @@ class BashBlockFormat:
                 + self._reminder()
             )
         return ParsedTurn(error="No ```bash block found. " + self._reminder())
+
+    def _run(self, block: str) -> ParsedTurn:
+        command = drop_sudo(block).strip()
+        if not command:
+            return ParsedTurn(error="Your ```bash block is empty. " + self._reminder())
+        return ParsedTurn(actions=[Action(command=command, duration_s=self.command_timeout_s)])
 
     @staticmethod
     def _reminder() -> str:
