@@ -152,19 +152,22 @@ def capacity(out: Path = typer.Option(RESULTS / "capacity.json", help="Where the
 @app.command("learning")
 def learning(run_dir: Path = typer.Argument(..., help="A finished run's directory (metrics.jsonl, checkpoints/)."),
              out: Path = typer.Option(RESULTS / "learning.json", help="Where the JSON report goes."),
-             samples: int = typer.Option(16, min=1, help="Episodes per held-out task, before and after."),
+             samples: int = typer.Option(16, min=1, help="Episodes per held-out task, before and after (raised "
+                                          "so that each side of each split has at least 80)."),
              concurrency: int = typer.Option(16, min=1, help="Episodes run at once.")) -> None:
-    """Held-out pass rate of the model before training vs the run's last checkpoint (many samples,
-    the run's own settings), with the train reward curve and a significance test."""
-    from bench.learning import run_learning_report
+    """Held-out pass rates of the model before training vs the run's last checkpoint (many samples,
+    the run's own settings) on held-out families and held-out instances, with significance tests."""
+    from bench.learning import SPLIT_FIELDS, run_learning_report
 
     try:
         r = run_learning_report(run_dir, out, samples, concurrency)
     except FileNotFoundError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"wrote {out}: eval {r['eval_before']} -> {r['eval_after']} on {r['eval_samples']} samples "
-               f"(one-sided p = {r['p_value_one_sided']})")
+    for f in [f for f in SPLIT_FIELDS.values() if f"{f}_before" in r]:
+        typer.echo(f"{f}: {r[f + '_before']} -> {r[f + '_after']} on {r[f + '_samples']} samples each "
+                   f"(one-sided p = {r[f + '_p_value_one_sided']})")
+    typer.echo(f"wrote {out}")
 
 
 @app.command("megatron")

@@ -1,10 +1,14 @@
 """`agentrl bench learning RUN_DIR`: the learning report of a finished run.
 
 The in-run evals are small (a few samples per task, to keep the run short). This report measures
-the held-out pass rate again with many samples, for the model as it started (its own weights) and
+the held-out pass rates again with many samples, for the model as it started (its own weights) and
 for the run's last checkpoint, under the run's own sampling and agent settings, and says whether
-the difference is more than noise (one-sided two-proportion z-test). The train reward curve comes
-from the run's metrics.jsonl.
+each difference is more than noise (one-sided two-proportion z-test, 95% Wilson intervals). Two
+held-out splits when the env has them (a generated set's SPLITS.json):
+- `eval`: the held-out families (kinds of task never trained on): `eval_before` / `eval_after`;
+- `eval_instances`: unseen instances of the trained families: `heldout_instances_before` / `_after`.
+Each side of each split plays at least MIN_EPISODES episodes (samples per task raised to reach it).
+The train reward curve comes from the run's metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -38,7 +42,58 @@ def read_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_learning_report(run_dir: Path, out: Path, samples: int, concurrency: int = 8) -> dict[str, Any]:
+# Episodes per side of a held-out comparison: at 80 a 15-point gain from ~5% is p < 0.01.
+MIN_EPISODES = 80
+# The report's name for each split the env may offer (SPLITS.json keys), in report order.
+SPLIT_FIELDS = {"eval": "eval", "eval_instances": "heldout_instances"}
+
+
+def samples_for(tasks: int, samples: int, min_episodes: int = MIN_EPISODES) -> int:
+    """Samples per task: at least `samples`, and enough for `min_episodes` episodes in all."""
+    return max(samples, -(-min_episodes // max(tasks, 1)))
+
+
+def compare(before: dict, after: dict, field: str) -> dict[str, Any]:
+    """The before/after fields of one split, named `<field>_before`, `<field>_after`, ..."""
+    p = two_proportion_p_value(before["passed"], before["samples"], after["passed"], after["samples"])
+    return {
+        f"{field}_before": before["pass_rate"], f"{field}_after": after["pass_rate"],
+        f"{field}_samples": after["samples"], f"{field}_samples_before": before["samples"],
+        f"{field}_passed_before": before["passed"], f"{field}_passed_after": after["passed"],
+        f"{field}_before_ci95": before["ci95"], f"{field}_after_ci95": after["ci95"],
+        f"{field}_gain": (after["pass_rate"] or 0.0) - (before["pass_rate"] or 0.0),
+        f"{field}_p_value_one_sided": p,
+        f"{field}_infra_errors": [before["infra_errors"], after["infra_errors"]],
+    }
+
+
+def per_family(per_task: dict[str, dict]) -> dict[str, str]:
+    """'passed/samples' per task family of a generated set (task ids `<family>-s<seed>-<i>`)."""
+    out: dict[str, list[int]] = {}
+    for task, r in per_task.items():
+        family = task.rsplit("-s", 1)[0]
+        counts = out.setdefault(family, [0, 0])
+        counts[0] += r["passed"]
+        counts[1] += r["samples"]
+    return {f: f"{p}/{n}" for f, (p, n) in sorted(out.items())}
+
+
+def held_out_splits(cfg) -> dict[str, list[str]]:
+    """The run's held-out splits by SPLITS.json key: `eval` always, `eval_instances` when offered."""
+    from agentrl.envs.base import SplitEnv
+    from agentrl.envs.registry import make_run_env
+    from agentrl.eval_cli import split_tasks
+
+    env = make_run_env(cfg)
+    suggested = dict(env.splits()) if isinstance(env, SplitEnv) else {}
+    splits = {"eval": split_tasks(cfg, "eval")}
+    if suggested.get("eval_instances"):
+        splits["eval_instances"] = list(suggested["eval_instances"])
+    return splits
+
+
+def run_learning_report(run_dir: Path, out: Path, samples: int, concurrency: int = 8,
+                        min_episodes: int = MIN_EPISODES) -> dict[str, Any]:
     from agentrl.config.schema import RunConfig
     from agentrl.eval_cli import split_tasks
     from agentrl.evaluate import evaluate
@@ -49,35 +104,32 @@ def run_learning_report(run_dir: Path, out: Path, samples: int, concurrency: int
     checkpoint = run_dir / "checkpoints" / "latest"
     if not (checkpoint / "state.pt").is_file():
         raise FileNotFoundError(f"{checkpoint}/state.pt not found: the run saved no checkpoint yet")
-    eval_tasks = split_tasks(cfg, "eval")
+    splits = held_out_splits(cfg)
     train_tasks = split_tasks(cfg, "train")
     work = out.parent / f"{out.stem}_eval"
-    work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    before = asyncio.run(evaluate(cfg, eval_tasks, samples, concurrency=concurrency, work_dir=work / "before"))
-    after = asyncio.run(evaluate(cfg, eval_tasks, samples, checkpoint=checkpoint, concurrency=concurrency,
-                                 work_dir=work / "after"))
-    p = two_proportion_p_value(before["passed"], before["samples"], after["passed"], after["samples"])
-    report = {
-        "model": cfg.model.name,
-        "recipe": cfg.recipe,
-        "mode": cfg.mode,
-        "tasks": {"train": train_tasks, "eval": eval_tasks},
+    report: dict[str, Any] = {
+        "model": cfg.model.name, "recipe": cfg.recipe, "mode": cfg.mode,
+        "tasks": {"train": train_tasks, **splits},
         "steps": rows[-1]["step"] if rows else 0,
-        "checkpoint_version": after["weight_version"],
         "train_wall_clock_s": round(rows[-1]["wall_s"], 1) if rows else None,
-        "eval_before": before["pass_rate"],
-        "eval_after": after["pass_rate"],
-        "eval_samples": after["samples"],
-        "eval_samples_before": before["samples"],
-        "eval_before_ci95": before["ci95"],
-        "eval_after_ci95": after["ci95"],
-        "eval_gain": (after["pass_rate"] or 0.0) - (before["pass_rate"] or 0.0),
-        "p_value_one_sided": p,
-        "how_judged": "held-out tasks, the same sampling settings before and after; one-sided two-proportion "
-                      "z-test on pass counts (infra errors excluded), plus 95% Wilson intervals",
-        "eval_per_task_before": before["per_task"],
-        "eval_per_task_after": after["per_task"],
+    }
+    for key, tasks in splits.items():
+        field, n = SPLIT_FIELDS[key], samples_for(len(tasks), samples, min_episodes)
+        sides = {}
+        for side, ckpt in (("before", None), ("after", checkpoint)):
+            (work / key / side).mkdir(parents=True, exist_ok=True)
+            sides[side] = asyncio.run(evaluate(cfg, tasks, n, checkpoint=ckpt, concurrency=concurrency,
+                                               work_dir=work / key / side))
+        report.update(compare(sides["before"], sides["after"], field))
+        report[f"{field}_samples_per_task"] = n
+        report["checkpoint_version"] = sides["after"]["weight_version"]
+        report[f"{field}_per_family"] = {s: per_family(r["per_task"]) for s, r in sides.items()}
+        report[f"{field}_per_task"] = {s: r["per_task"] for s, r in sides.items()}
+    report.update({
+        "how_judged": "each held-out split under the run's own sampling settings, before (the model's own "
+                      "weights) and after (checkpoints/latest); one-sided two-proportion z-test on pass counts "
+                      "(infra errors excluded), plus 95% Wilson intervals",
         "train_reward_curve": [{"step": r["step"], "reward_mean": r["reward_mean"]} for r in rows],
         "in_run_evals": [{"version": r["eval_version"], "pass_rate": r["eval_pass_rate"],
                           "samples": r["eval_samples"]} for r in _distinct_evals(rows)],
@@ -85,10 +137,13 @@ def run_learning_report(run_dir: Path, out: Path, samples: int, concurrency: int
         "settings": {"group_size": cfg.algorithm.group_size, "prompts_per_step": cfg.algorithm.prompts_per_step,
                      "lr": cfg.train.optimizer.lr, "trainable_layers": cfg.train.trainable_layers,
                      "temperature": cfg.rollout.temperature, "max_new_tokens": cfg.rollout.max_new_tokens,
-                     "max_turns": cfg.agent.max_turns, "max_staleness": cfg.buffer.max_staleness},
+                     "max_turns": cfg.agent.max_turns, "max_staleness": cfg.buffer.max_staleness,
+                     "advantage_norm": cfg.algorithm.advantage_norm,
+                     "dynamic_sampling": cfg.algorithm.dynamic_sampling,
+                     "curriculum": cfg.env.curriculum.sampler},
         "eval_wall_clock_s": round(time.perf_counter() - started, 1),
         "machine": machine(),
-    }
+    })
     out.write_text(json.dumps(report, indent=2) + "\n")
     return report
 

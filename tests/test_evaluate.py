@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from agentrl.evaluate import summarise, wilson_interval
-from bench.learning import two_proportion_p_value
+from bench.learning import compare, per_family, samples_for, two_proportion_p_value
 
 
 def test_wilson_interval_brackets_the_rate_and_stays_in_range():
@@ -27,6 +27,31 @@ def test_two_proportion_p_value_separates_signal_from_noise():
     assert two_proportion_p_value(30, 80, 5, 80) > 0.99  # worse, not better
     assert two_proportion_p_value(0, 10, 0, 10) == 1.0
     assert two_proportion_p_value(0, 0, 1, 1) is None
+
+
+def test_learning_report_plays_at_least_80_episodes_a_side():
+    assert samples_for(40, 1) == 2  # 40 held-out-family tasks: 2 samples each
+    assert samples_for(136, 1) == 1  # 136 held-out instances: one each is already 136
+    assert samples_for(5, 16) == 16  # asking for more is kept
+    assert samples_for(3, 1) * 3 >= 80
+
+
+def test_learning_report_compares_a_split_before_and_after():
+    before = {"pass_rate": 4 / 80, "passed": 4, "samples": 80, "ci95": [0.02, 0.12], "infra_errors": 0}
+    after = {"pass_rate": 20 / 80, "passed": 20, "samples": 80, "ci95": [0.17, 0.35], "infra_errors": 1}
+    r = compare(before, after, "heldout_instances")
+    assert r["heldout_instances_before"] == 0.05 and r["heldout_instances_after"] == 0.25
+    assert r["heldout_instances_gain"] == pytest.approx(0.2)
+    assert r["heldout_instances_samples"] == 80 and r["heldout_instances_infra_errors"] == [0, 1]
+    assert r["heldout_instances_p_value_one_sided"] < 0.01
+    assert compare(after, before, "eval")["eval_p_value_one_sided"] > 0.99  # worse is not a gain
+
+
+def test_learning_report_groups_generated_tasks_by_family():
+    per_task = {"tail-lines-s7001-000": {"passed": 1, "samples": 2},
+                "tail-lines-s7001-001": {"passed": 0, "samples": 2},
+                "set-mode-s7002-003": {"passed": 2, "samples": 2}}
+    assert per_family(per_task) == {"set-mode": "2/2", "tail-lines": "1/4"}
 
 
 def test_summarise_counts_infra_errors_apart():
