@@ -107,3 +107,19 @@ def test_eval_command_names_a_missing_checkpoint(tmp_path):
                                       "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "r.json")])
     assert result.exit_code == 2
     assert "not a checkpoint folder" in result.output
+
+
+def test_learning_report_finds_both_held_out_splits_of_a_generated_set(tmp_path):
+    from agentrl.config.schema import RunConfig
+    from bench.learning import held_out_splits
+    from envs.tbench2.generate.build import generate_tasks
+
+    generate_tasks(tmp_path, ["make-dir", "tail-lines"], 2, seed=3)
+    splits = {"train": ["make-dir-s3-000"], "eval": ["tail-lines-s3-000", "tail-lines-s3-001"],
+              "eval_instances": ["make-dir-s3-001"]}
+    (tmp_path / "SPLITS.json").write_text(json.dumps(splits))
+    cfg = RunConfig.model_validate({"env": {"name": "tbench2", "tasks_dir": str(tmp_path)}})
+    assert held_out_splits(cfg) == {"eval": splits["eval"], "eval_instances": splits["eval_instances"]}
+    del splits["eval_instances"]  # a set without held-out instances (the fixture tasks): families only
+    (tmp_path / "SPLITS.json").write_text(json.dumps(splits))
+    assert held_out_splits(cfg) == {"eval": splits["eval"]}
