@@ -33,6 +33,7 @@ class TrainerWorker:
         self.rank, self.run_id, self.run_dir = rank, run_id, Path(run_dir)
         self.coords = self.plan.layout.coords(rank)
         self.backend = None
+        self.updater = None  # weight-update transport and source, built at the first update
         self.node_ip = _node_ip()
 
     def __repr__(self) -> str:
@@ -88,18 +89,14 @@ class TrainerWorker:
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "node_ip": self.node_ip,
                 "gpu_ids": sorted(int(g) for g in ray.get_gpu_ids()), "pid": os.getpid()}
 
-    async def push_weights(self, urls: list[str] | None) -> dict[str, Any]:
-        """Every rank walks the weights (the export's collectives need it); rank 0 sends them to
-        `urls` over the plan's transport, the others discard what they were given."""
-        if not urls:
-            for _ in self.backend.named_weights():
-                pass
-            return {}
-        from agentrl.sync.weights import push_weights
+    async def send_stage(self, request: Any) -> dict[str, Any]:
+        """This rank's part of one pipeline stage of a weight update (agentrl.sync.update): the
+        stage's sender sends over the plan's transport, its TP / EP peers join the export."""
+        if self.updater is None:
+            from agentrl.sync.update import RankUpdater
 
-        r = self.cfg.rollout
-        return await push_weights(urls, self.backend.named_weights(), self.backend.version,
-                                  pause_mode=r.pause_mode, fp8=r.weight_sync_fp8, timeout_s=r.request_timeout_s)
+            self.updater = RankUpdater(self.cfg, self.plan, self.rank, self.node_ip, self.backend)
+        return await self.updater.send_stage(request)
 
     def save_checkpoint(self, extra: dict) -> None:
         self.backend.save_checkpoint(self.run_dir / "checkpoints" / "latest", extra)
@@ -126,6 +123,7 @@ class TrainerGroup:
         self.slots = slots
         self.actors: list[Any] = []
         self.info: list[dict] = []
+        self.updater = None  # the weight-update driver, made at the first push
 
     async def start(self) -> None:
         """Place one actor per rank, rendezvous at rank 0's node, build every rank's backend."""
@@ -159,9 +157,14 @@ class TrainerGroup:
         return (await self._all("train_step", batch_ref))[0]
 
     async def push_weights(self, urls: list[str]) -> dict[str, Any]:
-        results = await asyncio.gather(*(a.push_weights.remote(urls if r == 0 else None)
-                                         for r, a in enumerate(self.actors)))
-        return results[0]
+        """The current weights to the engines at `urls`, stage by stage over the plan's transport
+        (agentrl.sync.update.UpdateDriver); returns sync_s, sync_bytes, sync_gbps, sync_paused_s,
+        failed_engines (and sync_buckets, sync_tensors, sync_retries)."""
+        if self.updater is None:
+            from agentrl.sync.update import UpdateDriver
+
+            self.updater = UpdateDriver(self.cfg, self.plan, self.actors)
+        return await self.updater.push(urls)
 
     async def save_checkpoint(self, extra: dict) -> None:
         await self._all("save_checkpoint", extra)

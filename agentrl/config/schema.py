@@ -207,7 +207,11 @@ class RolloutConfig(Section):
         "an engine colocated with the trainer on one GPU, nccl (one group per pipeline stage) otherwise.")
     weight_sync_fp8: bool = Field(
         False, description="Send projection weights to engines as FP8 e4m3 + 128x128-block weight_scale_inv "
-        "(DeepSeek FP8 checkpoint naming; half the bytes). The embedded engine dequantises on receipt.")
+        "(DeepSeek FP8 checkpoint naming; half the bytes): exactly the tensors the rollout checkpoint "
+        "(model.rollout_path, `prepare --fp8`) holds in FP8. The embedded engine dequantises on receipt.")
+    weight_bucket_mb: int = Field(
+        256, ge=1, description="Bytes per weight-update bucket (MiB); 256 MiB broadcasts at ~360 GB/s between two "
+        "H200s (bench/results/megatron.json).")
 
 
 class AgentConfig(Section):

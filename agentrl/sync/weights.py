@@ -1,118 +1,106 @@
-"""Weight sync from a trainer to engines over the engines' HTTP API (the local tensor path).
+"""The http_tensors transport: buckets as safetensors files on the engines' host.
 
-The order SGLang 0.5.23 requires: pause (in the configured mode: `retract` by default, so no
-request continues on KV computed with the old weights) -> /begin_weight_update -> every bucket to
-every engine, the last one carrying the new weight_version and flushing the cache (not with
-in_place: requests then keep their KV and SGLang refuses the flush) -> /end_weight_update ->
-continue. At scale the same sequence runs with NCCL broadcast buckets
-(update_weights_from_distributed) instead of files.
+Each planned bucket (agentrl.sync.buckets) is written once as a .safetensors file whose data
+section is the bucket's flat buffer as planned (the header names each wire entry's byte range; no
+copy beyond the fill), under /dev/shm, and every engine loads it with `/update_weights_from_tensor`
+{serialized_named_tensors: [path], load_format: "safetensors_path"}. An engine that fails a call
+is dropped from the rest of the update (a dead engine must not stall the others); files are
+removed once every engine has answered.
 
-With `fp8=True` (rollout.weight_sync_fp8) the projection weights are sent as DeepSeek/SGLang block-FP8
-checkpoints store them: `<name>` in float8_e4m3fn plus `<name>_scale_inv` (fp32, one per 128x128
-block, partial edge blocks included; weight = fp8 value x scale_inv), about half the bytes of bf16.
-Which tensors, and the quantisation, are the NCCL exporter's (agentrl/sync/nccl_export.py:
-`fp8_eligible`, `quantize_named`), so both paths send the same thing.
+`push_weights` is the same path for tensors at hand (one process: an evaluation engine, a
+benchmark): session, one stage, session closed (agentrl.sync.session, agentrl.sync.update).
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
 import os
 import shutil
+import struct
 import tempfile
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from agentrl.rollout.client import EngineClient
+from agentrl.sync.buckets import PlannedBucket
+from agentrl.sync.session import EngineLinks
+from agentrl.sync.stage import StageSender
+from agentrl.sync.transport import StageRequest
+
+SAFETENSORS_DTYPES = {"float32": "F32", "float64": "F64", "bfloat16": "BF16", "float16": "F16",
+                      "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "int64": "I64", "int32": "I32",
+                      "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
 
-def bucket_named_tensors(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Group tensors in order into buckets of about `bucket_bytes` (a tensor larger than that
-    gets a bucket of its own). Tensors are copied to contiguous CPU memory: tied weights share
-    storage, which safetensors refuses."""
-    bucket: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = {}, 0
-        bucket[name] = t.detach().to("cpu", copy=True).contiguous()
-        size += nbytes
-    if bucket:
-        yield bucket
+def write_safetensors(path: Path, bucket: PlannedBucket, flat: torch.Tensor) -> None:
+    """A .safetensors file of the bucket: header from the plan, data = the flat buffer."""
+    header = {e.name: {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [o, o + e.nbytes]}
+              for e, o in zip(bucket.entries, bucket.offsets, strict=True)}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        f.write(memoryview(flat.cpu().numpy()))
 
 
-async def push_weights(
-    urls: list[str],
-    named: Iterable[tuple[str, torch.Tensor]],
-    version: int,
-    *,
-    pause_mode: str = "retract",
-    bucket_bytes: int = 256 << 20,
-    scratch_dir: str | None = None,
-    timeout_s: float = 600.0,
-    fp8: bool = False,
-) -> dict:
-    """Send `named` to every engine at `urls` as weight version `version`. Returns timings and
-    `failed_engines`: engines that errored are dropped from the rest of the update (a dead engine
-    must not stall the others); the caller restarts them and sends them the weights again.
-    fp8: send projection weights FP8 block-quantised with their `_scale_inv` (module docstring)."""
-    from safetensors.torch import save_file
+class _FilePending:
+    def __init__(self, links: EngineLinks, futures: dict, path: Path):
+        self.links, self.futures, self.path = links, futures, path
 
-    t0 = time.perf_counter()
-    base = scratch_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-    tmp = Path(tempfile.mkdtemp(prefix="agentrl-weights-", dir=base))
-    live = {u: EngineClient(u, timeout_s=timeout_s) for u in urls}
-    clients = dict(live)
-    failed: dict[str, str] = {}
-
-    async def on_all(call) -> None:
-        names = list(live)
-        results = await asyncio.gather(*(call(live[u]) for u in names), return_exceptions=True)
-        for u, r in zip(names, results):
-            if isinstance(r, BaseException):
-                failed[u] = f"{type(r).__name__}: {r}"[:300]
-                live.pop(u)
-
-    total_bytes = 0
-    buckets = 0
-    t_paused = t0
-    begun: set[str] = set()
-    try:
-        await on_all(lambda c: c.pause_generation(pause_mode))
-        t_paused = time.perf_counter()
-        await on_all(lambda c: c.begin_weight_update())
-        begun = set(live)
-        paths = []
-        if fp8:
-            from agentrl.sync.nccl_export import quantize_named
-            named = quantize_named(named, fp8=True)
-        for i, bucket in enumerate(bucket_named_tensors(named, bucket_bytes)):
-            p = tmp / f"bucket_{i:04d}.safetensors"
-            save_file(bucket, str(p))
-            total_bytes += sum(t.numel() * t.element_size() for t in bucket.values())
-            paths.append(p)
-        buckets = len(paths)
-        for i, p in enumerate(paths):
-            last = i == len(paths) - 1
-            await on_all(lambda c, p=p, last=last: c.update_weights_from_tensor(
-                [str(p)], load_format="safetensors_path", flush_cache=last and pause_mode != "in_place",
-                weight_version=version if last else None))
-        await on_all(lambda c: c.end_weight_update())
-    finally:
+    def wait(self) -> None:
         try:
-            # An engine dropped mid-update stays paused (the caller restarts it) but its session is
-            # closed, so that sending it the weights again can begin a new one.
-            await asyncio.gather(*(clients[u].end_weight_update() for u in begun if u in failed),
-                                 return_exceptions=True)
-            await asyncio.gather(*(c.continue_generation() for c in live.values()), return_exceptions=True)
+            self.links.collect(self.futures)
         finally:
-            await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-    t1 = time.perf_counter()
-    return {"sync_s": t1 - t0, "sync_paused_s": t1 - t_paused, "sync_bytes": total_bytes, "sync_buckets": buckets,
-            "sync_gbps": total_bytes / max(t1 - t0, 1e-9) / 1e9, "failed_engines": failed}
+            self.path.unlink(missing_ok=True)
+
+
+class HttpTensorsTransport(StageSender):
+    kind = "http_tensors"
+
+    def __init__(self, *, rank: int = 0, device="cpu", scratch_dir: str | None = None):
+        super().__init__(rank=rank, device=device)
+        self.scratch_dir = scratch_dir
+        self._tmp: Path | None = None
+
+    def bucket_device(self) -> torch.device:
+        return torch.device("cpu")  # the file is written from host memory
+
+    async def prepare(self, links: EngineLinks, request: StageRequest) -> None:
+        base = self.scratch_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self._tmp = Path(tempfile.mkdtemp(prefix="agentrl-weights-", dir=base))
+
+    def send_bucket(self, links, request, bucket, flat, last):
+        path = self._tmp / f"stage{request.stage}_bucket_{bucket.index:04d}.safetensors"
+        write_safetensors(path, bucket, flat)
+        version = request.version if last else None
+        futures = links.post(links.live, lambda c: c.update_weights_from_tensor(
+            [str(path)], load_format="safetensors_path", flush_cache=last and request.flush, weight_version=version))
+        return _FilePending(links, futures, path)
+
+    async def finish(self, links, request) -> None:
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+
+async def push_weights(urls: list[str], named: Iterable[tuple[str, torch.Tensor]], version: int, *,
+                       pause_mode: str = "retract", bucket_bytes: int = 256 << 20, scratch_dir: str | None = None,
+                       timeout_s: float = 600.0, fp8: bool = False) -> dict:
+    """Send `named` to every engine at `urls` as weight version `version` over http_tensors.
+    fp8: projection weights go FP8 block-quantised (agentrl.sync.fp8.fp8_rule). Returns the run
+    loop's keys: sync_s, sync_paused_s, sync_bytes, sync_buckets, sync_gbps, failed_engines."""
+    from agentrl.sync.fp8 import fp8_rule
+    from agentrl.sync.session import EngineSession, run_update
+    from agentrl.sync.source import LocalSource
+
+    source = LocalSource(named)
+    names = frozenset(s.name for s in source.specs() if fp8_rule(s)) if fp8 else frozenset()
+    transport = HttpTensorsTransport(scratch_dir=scratch_dir)
+
+    def request(stage: int, live: list[str]) -> StageRequest:
+        return StageRequest(stage, tuple(live), version, True, pause_mode != "in_place", names, bucket_bytes, timeout_s)
+
+    session = EngineSession(list(urls), pause_mode=pause_mode, timeout_s=timeout_s)
+    return await run_update(session, 1, request, lambda req: transport.send_stage(source, req))
