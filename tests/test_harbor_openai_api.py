@@ -110,7 +110,8 @@ async def test_models_and_errors_have_sglangs_shapes(engine):
 
 
 @pytest.mark.slow  # importing LiteLLM alone takes ~5-9 s here
-async def test_an_openai_client_gets_its_answer_through_litellm(engine):
+async def test_an_openai_client_gets_its_answer_through_litellm(engine, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price-list download at import
     litellm = pytest.importorskip("litellm", reason="LiteLLM comes with the optional harbor extra")
     resp = await litellm.acompletion(model="openai/tiny-chat", api_base=f"{engine.base_url}/v1", api_key="none",
                                      messages=chat()["messages"], max_tokens=8, temperature=0)

@@ -84,7 +84,7 @@ class TaskSpec(BaseModel):
     name: str = Field(description="Task id: the folder's name.")
     path: Path
     instruction: str
-    schema_version: str = Field(description='"1.0" (legacy) or "1.1".')
+    schema_version: str = Field(description='"1.0" (legacy), "1.1", or a later 1.x (Harbor writes 1.4).')
     description: str = ""
     difficulty: str | None = None
     category: str | None = None
