@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import os
-import random
 import shutil
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ import torch
 
 from agentrl.agent.trajectory import Trajectory
 from agentrl.config.schema import AlgorithmConfig, TrainConfig
+from agentrl.train import rng
 from agentrl.train.batching import MicroBatch, collate, plan_micro_batches
 from agentrl.train.loss import LossConfig, LossInputs, grpo_tis_loss, step_advantages
 from agentrl.train.offload_adam import DiskOffloadAdamW, make_optimizer
@@ -162,7 +162,7 @@ class TorchBackend:
             "model": self.model.state_dict(),
             "optimizer": None if on_disk else self.optimizer.state_dict(),
             "version": self._version,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            "rng": rng.capture(),
             "extra": extra,
         }, tmp / "state.pt")
         with open(tmp / "state.pt", "rb") as f:
@@ -172,7 +172,7 @@ class TorchBackend:
         tmp.rename(directory)
 
     def load_checkpoint(self, directory: Path) -> dict:
-        state = torch.load(Path(directory) / "state.pt", weights_only=False)
+        state = torch.load(Path(directory) / "state.pt", weights_only=True)  # tensors and plain data only
         _check_same_architecture(self.model, state["model"], Path(directory) / "state.pt")
         self.model.load_state_dict(state["model"])
         if state["optimizer"] is None:
@@ -180,9 +180,7 @@ class TorchBackend:
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self._version = int(state["version"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        rng.restore(state["rng"])
         return state["extra"]
 
 
