@@ -20,6 +20,11 @@ the episode as truncated.
 - `infra_error:<kind>`: the env, sandbox, engine or verifier failed (a SandboxError keeps its
   kind; other env failures are `env`, engine failures and aborts `engine`, scoring failures
   `verifier`). The reward is then None, never 0.
+Partial rollout (`partial`, agentrl/agent/partial.py): an aborted generation is a weight update's
+interruption, not a failure: the turn keeps its tokens and goes on for the rest of its budget
+(counted in info: interruptions, carried_tokens). A `recorder` (agentrl/agent/resume.py) records
+the episode at every turn boundary and interruption; `resume` continues a recorded episode in a
+fresh sandbox (ResumeDiverged, raised after the env is closed, when the sandbox does not reproduce it).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from typing import Any
 
 from agentrl.agent.actions import ParsedTurn, make_action_format, strip_reasoning
 from agentrl.agent.chat import ChatTokens
+from agentrl.agent.partial import MAX_RESUMES_PER_TURN, OpenTurn
+from agentrl.agent.resume import EpisodeSnapshot, ProgressRecorder, resume_into
 from agentrl.agent.trajectory import (
     AGENT_TIMEOUT,
     INFRA_ERROR_PREFIX,
@@ -75,9 +82,12 @@ class _Episode:
         cfg: AgentConfig,
         sampling: SamplingParams,
         episode_id: str,
+        partial: bool = False,
+        recorder: ProgressRecorder | None = None,
     ):
         self.env, self.generator, self.tokenizer = env, generator, tokenizer
         self.cfg, self.sampling, self.episode_id = cfg, sampling, episode_id
+        self.partial, self.recorder = partial, recorder
         self.format = make_action_format(cfg.action_format, cfg.command_timeout_s)
         self.chat = ChatTokens(tokenizer, self.format.system_prompt)
         self.token_ids: list[int] = []
@@ -85,9 +95,15 @@ class _Episode:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.turns = 0
-        self.generated = 0  # tokens the model produced so far, all turns
+        self.generated = 0  # tokens the model produced so far, all finished turns
+        self.prompt_len = 0
+        self.open: OpenTurn | None = None  # the turn being generated
+        self.steps: list[dict[str, Any]] = []  # every env step: the action and its observation text
+        self.agent_started: float | None = None  # perf_counter when the agent's clock (re)started
+        self.agent_s_before = 0.0  # agent seconds of a recorded run this one continues
         self.timings = {"generate_s": 0.0, "env_s": 0.0, "score_s": 0.0}
-        self.info: dict[str, Any] = {"parse_errors": 0, "actions": 0, "finish_reasons": [], "stop": None}
+        self.info: dict[str, Any] = {"parse_errors": 0, "actions": 0, "finish_reasons": [], "stop": None,
+                                     "interruptions": 0, "carried_tokens": 0}
 
     # -- token bookkeeping -------------------------------------------------------------------
 
@@ -103,6 +119,41 @@ class _Episode:
         self.loss_mask += [1] * len(result.output_ids)
         self.logprobs += [float(x) for x in result.logprobs]
         self.versions += [int(v) for v in result.weight_versions]
+
+    def stream(self) -> tuple[list[int], list[int], list[float], list[int]]:
+        """The token stream so far, the open turn's tokens included (what a record holds)."""
+        t = self.open or OpenTurn(0)
+        return (self.token_ids + t.ids, self.loss_mask + [1] * len(t.ids), self.logprobs + t.logprobs,
+                self.versions + t.versions)
+
+    def open_turn_len(self) -> int:
+        return len(self.open.ids) if self.open else 0
+
+    def open_turn_budget(self) -> int:
+        return self.open.budget if self.open else 0
+
+    def agent_seconds(self) -> float:
+        running = time.perf_counter() - self.agent_started if self.agent_started is not None else 0.0
+        return self.agent_s_before + running
+
+    def restore(self, snap: EpisodeSnapshot) -> None:
+        """Take over a recorded episode's state (agentrl/agent/resume.py)."""
+        k = len(snap.token_ids) - snap.open_turn
+        self.token_ids, self.loss_mask = snap.token_ids[:k], snap.loss_mask[:k]
+        self.logprobs, self.versions = snap.logprobs[:k], snap.versions[:k]
+        if snap.open_turn:
+            self.open = OpenTurn(snap.open_turn_budget, snap.token_ids[k:], snap.logprobs[k:], snap.versions[k:])
+        self.steps = list(snap.steps)
+        self.prompt_len, self.turns, self.generated = snap.prompt_len, snap.turns, snap.generated
+        self.agent_s_before = snap.agent_s
+        self.info.update(snap.counters)
+        self.info["finish_reasons"] = list(snap.finish_reasons)
+        if self.recorder is not None:
+            self.recorder.follow(snap)
+
+    async def record(self) -> None:
+        if self.recorder is not None:
+            await self.recorder.record(self)
 
     # -- calls that can fail for infrastructure reasons ------------------------------------
 
@@ -120,22 +171,24 @@ class _Episode:
             raise _InfraFailure(obs.status[len(INFRA_ERROR_PREFIX) :], f"{what}: {obs.text}")
         return obs
 
-    async def generate(self, max_new_tokens: int) -> GenerateResult:
-        sampling = dataclasses.replace(self.sampling, max_new_tokens=max_new_tokens)
+    async def generate(self, turn: OpenTurn) -> GenerateResult:
+        """The next piece of `turn`: the rest of its budget, after the conversation and its tokens so far."""
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=turn.left)
+        rid = f"{self.episode_id}:{self.turns}" + (f".{turn.resumes}" if turn.resumes else "")  # one rid per request
         start = time.perf_counter()
         try:
             result = await self.generator.generate(
-                list(self.token_ids),
+                self.token_ids + turn.ids,
                 sampling,
                 session_id=self.episode_id,
-                rid=f"{self.episode_id}:{self.turns}",
+                rid=rid,
             )
         except Exception as err:
             raise _InfraFailure("engine", f"generate: {type(err).__name__}: {err}") from err
         finally:
             self.timings["generate_s"] += time.perf_counter() - start
         n = len(result.output_ids)
-        if result.finish_reason == "abort":
+        if result.finish_reason == "abort" and not self.partial:
             raise _InfraFailure("engine", "generate: the engine aborted the request")
         if len(result.logprobs) != n or len(result.weight_versions) != n:
             raise _InfraFailure(
@@ -144,6 +197,24 @@ class _Episode:
                 f"{len(result.weight_versions)} weight versions",
             )
         return result
+
+    async def generate_turn(self, turn: OpenTurn) -> GenerateResult:
+        """The turn's reply; with partial rollout an abort (a weight update) keeps the tokens,
+        is recorded, and the turn goes on for the rest of its budget."""
+        while True:
+            if turn.left <= 0:
+                return turn.result("length")
+            piece = await self.generate(turn)
+            turn.add(piece)
+            if piece.finish_reason != "abort":
+                return turn.result(piece.finish_reason)
+            turn.resumes += 1
+            if turn.resumes > MAX_RESUMES_PER_TURN:
+                raise _InfraFailure("engine", f"generate: aborted {turn.resumes} times in one turn; more than "
+                                    f"weight updates account for ({MAX_RESUMES_PER_TURN})")
+            self.info["interruptions"] += 1
+            self.info["carried_tokens"] += len(piece.output_ids)
+            await self.record()
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -157,8 +228,11 @@ class _Episode:
             budget = self.budget_left()
             if budget <= 0:
                 return "token_budget"
-            max_new = min(per_turn, room, budget)
-            result = await self.generate(max_new)
+            if self.open is None:
+                self.open = OpenTurn(min(per_turn, room, budget))
+            max_new = self.open.budget  # a resumed turn keeps the budget it started with
+            result = await self.generate_turn(self.open)
+            self.open = None
             self.append_generated(result)
             self.turns += 1
             self.info["finish_reasons"].append(result.finish_reason)
@@ -177,6 +251,7 @@ class _Episode:
             if len(self.token_ids) + len(delta) >= cfg.max_context_tokens:
                 return "context"  # no room left for another turn after this observation
             self.append_context(delta)
+            await self.record()
         return "max_turns"
 
     def budget_left(self) -> int:
@@ -203,6 +278,7 @@ class _Episode:
         for action in parsed.actions:
             obs = await self.env_call("step", self.env.step(action))
             self.info["actions"] += 1
+            self.steps.append({"action": action.model_dump(mode="json"), "text": obs.text})
             outputs.append(obs.text)
             if obs.done:
                 # An env that enforces its own time limit (TB2's task timeout) says so in metadata.
@@ -236,29 +312,37 @@ async def run_episode(
     sampling: SamplingParams,
     episode_id: str,
     group_id: str,
+    *,
+    partial: bool = False,
+    recorder: ProgressRecorder | None = None,
+    resume: EpisodeSnapshot | None = None,
 ) -> Trajectory:
     """Play one episode of `task_id` and return its Trajectory; closes `env` whatever happens.
 
     `tokenizer` is a transformers tokenizer with a chat template. `sampling.max_new_tokens` is
     the per-turn limit (lowered near the context limit). Infrastructure failures become the
-    outcome `infra_error:<kind>`; programming errors (e.g. a tokenizer without a chat template)
-    and cancellation propagate, after the env is closed.
+    outcome `infra_error:<kind>`; programming errors (e.g. a tokenizer without a chat template),
+    ResumeDiverged and cancellation propagate, after the env is closed.
     """
-    ep = _Episode(env, generator, tokenizer, cfg, sampling, episode_id)
+    ep = _Episode(env, generator, tokenizer, cfg, sampling, episode_id, partial, recorder)
     started = time.perf_counter()
-    prompt_len = 0
     outcome, reward = SCORED, None
     try:
         try:
             first = await ep.env_call("reset", env.reset(task_id, episode_id=episode_id))
             prompt = ep.chat.prompt_ids(first.text)
-            prompt_len = len(prompt)
+            ep.prompt_len = len(prompt)
             ep.append_context(prompt)
+            if resume is not None and not first.done:
+                await resume_into(ep, resume, prompt)
             if first.done:
                 stop = "env_done"
+            elif ep.agent_s_before >= cfg.episode_timeout_s:
+                stop = "timeout"  # the recorded run had used up the agent's time
             else:
                 # The wall clock starts after reset: sandbox start-up is not the agent's time.
-                deadline = asyncio.get_running_loop().time() + cfg.episode_timeout_s
+                ep.agent_started = time.perf_counter()
+                deadline = asyncio.get_running_loop().time() + cfg.episode_timeout_s - ep.agent_s_before
                 timeout = asyncio.timeout_at(deadline)
                 try:
                     async with timeout:
@@ -289,7 +373,7 @@ async def run_episode(
         episode_id=episode_id,
         task_id=task_id,
         group_id=group_id,
-        prompt_len=prompt_len,
+        prompt_len=ep.prompt_len,
         token_ids=ep.token_ids,
         loss_mask=ep.loss_mask,
         rollout_logprobs=ep.logprobs,

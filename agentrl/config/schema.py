@@ -130,6 +130,10 @@ class AlgorithmConfig(Section):
     dynamic_sampling_max_skips: int = Field(
         32, ge=0, description="Zero-variance groups dropped in a row before one is let through, so a run whose "
         "tasks are all failed (or all solved) still steps.")
+    stale_tokens: Literal["mask", "tis"] = Field(
+        "mask", description="With rollout.partial, what the loss does with a token older than buffer.max_staleness "
+        "(a group trains while each trajectory's newest token is within the bound): mask leaves it out, tis keeps it "
+        "with its truncated importance weight (needs use_tis).")
 
 
 class SGLangConfig(Section):
@@ -186,6 +190,19 @@ class EmbeddedEngineConfig(Section):
 
 
 class RolloutConfig(Section):
+    @model_validator(mode="before")
+    @classmethod
+    def _partial_pauses_with_abort(cls, data: object) -> object:
+        """Partial rollout continues aborted generations itself: its engines pause with abort (retract would
+        keep the requests inside the engine, in_place would mix old KV with new weights)."""
+        if isinstance(data, dict) and data.get("partial"):
+            mode = data.get("pause_mode", "abort")
+            if mode != "abort":
+                raise ValueError(f"rollout.partial=true continues aborted generations: rollout.pause_mode must be "
+                                 f"abort (got {mode!r}); drop the pause_mode setting or set it to abort")
+            data = {**data, "pause_mode": "abort"}
+        return data
+
     engine: Literal["auto", "sglang", "embedded"] = Field("auto", description="auto: sglang on GPUs, else embedded.")
     sglang: SGLangConfig = SGLangConfig()
     embedded: EmbeddedEngineConfig = EmbeddedEngineConfig()
@@ -195,6 +212,10 @@ class RolloutConfig(Section):
     pause_mode: Literal["retract", "abort", "in_place"] = Field(
         "retract", description="How engines pause for a weight update; in_place mixes old KV with new weights."
     )
+    partial: bool = Field(
+        False, description="Partial rollout: a weight update aborts in-flight generations (pause_mode abort, the "
+        "default then), each episode keeps their tokens and re-issues the turn on the new weights for the rest of "
+        "its token budget; the staleness bound then applies per token (algorithm.stale_tokens).")
     request_timeout_s: float = Field(600.0, gt=0)
     engine_start_timeout_s: float = Field(
         1800.0, gt=0, description="How long an engine may take to answer /health_generate after its process "
@@ -316,6 +337,10 @@ class BufferConfig(Section):
     stale_policy: Literal["drop", "regenerate"] = "regenerate"
     max_episodes_in_flight: int = Field(128, ge=1)
     fsync: bool = Field(True, description="fsync the log before acknowledging a trajectory.")
+    resume_in_flight: bool = Field(
+        False, description="Record each running episode's progress (tokens, versions, actions, observations) "
+        "durably at every turn and interruption (partial.log.jsonl beside the replay log) and continue those "
+        "episodes after a restart instead of starting their groups again (rule and limits: agentrl/agent/resume.py).")
 
 
 class LoggingConfig(Section):
@@ -369,6 +394,9 @@ class RunConfig(Section):
         if b.max_episodes_in_flight < a.group_size:
             raise ValueError(f"buffer.max_episodes_in_flight={b.max_episodes_in_flight} is below "
                              f"algorithm.group_size={a.group_size}: no group could ever start (the run would hang)")
+        if r.partial and a.stale_tokens == "tis" and not a.use_tis:
+            raise ValueError("algorithm.stale_tokens=tis corrects stale tokens with their TIS weight, but "
+                             "algorithm.use_tis is false; turn use_tis on or use stale_tokens=mask")
         if r.max_new_tokens >= ag.max_context_tokens:
             raise ValueError(f"rollout.max_new_tokens={r.max_new_tokens} does not fit agent.max_context_tokens="
                              f"{ag.max_context_tokens}: no turn could be generated; lower it below the context")
