@@ -18,6 +18,13 @@ every accepted trajectory of an untrained group is back. Acknowledged trajectori
 was still incomplete at the crash can never be completed (its other episodes died with the run):
 the group is retired ("incomplete_at_resume") and reported, never stranded. Nothing accepted is
 lost, nothing is trained twice.
+
+With resume_in_flight, the episodes still running at a crash were recorded in a sidecar
+(agentrl/buffer/partial_log.py); an incomplete group is then not retired at resume but kept
+pending and handed to the run loop (`resumable`), which continues its recorded episodes and starts
+its missing ones, so the group completes. With partial (rollout.partial) the staleness bound is
+judged per token (agentrl/buffer/staleness.py) and a taken batch goes through the loss's
+stale-token policy (agentrl/buffer/batch_view.py), whose token facts the Batch carries.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.agent.trajectory import INFRA_ERROR_PREFIX, Trajectory
+from agentrl.buffer.batch_view import batch_view
 from agentrl.buffer.log import DurableLog
+from agentrl.buffer.partial_log import PARTIAL_LOG_NAME, PartialLog
 from agentrl.buffer.staleness import StalenessBound
 
 LOG_NAME = "replay.log.jsonl"
@@ -60,8 +69,9 @@ class Batch:
 
     batch_id: str
     group_ids: list[str]
-    staleness: list[int]  # per group: version lag of its oldest token at take time
+    staleness: list[int]  # per group: version lag at take time, by the bound's rule
     num_trajectories: int
+    tokens: dict = field(default_factory=dict)  # facts about its tokens (agentrl/buffer/batch_view.py)
 
 
 @dataclass(frozen=True)
@@ -76,20 +86,26 @@ class Retired:
 
 class ReplayBuffer:
     def __init__(self, directory: str | Path, group_size: int, max_staleness: int, fsync: bool = True,
-                 resume_step: int = 0):
+                 resume_step: int = 0, *, partial: bool = False, stale_tokens: str = "mask",
+                 resume_in_flight: bool = False):
         self.group_size = group_size
-        self.bound = StalenessBound(max_staleness)
+        self.bound = StalenessBound(max_staleness, per_token=partial)
+        self.stale_policy = stale_tokens if partial else None
         self.path = Path(directory) / LOG_NAME
+        self._partial = PartialLog(Path(directory) / PARTIAL_LOG_NAME, fsync) if resume_in_flight else None
+        self._resumable: list[dict] = []  # groups the run loop is to continue, collected once
         self._pending: dict[str, Group] = {}  # incomplete groups
         self._ready: OrderedDict[str, Group] = OrderedDict()  # complete, not yet trained
         self._taken: dict[str, list[Group]] = {}  # batch id -> groups given to the trainer
+        self._taken_view: dict[str, list[Trajectory]] = {}  # batch id -> what the trainer trains on
         self._done: set[str] = set()  # trained or retired group ids
         self._seen: set[str] = set()  # accepted episode ids (add is idempotent)
         self._retired: list[Retired] = []  # facts not yet collected by the run loop
         self._changed: asyncio.Event | None = None
         self.counters = {"accepted": 0, "duplicates": 0, "stale_retired": 0, "infra_groups_retired": 0,
                          "trained_groups": 0, "recovered_trajectories": 0, "recovered_untrained_groups": 0,
-                         "incomplete_at_resume": 0, "rolled_back_steps": 0, "malformed_log_lines": 0}
+                         "incomplete_at_resume": 0, "rolled_back_steps": 0, "malformed_log_lines": 0,
+                         "resumable_groups": 0, "resumable_episodes": 0, "progress_records": 0}
         self.malformed: list[str] = []  # one line per skipped log line: file, line number, why
         self._log = DurableLog(self.path, fsync=fsync)  # opening drops a torn, unacknowledged tail
         self._recover(resume_step)
@@ -117,16 +133,40 @@ class ReplayBuffer:
                 self._insert(t)
                 self.counters["recovered_trajectories"] += 1
         self._done |= done
-        self.counters["malformed_log_lines"] = len(self.malformed)
         if rolled_back:
             self._log.append({"type": "rollback", "to_step": resume_step, "steps": rolled_back})
             self.counters["rolled_back_steps"] = len(rolled_back)
+        resumed = self._keep_in_flight() if self._partial is not None else {}
         for g in list(self._pending.values()):  # its other episodes died with the run: never completes
             self.counters["incomplete_at_resume"] += 1
             self._retire(g, "incomplete_at_resume")
+        self._pending.update(resumed)  # back in: the run loop completes them
         for g in list(self._ready.values()):
             self._check_infra(g)  # a crash may have come between a trajectory and its group's retirement
         self.counters["recovered_untrained_groups"] = len(self._ready)
+        self.counters["malformed_log_lines"] = len(self.malformed)
+
+    def _keep_in_flight(self) -> dict[str, Group]:
+        """resume_in_flight: the incomplete groups and the groups of recorded episodes (neither trained
+        nor retired) become groups to continue, taken out of the pending set (returned) so that the
+        incomplete-at-resume rule passes them by; the sidecar keeps only their chains."""
+        chains = self._partial.read(self._on_malformed)
+        live = {e: c for e, c in chains.items() if e not in self._seen and c.group_id not in self._done}
+        tasks = {g.group_id: g.task_id for g in self._pending.values()}
+        for c in live.values():
+            tasks.setdefault(c.group_id, c.task_id)
+        for gid, task in tasks.items():
+            g = self._pending.setdefault(gid, Group(gid, task))
+            if g.has_infra_error():
+                continue  # it can never train: retired with the incomplete ones, the retry policy decides
+            snaps = {e: c.to_record() for e, c in live.items() if c.group_id == gid}
+            self._resumable.append({"group_id": gid, "task_id": task, "accepted": sorted(g.trajectories),
+                                    "snapshots": snaps})
+            self.counters["resumable_episodes"] += len(snaps)
+        self.counters["resumable_groups"] = len(self._resumable)
+        kept = {r["group_id"] for r in self._resumable}
+        self._partial.open_compacted([c for c in live.values() if c.group_id in kept])
+        return {gid: self._pending.pop(gid) for gid in kept}
 
     def _surviving_history(self, resume_step: int) -> tuple[set[str], list[int]]:
         """(groups that stay trained or retired, steps rolled back now) from the log's control records."""
@@ -223,13 +263,12 @@ class ReplayBuffer:
         chosen: list[tuple[Group, int]] = []
         for gid in list(self._ready):
             g = self._ready[gid]
-            oldest = g.oldest_version()
-            lag = 0 if oldest is None else self.bound.lag(oldest, current_version)
-            if oldest is not None and not self.bound.admits(oldest, current_version):
+            lag = self.bound.group_lag(g.trajectories.values(), current_version)
+            if lag is not None and lag > self.bound.max_staleness:
                 self.counters["stale_retired"] += 1
                 self._retire(g, f"stale_lag_{lag}")
                 continue
-            chosen.append((g, lag))
+            chosen.append((g, lag or 0))
             if len(chosen) == num_groups:
                 break
         if len(chosen) < num_groups:
@@ -238,17 +277,20 @@ class ReplayBuffer:
         for g, _ in chosen:
             del self._ready[g.group_id]
         self._taken[batch_id] = [g for g, _ in chosen]
-        return Batch(batch_id, [g.group_id for g, _ in chosen], [lag for _, lag in chosen],
-                     sum(len(g.trajectories) for g, _ in chosen))
+        view, tokens = batch_view([t for g, _ in chosen for t in g.trajectories.values()], current_version,
+                                  self.bound.max_staleness, self.stale_policy)
+        self._taken_view[batch_id] = view
+        return Batch(batch_id, [g.group_id for g, _ in chosen], [lag for _, lag in chosen], len(view), tokens)
 
     def batch_trajectories(self, batch_id: str) -> list[Trajectory]:
         """The trajectories of a taken batch, group by group."""
         if batch_id not in self._taken:
             raise KeyError(f"no taken batch {batch_id!r}")
-        return [t for g in self._taken[batch_id] for t in g.trajectories.values()]
+        return list(self._taken_view[batch_id])
 
     def mark_trained(self, step: int, batch_id: str) -> None:
         groups = self._taken.pop(batch_id)
+        self._taken_view.pop(batch_id, None)
         ids = [g.group_id for g in groups]
         self._log.append({"type": "trained", "step": step, "groups": ids})
         self._done.update(ids)
@@ -272,6 +314,23 @@ class ReplayBuffer:
         self._retire(g, reason)
         return True
 
+    # -- in-flight episodes (resume_in_flight) -------------------------------------------------
+    def record_partial(self, record: dict) -> bool:
+        """Durably record one progress record of a running episode (agentrl/agent/resume.py);
+        False when not kept (resume_in_flight off, or the episode or its group is already done).
+        Raises LogWriteError when the sidecar cannot be written."""
+        if self._partial is None or record.get("episode_id") in self._seen or record.get("group_id") in self._done:
+            return False
+        self._partial.append(record)
+        self.counters["progress_records"] += 1
+        return True
+
+    def resumable(self) -> list[dict]:
+        """The groups to continue after this resume, once: {group_id, task_id, accepted: [episode
+        ids], snapshots: {episode id: progress record}}. They stay pending until complete."""
+        out, self._resumable = self._resumable, []
+        return out
+
     def pop_retired(self) -> list[Retired]:
         """Groups that left untrained since the last call (the run loop decides what to re-run)."""
         out, self._retired = self._retired, []
@@ -288,3 +347,5 @@ class ReplayBuffer:
 
     def close(self) -> None:
         self._log.close()
+        if self._partial is not None:
+            self._partial.close()
