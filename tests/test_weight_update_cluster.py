@@ -129,3 +129,59 @@ async def test_ep2_nccl_update_is_exact_and_survives_a_killed_engine(tmp_path):
 
 async def test_pp2_nccl_update_sends_each_stage_over_its_own_group(tmp_path):
     await _run(_config("train.parallel.ep=1", "train.parallel.pp=2"), tmp_path, kill=False)
+
+
+def test_local_cluster_run_goes_on_when_an_engine_dies_mid_update(tmp_path):
+    """The recipe itself (nccl): engine 1 killed while paused for an update; the run finishes its
+    steps, the engine is restarted and re-sent the weights; no infra error is ever trained (whether
+    the dead engine held an episode at that instant is timing: the run's counters tell)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+
+    root = Path(__file__).resolve().parents[1]
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(root / "launchers" / "run_glm5_2_daytona.py"), "train", "--config", "local_cluster",
+           "--run-dir", str(run), "--set", "train.max_steps=4", "--set", f"rollout.request_timeout_s={TIMEOUT_S:g}",
+           "--set", f"rollout.embedded.weight_update_timeout_s={TIMEOUT_S:g}"]
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as f:  # a file, not a pipe: nobody reads it while the run goes on
+        p = subprocess.Popen(cmd, stderr=f, stdout=subprocess.DEVNULL, text=True, cwd=root)
+    killed, deadline = None, time.time() + 900
+    try:
+        while killed is None and p.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+            procs = run / "processes.json"
+            if not procs.exists() or not (run / "metrics.jsonl").exists():
+                continue  # wait for step 1: the next update is one after a training step
+            engine = json.loads(procs.read_text())["engines"][1]
+            try:
+                info = httpx.get(engine["url"] + "/server_info", timeout=2).json()
+            except httpx.HTTPError:
+                continue
+            if info["internal_states"][0]["paused"]:
+                os.kill(engine["pid"], signal.SIGSTOP)
+                os.kill(engine["pid"], signal.SIGKILL)
+                killed = engine
+        p.wait(timeout=900)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = log.read_text()
+    assert killed is not None, err[-3000:]
+    assert p.returncode == 0, err[-3000:]
+    assert "weight sync skipped 1 engine(s)" in err and "engine 1 restarted; re-sending weights" in err, err[-3000:]
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    from agentrl.buffer.log import DurableLog
+
+    trained = {}  # episode -> outcome, over the trajectories of trained groups
+    records = list(DurableLog.read(run / "replay.log.jsonl"))
+    groups = {g for r in records if r["type"] == "trained" for g in r["groups"]}
+    for r in records:
+        if r["type"] == "traj" and r["group_id"] in groups:
+            trained[r["episode_id"]] = r["outcome"]
+    assert trained and not any(o.startswith("infra_error") for o in trained.values()), trained
