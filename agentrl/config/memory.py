@@ -14,7 +14,10 @@ agentrl/config/model_shapes.py, TP / EP / duplicated / frozen parameters as the 
   computing layer of the stage, int64, kept per micro-batch in flight (the index sharing carries
   it to later layers and to the recomputed backward); the working set of the one layer being
   recomputed and differentiated (its saved activations, per token, from the shapes, times
-  BACKWARD_WORKING_FACTOR); one log-prob chunk's fp32 logits and their gradient.
+  BACKWARD_WORKING_FACTOR); one log-prob chunk's fp32 logits and their gradient; and, when
+  train.dsa_kernels is off, Megatron's unfused DSA attention of the recomputed layer: dense fp32
+  scores of [heads / TP, local queries, keys] (and the indexer's dense scorer), DENSE_SCORE_COPIES
+  such tensors at once (the kernel switch never builds them).
 Engine (SGLang, FP8 weights, dp-attention): experts split over the engine's GPUs (EP = engine
 size), everything else replicated per GPU; the KV pool is what mem_fraction_static leaves.
 Every hardware number is named in HARDWARE.
@@ -109,11 +112,21 @@ def layer_activation_bytes_per_token(s: Any, moe: bool, tp: int, etp: int = 1) -
     return 2.0 * (attn + mlp)
 
 
+# Megatron 0.19.2's unfused DSA (train.dsa_kernels off) at peak holds this many fp32 tensors of one
+# layer's [heads, queries, keys] scores, the indexer's dense scorer counted in the same unit.
+# Measured on an H200 (bench/results/parallel_gpu.json, memory_slice: 2 layers, 64 heads, 7,680
+# tokens): peak 119.8 GiB against 21.1 GiB of the other terms, 98.7 GiB = 7.0 x 14.1 GiB.
+DENSE_SCORE_COPIES = 7.0
+
+
 def activation_bytes(s: Any, layers: range, *, tokens: int, tp: int, in_flight: int, chunk: int,
-                     last: bool, index_topk: int, fused_logprobs: bool = False) -> dict[str, float]:
+                     last: bool, index_topk: int, fused_logprobs: bool = False, dense_dsa: bool = False,
+                     cp: int = 1) -> dict[str, float]:
     """Activation bytes of one GPU of the stage holding `layers` (see the module docstring).
     `fused_logprobs`: the head runs the fused Triton kernel (one GPU with TP 1), which never
-    writes logits; otherwise a chunk of fp32 logits and their gradient exist at once."""
+    writes logits; otherwise a chunk of fp32 logits and their gradient exist at once.
+    `dense_dsa`: Megatron's unfused DSA attention runs (train.dsa_kernels off): the rank's `tokens`
+    queries against `tokens * cp` keys."""
     local = tokens / tp  # sequence parallelism splits the hidden states over TP
     computing = sum(1 for i in layers if s.computes_index(i + 1))
     moe_layers = [i >= s.dense_layers for i in layers]
@@ -121,7 +134,10 @@ def activation_bytes(s: Any, layers: range, *, tokens: int, tp: int, in_flight: 
     return {"checkpoints": local * s.hidden * 2 * len(layers) * in_flight,
             "dsa_topk": tokens * min(index_topk, tokens) * INDEX_BYTES * computing * in_flight,
             "layer_working": working * BACKWARD_WORKING_FACTOR,
-            "logits": (min(chunk, tokens) * s.vocab / tp * 4 * 2) if last and not fused_logprobs else 0.0}
+            "logits": (min(chunk, tokens) * s.vocab / tp * 4 * 2) if last and not fused_logprobs else 0.0,
+            # queries: the rank's tokens; keys: gathered over CP (Megatron's all-gather CP path)
+            "dense_dsa_scores": (s.heads / tp * tokens * tokens * cp * 4 * DENSE_SCORE_COPIES
+                                 if dense_dsa and s.index_heads else 0.0)}
 
 
 def trainer_memory(cfg: Any, plan: Any) -> dict[str, float]:
@@ -139,7 +155,8 @@ def trainer_memory(cfg: Any, plan: Any) -> dict[str, float]:
         state = state_bytes(params, train.dtype, train.optimizer.offload)
         act = activation_bytes(s, stages[i], tokens=plan.max_tokens_per_gpu, tp=p.tp, in_flight=p.pp - i,
                                chunk=train.logprob_chunk_tokens, last=i == len(stages) - 1, index_topk=arch.index_topk,
-                               fused_logprobs=p.tp == 1 and bool(plan.gpus_per_rank))
+                               fused_logprobs=p.tp == 1 and bool(plan.gpus_per_rank),
+                               dense_dsa=not train.dsa_kernels, cp=p.cp)
         dev = state["device"]
         out = {"weights_gb": dev["weights"] / GB, "grads_gb": dev["grads"] / GB,
                "activations_gb": sum(act.values()) / GB, "optimizer_gb": (dev["masters"] + dev["moments"]) / GB,
