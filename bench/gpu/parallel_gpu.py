@@ -210,7 +210,7 @@ def cp_offset(rec: dict, small: bool) -> None:
 
 # ---------------------------------------------------------------- memory of a per-rank slice
 
-def memory_slice(rec: dict, small: bool, offload_dir: Path) -> None:
+def memory_slice(rec: dict, small: bool, offload_dir: Path, dsa_kernels: bool = False) -> None:
     from agentrl.config.memory import activation_bytes
     from agentrl.config.model_shapes import shapes_of
     from agentrl.config.schema import AlgorithmConfig, TrainConfig
@@ -227,6 +227,7 @@ def memory_slice(rec: dict, small: bool, offload_dir: Path) -> None:
     train = TrainConfig(dtype="bfloat16" if torch.cuda.is_available() else "float32")
     train.parallel.recompute, train.parallel.max_tokens_per_gpu = "full", 2 * length
     train.optimizer.offload, train.optimizer.offload_dir = "disk", offload_dir
+    train.dsa_kernels = dsa_kernels
     backend = MegatronBackend(config, train, AlgorithmConfig(group_size=2), run_dir=offload_dir / "run")
     batch = trajectories(2, length, config.vocab_size)
     tokens = sum(len(t.token_ids) for t in batch)
@@ -239,9 +240,10 @@ def memory_slice(rec: dict, small: bool, offload_dir: Path) -> None:
     shapes = shapes_of(config)
     act = activation_bytes(shapes, range(config.num_hidden_layers), tokens=tokens, tp=1, in_flight=1,
                            chunk=train.logprob_chunk_tokens, last=True, index_topk=config.index_topk,
-                           fused_logprobs=torch.cuda.is_available())
+                           fused_logprobs=torch.cuda.is_available(), dense_dsa=not dsa_kernels)
     accounted = sum(report["accounted"].values()) + sum(act.values())
-    rec.update({"params_b": sum(p.numel() for p in backend.model.parameters()) / 1e9, "tokens": tokens,
+    rec.update({"dsa_kernels": dsa_kernels, "params_b": sum(p.numel() for p in backend.model.parameters()) / 1e9,
+                "tokens": tokens,
                 "micro_batches": metrics["micro_batches"], "state_accounted": report["accounted"],
                 "state_measured": report["measured"], "activations_accounted": act, "accounted_gib": accounted / 2**30,
                 "peak_allocated_gib": peak / 2**30 if peak is not None else None,
@@ -265,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     init_megatron_parallel(Layout.single(1))  # one rank; every part below reuses it
     report: dict[str, Any] = {"benchmark": "parallel_gpu", "machine": machine(), "small": a.small, "parts": {}}
     runs = {"tp1_parity": lambda r: tp1_parity(r, a.small), "grouped_experts": lambda r: grouped_experts(r, a.small),
-            "cp_offset": lambda r: cp_offset(r, a.small), "memory_slice": lambda r: memory_slice(r, a.small, a.offload_dir)}
+            "cp_offset": lambda r: cp_offset(r, a.small), "memory_slice": lambda r: memory_slice(r, a.small, a.offload_dir),
+            # the same slice through the DSA kernel switch: no dense scores, so it checks the other terms
+            "memory_slice_dsa_kernels": lambda r: memory_slice(r, a.small, a.offload_dir, dsa_kernels=True)}
     for name in a.parts:
         with part(report, name) as rec:
             runs[name](rec)
