@@ -96,26 +96,40 @@ def _show(cfg, plan, as_json: bool) -> None:
 @app.command()
 def prepare(model_name: ModelName = None, num_nodes: NumNodes = None, gpus_per_node: GpusPerNode = None,
             hardware: HardwareOpt = None, config: ConfigOpt = None, set_: SetOpt = None, dry_run: DryRun = False,
-            as_json: JsonOpt = False) -> None:
-    """Validate the HF checkpoint (model.path) and convert it to Megatron torch_dist (model.megatron_dir)."""
+            as_json: JsonOpt = False,
+            fp8: Annotated[bool, typer.Option("--fp8", help="Also write the engines' block-FP8 HF checkpoint "
+                                              "(model.rollout_path) that FP8 weight updates match.")] = False) -> None:
+    """Validate the HF checkpoint (model.path) and convert it to Megatron torch_dist (model.megatron_dir);
+    with --fp8, also to a block-FP8 HF checkpoint for the engines (model.rollout_path)."""
     cfg, plan = resolve(model_name, num_nodes, gpus_per_node, hardware, config, set_)
     if dry_run:
         return _show(cfg, plan, as_json)
-    _prepare(cfg, plan)
+    _prepare(cfg, plan, fp8=fp8)
 
 
-def _prepare(cfg, plan) -> None:
+def _prepare(cfg, plan, fp8: bool = False) -> None:
     from agentrl.models.checkpoint import CheckpointError, validate_glm_checkpoint
     from agentrl.models.prepare import convert_hf_to_megatron
 
     m = cfg.model
-    if m.path is None or m.megatron_dir is None:
+    if fp8 and (m.path is None or m.rollout_path is None):
+        _fail("prepare --fp8 needs model.path (the HF checkpoint folder) and model.rollout_path (where the FP8 "
+              "checkpoint for the engines goes): --set model.rollout_path=/data/GLM-5.2-FP8")
+    if m.path is None or (m.megatron_dir is None and not fp8):
         _fail("prepare needs model.path (the HF checkpoint folder) and model.megatron_dir (where the "
               "torch_dist checkpoint goes): --set model.path=/data/GLM-5.2 --set model.megatron_dir=/data/GLM-5.2_torch_dist")
     try:
         validate_glm_checkpoint(m.path, m.name)
     except CheckpointError as e:
         _fail(str(e))
+    if fp8:
+        from agentrl.models.prepare import write_fp8_checkpoint
+
+        typer.echo(f"prepare: writing the engines' FP8 checkpoint to {m.rollout_path}", err=True)
+        counts = write_fp8_checkpoint(m.path, m.rollout_path)
+        typer.echo(f"prepare: wrote {m.rollout_path} ({counts['fp8']} FP8 tensors, {counts['kept']} kept)", err=True)
+        if m.megatron_dir is None:
+            return
     typer.echo(f"prepare: {m.path} is a valid {m.name} checkpoint; converting to {m.megatron_dir}", err=True)
     out = convert_hf_to_megatron(m.path, m.megatron_dir, plan.layout)
     typer.echo(f"prepare: wrote {out}", err=True)
@@ -262,7 +276,9 @@ def full_train(model_name: ModelName = None, num_nodes: NumNodes = None, gpus_pe
     if dry_run:
         return _show(cfg, plan, as_json)
     if plan.backend == "megatron":
-        _prepare(cfg, plan)
+        m = cfg.model
+        fp8 = bool(cfg.rollout.weight_sync_fp8 and m.rollout_path is not None and not Path(m.rollout_path).exists())
+        _prepare(cfg, plan, fp8=fp8)
     _train(cfg, plan)
 
 

@@ -182,3 +182,38 @@ def test_changed_source_file_is_copied_again(tmp_path):
 def test_missing_source_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a directory"):
         copy_checkpoint_to_local(tmp_path / "nope", tmp_path / "dst")
+
+
+def test_fp8_checkpoint_for_the_engines(hf_checkpoint, tmp_path):
+    """prepare --fp8: rule tensors (the indexer's wq_b / wk included) become e4m3 + weight_scale_inv,
+    bit for bit what the update path quantises; the rest is copied; the update's FP8 names are read
+    back from the checkpoint's *_scale_inv keys."""
+    from safetensors.torch import load_file
+
+    from agentrl.config.loader import load_config
+    from agentrl.sync.buckets import TensorSpec
+    from agentrl.sync.fp8 import fp8_names_of_checkpoint, fp8_rule, to_wire
+    from agentrl.sync.update import fp8_names
+
+    folder, _, state = hf_checkpoint
+    out = tmp_path / "fp8"
+    counts = prepare.write_fp8_checkpoint(folder, out, device="cpu")
+    rule = {n for n, t in state.items() if fp8_rule(TensorSpec.of(n, t))}
+    assert counts == {"fp8": len(rule), "kept": len(state) - len(rule)}
+    assert any(n.endswith("indexer.wq_b.weight") for n in rule) and any(n.endswith("indexer.wk.weight") for n in rule)
+    assert fp8_names_of_checkpoint(out) == rule
+    written = {}
+    for shard in sorted(out.glob("*.safetensors")):
+        written.update(load_file(str(shard)))
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(written) == set(state) | {n + "_scale_inv" for n in rule}
+    for name, t in state.items():
+        for wire, w in to_wire(name, t, name in rule):
+            assert written[wire].dtype == w.dtype and torch.equal(written[wire].view(torch.uint8), w.view(torch.uint8))
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    cfg = load_config("local", [f"model.rollout_path={out}", "rollout.weight_sync_fp8=true"])
+    assert fp8_names(cfg) == (rule, False)  # the update quantises exactly these
+    assert fp8_names(load_config("local", ["rollout.weight_sync_fp8=true"])) == (frozenset(), True)
+    with pytest.raises(FileExistsError, match="rollout_path"):
+        prepare.write_fp8_checkpoint(folder, out)

@@ -1,5 +1,6 @@
-"""`prepare` and `prepare-cp`: HF checkpoint -> Megatron torch_dist checkpoint, and a verified,
-resumable copy of a checkpoint onto node-local disk.
+"""`prepare` and `prepare-cp`: HF checkpoint -> Megatron torch_dist checkpoint, HF checkpoint ->
+block-FP8 HF checkpoint for the engines (`write_fp8_checkpoint`), and a verified, resumable copy of
+a checkpoint onto node-local disk.
 
 torch_dist on disk is a PyTorch DCP checkpoint (`.metadata` + `__<rank>_<n>.distcp`) plus Megatron's
 `metadata.json` ({"sharded_backend": "torch_dist", ...}) and, in the legacy layout Megatron still
@@ -181,6 +182,64 @@ def read_dist_checkpoint(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
              if isinstance(m, TensorStorageMetadata)}
     dcp.load(state, storage_reader=reader, no_dist=True)
     return state
+
+
+# ---------------------------------------------------------------- prepare --fp8: the engines' checkpoint
+
+# How DeepSeek-V3 / GLM-5 FP8 releases describe themselves in config.json; SGLang then serves the
+# checkpoint as FP8 (no online quantisation), and weight updates send exactly its FP8 tensors.
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                           "weight_block_size": [128, 128]}
+
+
+def write_fp8_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, device: str | None = None) -> dict[str, int]:
+    """Write `hf_dir` as a block-FP8 HF checkpoint in `out_dir`: every tensor agentrl.sync.fp8.fp8_rule
+    names becomes float8_e4m3fn `<name>` + float32 `<name>_scale_inv` (128x128 blocks, kernels/
+    fp8_quant), everything else is copied as it is; shard names, the index, the tokenizer and other
+    files are kept; config.json gains `quantization_config`. Shard by shard (one shard in memory),
+    quantised on `device` (default: CUDA when there is one; CPU gives the same bits). Written to
+    `<out_dir>.partial` and renamed when complete. Returns counts of tensors converted and kept."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from agentrl.sync.buckets import SCALE_SUFFIX, TensorSpec
+    from agentrl.sync.fp8 import fp8_rule, quantize
+
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    load_hf_config(hf_dir)  # a GLM-MoE-DSA checkpoint, or a clear error
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} exists; remove it or pick another model.rollout_path")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    index = read_hf_index(hf_dir)
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    counts = {"fp8": 0, "kept": 0}
+    for shard in sorted(set(index.values())):
+        out: dict[str, torch.Tensor] = {}
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                t = f.get_tensor(name)
+                if fp8_rule(TensorSpec.of(name, t)):
+                    q, scale = quantize(t.to(device))
+                    out[name], out[name + SCALE_SUFFIX] = q.cpu(), scale.cpu()
+                    counts["fp8"] += 1
+                else:
+                    out[name] = t
+                    counts["kept"] += 1
+        save_file(out, str(partial / shard.name), metadata={"format": "pt"})
+        weight_map.update({k: shard.name for k in out})
+    (partial / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
+                                                                     indent=1, sort_keys=True))
+    for other in hf_dir.iterdir():
+        if other.is_file() and other.suffix != ".safetensors" and other.name != "model.safetensors.index.json":
+            shutil.copy2(other, partial / other.name)
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    partial.rename(out_dir)
+    return counts
 
 
 # ---------------------------------------------------------------- prepare-cp: verified local copy
