@@ -202,7 +202,7 @@ async def test_fresh_verifier_defeats_a_program_the_tests_trust(provider):
 def test_cli_hack_reports_a_forged_pass_and_exits_1(tmp_path):
     d = copy_task(tmp_path, "hijack-path")
     toml = d / "task.toml"
-    toml.write_text(toml.read_text().replace('sandbox = "fresh"', 'sandbox = "same"'))
+    toml.write_text(toml.read_text().replace('environment_mode = "separate"', 'environment_mode = "shared"'))
     res = run_cli(str(d), "--hack", "--forgery", "fake-bin-on-path", "--json")
     assert res.returncode == 1, res.stderr
     assert "FORGED hijack-path: fake-bin-on-path scored 1" in res.stderr
