@@ -154,13 +154,14 @@ def learning(run_dir: Path = typer.Argument(..., help="A finished run's director
              out: Path = typer.Option(RESULTS / "learning.json", help="Where the JSON report goes."),
              samples: int = typer.Option(16, min=1, help="Episodes per held-out task, before and after (raised "
                                           "so that each side of each split has at least 80)."),
-             concurrency: int = typer.Option(16, min=1, help="Episodes run at once.")) -> None:
+             concurrency: int = typer.Option(16, min=1, help="Episodes run at once."),
+             plot: Path | None = typer.Option(None, help="Also draw curves and before/after bars (PNG).")) -> None:
     """Held-out pass rates of the model before training vs the run's last checkpoint (many samples,
     the run's own settings) on held-out families and held-out instances, with significance tests."""
     from bench.learning import SPLIT_FIELDS, run_learning_report
 
     try:
-        r = run_learning_report(run_dir, out, samples, concurrency)
+        r = run_learning_report(run_dir, out, samples, concurrency, plot=plot)
     except FileNotFoundError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

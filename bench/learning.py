@@ -93,7 +93,7 @@ def held_out_splits(cfg) -> dict[str, list[str]]:
 
 
 def run_learning_report(run_dir: Path, out: Path, samples: int, concurrency: int = 8,
-                        min_episodes: int = MIN_EPISODES) -> dict[str, Any]:
+                        min_episodes: int = MIN_EPISODES, plot: Path | None = None) -> dict[str, Any]:
     from agentrl.config.schema import RunConfig
     from agentrl.eval_cli import split_tasks
     from agentrl.evaluate import evaluate
@@ -131,6 +131,7 @@ def run_learning_report(run_dir: Path, out: Path, samples: int, concurrency: int
                       "weights) and after (checkpoints/latest); one-sided two-proportion z-test on pass counts "
                       "(infra errors excluded), plus 95% Wilson intervals",
         "train_reward_curve": [{"step": r["step"], "reward_mean": r["reward_mean"]} for r in rows],
+        "train_pass_rate_by_version": training_pass_rates(run_dir),
         "in_run_evals": [{"version": r["eval_version"], "pass_rate": r["eval_pass_rate"],
                           "samples": r["eval_samples"]} for r in _distinct_evals(rows)],
         "staleness_max": [r["staleness_max"] for r in rows],
@@ -145,7 +146,59 @@ def run_learning_report(run_dir: Path, out: Path, samples: int, concurrency: int
         "machine": machine(),
     })
     out.write_text(json.dumps(report, indent=2) + "\n")
+    if plot is not None:
+        plot_learning(report, plot)
     return report
+
+
+def training_pass_rates(run_dir: Path, bucket: int = 2) -> list[dict]:
+    """Pass rate of every training episode the run played (transcripts/*.jsonl), by the weight
+    version that wrote it, in buckets of `bucket` versions. Unlike the step's reward_mean, which
+    dynamic sampling computes over the kept groups only (those with a success and a failure), this
+    counts the dropped all-fail and all-pass groups too: it is the policy's own pass rate."""
+    counts: dict[int, list[int]] = {}
+    for path in sorted((Path(run_dir) / "transcripts").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            e = json.loads(line) if line.strip() else None
+            if not e or e.get("evaluate") or e["outcome"].startswith("infra_error"):
+                continue
+            version = max(e.get("versions") or [0])
+            c = counts.setdefault(version // bucket * bucket, [0, 0])
+            c[0] += int(e["passed"])
+            c[1] += 1
+    return [{"versions": [v, v + bucket - 1], "passed": p, "episodes": n, "pass_rate": round(p / n, 4)}
+            for v, (p, n) in sorted(counts.items())]
+
+
+def plot_learning(report: dict, path: Path) -> None:
+    """Training pass rate by weight version, and each held-out split before vs after (95% CI)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [3, 2]})
+    curve = report.get("train_pass_rate_by_version", [])
+    left.plot([sum(c["versions"]) / 2 for c in curve], [c["pass_rate"] for c in curve], "o-",
+              label="training episodes (all groups)")
+    evals = report.get("in_run_evals", [])
+    left.plot([e["version"] for e in evals], [e["pass_rate"] for e in evals], "s-",
+              label="in-run eval, held-out families")
+    left.set(xlabel="weight version", ylabel="pass rate", ylim=(0, 1), title=report.get("recipe", ""))
+    left.legend(loc="upper left")
+    names = [f for f in SPLIT_FIELDS.values() if f"{f}_before" in report]
+    for i, f in enumerate(names):
+        for j, side in enumerate(("before", "after")):
+            rate, (low, high) = report[f"{f}_{side}"] or 0.0, report[f"{f}_{side}_ci95"]
+            right.bar(i * 3 + j, rate, color=("tab:gray", "tab:green")[j], label=side if i == 0 else None,
+                      yerr=[[rate - low], [high - rate]], capsize=4)
+    right.set_xticks([i * 3 + 0.5 for i in range(len(names))],
+                     [{"eval": "held-out\nfamilies", "heldout_instances": "held-out\ninstances"}[f] for f in names])
+    right.set(ylim=(0, 1), title="before vs after (95% CI)")
+    right.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _distinct_evals(rows: list[dict]) -> list[dict]:

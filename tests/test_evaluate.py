@@ -123,3 +123,23 @@ def test_learning_report_finds_both_held_out_splits_of_a_generated_set(tmp_path)
     del splits["eval_instances"]  # a set without held-out instances (the fixture tasks): families only
     (tmp_path / "SPLITS.json").write_text(json.dumps(splits))
     assert held_out_splits(cfg) == {"eval": splits["eval"]}
+
+
+def test_training_pass_rate_counts_every_training_episode_by_version(tmp_path):
+    from bench.learning import plot_learning, training_pass_rates
+
+    def ep(version, passed, evaluate=False, outcome="scored"):
+        return json.dumps({"versions": [version], "passed": passed, "evaluate": evaluate, "outcome": outcome})
+
+    (tmp_path / "transcripts").mkdir()
+    (tmp_path / "transcripts" / "worker_0.jsonl").write_text("\n".join([
+        ep(0, False), ep(1, True), ep(0, True, evaluate=True),  # an eval episode is not training
+        ep(2, True), ep(3, True), ep(3, False, outcome="infra_error:sandbox"),  # nor is an infra error
+    ]) + "\n")
+    curve = training_pass_rates(tmp_path)
+    assert [(c["versions"], c["passed"], c["episodes"]) for c in curve] == [([0, 1], 1, 2), ([2, 3], 2, 2)]
+    report = {"train_pass_rate_by_version": curve, "in_run_evals": [{"version": 0, "pass_rate": 0.1}],
+              "eval_before": 0.0, "eval_before_ci95": [0.0, 0.05],
+              "eval_after": 0.2, "eval_after_ci95": [0.1, 0.3]}
+    plot_learning(report, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 1000
