@@ -12,12 +12,13 @@ Infrastructure failures are counted apart and never as failed attempts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,55 +78,66 @@ def checkpoint_weights(cfg: RunConfig, directory: Path, work_dir: Path) -> tuple
     return [(n, t.detach().cpu().clone()) for n, t in backend.named_weights()], backend.version
 
 
-async def evaluate(cfg: RunConfig, tasks: list[str], samples: int, *, checkpoint: Path | None = None,
-                   concurrency: int = 8, work_dir: Path, on_episode: Callable[[dict], None] | None = None) -> dict:
-    """Play `samples` episodes of each task against one engine; returns the report dict."""
-    from agentrl.agent.runner import EpisodeRunner
+@contextlib.asynccontextmanager
+async def serving_engine(cfg: RunConfig, checkpoint: Path | None, work_dir: Path,
+                         log_name: str = "eval_engine.log") -> AsyncIterator[tuple[str, int]]:
+    """(URL, weight version) of one engine of the run config, serving the checkpoint's weights when
+    one is given; stopped on exit. What `agentrl eval` and `agentrl eval --harness harbor` play against."""
     from agentrl.cluster.engine_process import EngineProcess, free_port
     from agentrl.config.plan import resolve_plan
-    from agentrl.rollout.client import EngineClient
     from agentrl.rollout.engine_cmd import engine_argv
-    from agentrl.sandbox.factory import make_provider
 
-    plan = resolve_plan(cfg, check_runnable=False)
-    spec = plan.engines[0]
+    spec = resolve_plan(cfg, check_runnable=False).engines[0]
     host = cfg.cluster.host if cfg.cluster.host != "node_ip" else "127.0.0.1"
     port = free_port(host)
     url = f"http://{host}:{port}"
-    engine = EngineProcess(engine_argv(cfg, spec, node_rank=0, host=host, port=port, dist_init_addr=None), url,
-                           work_dir / "logs" / "eval_engine.log", env=spec.env)
-    r = cfg.rollout
     weights, version = checkpoint_weights(cfg, checkpoint, work_dir) if checkpoint is not None else (None, 0)
-    run_id = f"eval-{uuid.uuid4().hex[:8]}"
-    provider = make_provider(cfg.sandbox, run_id)
-    started = time.perf_counter()
+    engine = EngineProcess(engine_argv(cfg, spec, node_rank=0, host=host, port=port, dist_init_addr=None), url,
+                           work_dir / "logs" / log_name, env=spec.env)
     await engine.start()
     try:
         if weights is not None:
             from agentrl.sync.weights import push_weights
 
-            sync = await push_weights([url], weights, version, pause_mode=r.pause_mode)
+            sync = await push_weights([url], weights, version, pause_mode=cfg.rollout.pause_mode)
             if sync["failed_engines"]:
                 raise RuntimeError(f"the engine refused the checkpoint's weights: {sync['failed_engines']}")
-        client = EngineClient(url, timeout_s=r.request_timeout_s)
-        runner = EpisodeRunner(cfg, client, provider)
-        gate = asyncio.Semaphore(concurrency)
-
-        async def one(task_id: str, k: int) -> dict:
-            async with gate:
-                gid = f"{run_id}-{task_id}"
-                traj, s = await runner.run(task_id, f"{gid}-{k}", gid, evaluate=True)
-                summary = {**s.to_dict(), "sample": k, "text": runner.decode_reply(traj)}
-                if on_episode:
-                    on_episode(summary)
-                return summary
-
-        try:
-            episodes = await asyncio.gather(*(one(t, k) for k in range(samples) for t in tasks))
-        finally:
-            await client.aclose()
+        yield url, version
     finally:
         engine.stop()
+
+
+async def evaluate(cfg: RunConfig, tasks: list[str], samples: int, *, checkpoint: Path | None = None,
+                   concurrency: int = 8, work_dir: Path, on_episode: Callable[[dict], None] | None = None) -> dict:
+    """Play `samples` episodes of each task against one engine; returns the report dict."""
+    from agentrl.agent.runner import EpisodeRunner
+    from agentrl.rollout.client import EngineClient
+    from agentrl.sandbox.factory import make_provider
+
+    r = cfg.rollout
+    run_id = f"eval-{uuid.uuid4().hex[:8]}"
+    provider = make_provider(cfg.sandbox, run_id)
+    started = time.perf_counter()
+    try:
+        async with serving_engine(cfg, checkpoint, work_dir) as (url, version):
+            client = EngineClient(url, timeout_s=r.request_timeout_s)
+            runner = EpisodeRunner(cfg, client, provider)
+            gate = asyncio.Semaphore(concurrency)
+
+            async def one(task_id: str, k: int) -> dict:
+                async with gate:
+                    gid = f"{run_id}-{task_id}"
+                    traj, s = await runner.run(task_id, f"{gid}-{k}", gid, evaluate=True)
+                    summary = {**s.to_dict(), "sample": k, "text": runner.decode_reply(traj)}
+                    if on_episode:
+                        on_episode(summary)
+                    return summary
+
+            try:
+                episodes = await asyncio.gather(*(one(t, k) for k in range(samples) for t in tasks))
+            finally:
+                await client.aclose()
+    finally:
         await provider.aclose()
     report = summarise(list(episodes))
     report.update({"model": cfg.model.name, "checkpoint": str(checkpoint) if checkpoint else None,

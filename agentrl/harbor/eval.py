@@ -19,9 +19,8 @@ is its asciinema recording (no asciinema in the local sandbox).
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,46 +55,17 @@ def tasks_dir_of(cfg: RunConfig) -> Path:
     return Path(tasks_dir)
 
 
-@contextlib.asynccontextmanager
-async def serving_engine(cfg: RunConfig, checkpoint: Path | None, work_dir: Path) -> AsyncIterator[tuple[str, int]]:
-    """(URL, weight version) of one engine of the run config, with the checkpoint's weights when
-    given; stopped on exit. The same steps as agentrl.evaluate.evaluate's engine."""
-    from agentrl.cluster.engine_process import EngineProcess, free_port
-    from agentrl.config.plan import resolve_plan
-    from agentrl.evaluate import checkpoint_weights
-    from agentrl.rollout.engine_cmd import engine_argv
-
-    spec = resolve_plan(cfg, check_runnable=False).engines[0]
-    host = cfg.cluster.host if cfg.cluster.host != "node_ip" else "127.0.0.1"
-    port = free_port(host)
-    url = f"http://{host}:{port}"
-    weights, version = checkpoint_weights(cfg, checkpoint, work_dir) if checkpoint is not None else (None, 0)
-    engine = EngineProcess(engine_argv(cfg, spec, node_rank=0, host=host, port=port, dist_init_addr=None), url,
-                           work_dir / "logs" / "harbor_engine.log", env=spec.env)
-    await engine.start()
-    try:
-        if weights is not None:
-            from agentrl.sync.weights import push_weights
-
-            sync = await push_weights([url], weights, version, pause_mode=cfg.rollout.pause_mode)
-            if sync["failed_engines"]:
-                raise RuntimeError(f"the engine refused the checkpoint's weights: {sync['failed_engines']}")
-        yield url, version
-    finally:
-        engine.stop()
-
-
 async def harbor_report(cfg: RunConfig, tasks: list[str], samples: int, *, checkpoint: Path | None,
                         concurrency: int, work_dir: Path) -> dict[str, Any]:
     """Terminus-2 through `harbor run` against the run's engine: agentrl.evaluate's report shape."""
     import asyncio
 
-    from agentrl.evaluate import summarise
+    from agentrl.evaluate import serving_engine, summarise
     from agentrl.harbor.jobs import read_job, run_job
 
     tasks_dir = tasks_dir_of(cfg)
     started = time.perf_counter()
-    async with serving_engine(cfg, checkpoint, work_dir) as (url, version):
+    async with serving_engine(cfg, checkpoint, work_dir, "harbor_engine.log") as (url, version):
         job = await asyncio.to_thread(
             run_job, tasks_dir, HARBOR_AGENT, work_dir / "harbor_jobs", f"eval-{int(time.time())}", tasks=tasks,
             model=f"openai/{cfg.model.name}", agent_kwargs=terminus_kwargs(cfg, f"{url}/v1"),
