@@ -24,6 +24,9 @@ def plan_json(cfg: RunConfig, plan: RunPlan, refusal: str | None = None) -> str:
     out["mode"] = cfg.mode
     out["config"] = cfg.model_dump(mode="json")
     out["memory_estimate_gb_per_gpu"] = _memory_estimate(cfg, plan)
+    from agentrl.sync.update_time import update_estimate
+
+    out["weight_update_estimate"] = update_estimate(cfg, plan)
     return redact(json.dumps(out, indent=2))
 
 
@@ -103,6 +106,7 @@ def _render_plan(cfg: RunConfig, plan: RunPlan, console: Console) -> None:
     if envs:
         console.print("engine environment: " + redact(" ".join(f"{k}={v}" for k, v in sorted(envs.items()))))
     _render_memory(cfg, plan, console)
+    _render_update_time(cfg, plan, console)
     for w in plan.warnings:
         console.print(f"[yellow]warning:[/yellow] {w}")
 
@@ -122,3 +126,30 @@ def _render_memory(cfg: RunConfig, plan: RunPlan, console: Console) -> None:
     for r in rows:
         mem.add_row(*r)
     console.print(mem)
+
+
+_SHORT = {"broadcast": "bcast", "gather_nic": "NIC", "gather_nvlink": "NVLink", "fp8_launch": "FP8"}
+
+
+def _render_update_time(cfg: RunConfig, plan: RunPlan, console: Console) -> None:
+    """The predicted time of one full weight update, stage by stage (agentrl.sync.update_time)."""
+    from agentrl.sync.update_time import update_estimate
+
+    est = update_estimate(cfg, plan)
+    if "unavailable" in est:
+        console.print(f"weight update estimate unavailable: {est['unavailable']}")
+        return
+    e, other = est["configured"], est["other"]
+    buckets = sum(s["buckets"] for s in e["stages"])
+    t = Table(title=f"one full weight update, predicted: {'FP8' if e['fp8'] else 'bf16'}, {e['gb_per_engine_gpu']:.0f} "
+                    f"GB to every engine GPU over {e['link']} at {e['broadcast_gbps']:.0f} GB/s, {buckets} buckets")
+    # bcast: to every engine GPU; NIC / NVLink: the sender gathering experts and TP shards; FP8: launches
+    for c in ("stage", "GB", "bcast s", "NIC s", "NVLink s", "FP8 s", "total s", "bound"):
+        t.add_column(c)
+    for s in e["stages"]:
+        t.add_row(str(s["stage"]), f"{s['gb']:.0f}", f"{s['broadcast_s']:.2f}", f"{s['gather_nic_s']:.2f}",
+                  f"{s['gather_nvlink_s']:.2f}", f"{s['fp8_launch_s']:.2f}", f"{s['seconds']:.2f}", _SHORT[s["dominant"]])
+    console.print(t)
+    console.print(f"weight update: {e['seconds']:.1f} s predicted (goal {e['goal_s']:g} s; "
+                  f"{'FP8' if other['fp8'] else 'bf16'} would take {other['seconds']:.1f} s); stages run one after "
+                  "another, each engine GPU receives every tensor")
