@@ -65,6 +65,7 @@ class Orchestrator:
         self._ready_cache = 0  # complete groups in the buffer, as of this loop iteration
         self._wake = asyncio.Event()
         self._out_of_rotation: set[int] = set()  # restarted engines still waiting for current weights
+        self._resumable: list[dict] = []  # groups in flight at a crash, handed back by the buffer
         self.loggers = RunLoggers([])  # tensorboard / wandb, opened in _start when configured
         self.ray = None
 
@@ -106,7 +107,8 @@ class Orchestrator:
         self.buffer_name = f"{self.run_id}-replay-buffer"
         self.buffer = ray.remote(ReplayBuffer).options(num_cpus=0, name=self.buffer_name).remote(
             str(self.run_dir), self.cfg.algorithm.group_size, self.cfg.buffer.max_staleness, self.cfg.buffer.fsync,
-            resume_step=self.step)
+            resume_step=self.step, partial=self.cfg.rollout.partial, stale_tokens=self.cfg.algorithm.stale_tokens,
+            resume_in_flight=self.cfg.buffer.resume_in_flight)
         await self._note_recovery(resumed)
 
         self.engines = EngineGroup(self.cfg, self.plan, self.run_dir, self.run_id)
@@ -128,6 +130,8 @@ class Orchestrator:
         ]
         self._worker_load = [0] * len(self.workers)
         await self._set_up_tasks(resumed)
+        for g in self._resumable:  # buffer.resume_in_flight: the groups in flight at the crash go on
+            self._launch_group(g["task_id"], None, resume=g)
 
     async def _note_recovery(self, resumed: dict | None) -> None:
         rec = await self.buffer.recovery.remote()
@@ -149,6 +153,11 @@ class Orchestrator:
         retired = await self.buffer.pop_retired.remote()
         self.admission.on_resume(self.version, rec["recovered_untrained_groups"] + len(retired))
         self._handle_retired(retired)
+        self._resumable = await self.buffer.resumable.remote()  # admitted again (on_start) when launched
+        if self._resumable:
+            eps = sum(len(g["snapshots"]) for g in self._resumable)
+            self.progress.note(f"{len(self._resumable)} group(s) were in flight at the crash: they go on "
+                               f"({eps} recorded episode(s) continue, the others start)")
 
     def _roll_back_metrics(self) -> None:
         """metrics.jsonl keeps only the steps of the surviving history: rows of steps after the
@@ -201,14 +210,14 @@ class Orchestrator:
                 task_id, lineage = self.sampler.next_task(), None
             self._launch_group(task_id, lineage)
 
-    def _launch_group(self, task_id: str, lineage: str | None) -> None:
+    def _launch_group(self, task_id: str, lineage: str | None, resume: dict | None = None) -> None:
         n = self.cfg.algorithm.group_size
-        gid = f"g{uuid.uuid4().hex[:10]}"
+        gid = resume["group_id"] if resume else f"g{uuid.uuid4().hex[:10]}"
         self._lineage[gid] = lineage or gid
         w = min(range(len(self.workers)), key=lambda i: self._worker_load[i])
         self._worker_load[w] += n
-        self.admission.on_start()
-        t = asyncio.create_task(self._run_group(w, task_id, gid, n))
+        self.admission.on_start()  # a resumed group counts whole, its accepted episodes too
+        t = asyncio.create_task(self._run_group(w, task_id, gid, n, resume))
         self._group_tasks.add(t)
         t.add_done_callback(self._group_done)
 
@@ -216,9 +225,9 @@ class Orchestrator:
         self._group_tasks.discard(t)
         self._wake.set()
 
-    async def _run_group(self, w: int, task_id: str, gid: str, n: int) -> None:
+    async def _run_group(self, w: int, task_id: str, gid: str, n: int, resume: dict | None = None) -> None:
         try:
-            summaries = await self.workers[w].run_group.remote(task_id, gid, n)
+            summaries = await self.workers[w].run_group.remote(task_id, gid, n, False, resume)
         except Exception as e:  # the worker actor died: the group cannot complete
             self.admission.on_episodes_end(n)
             self.progress.note(f"episode worker {w} failed ({type(e).__name__}) during group {gid} of {task_id}")
@@ -327,7 +336,7 @@ class Orchestrator:
                                                  "sampler": self.sampler.state_dict(),
                                                  "dynamic_sampling": self.dynamic.state_dict()})
         self.trainer_busy_s += time.perf_counter() - t0
-        return {**metrics, **sync, "staleness_max": max(batch.staleness), "staleness_mean":
+        return {**metrics, **sync, **batch.tokens, "staleness_max": max(batch.staleness), "staleness_mean":
                 sum(batch.staleness) / len(batch.staleness), "staleness": batch.staleness}
 
     def _in_rotation(self) -> list[str]:

@@ -99,13 +99,25 @@ class EpisodeRunner:
         env = self.make_env()
         return list(env.task_ids()), dict(env.splits()) if isinstance(env, SplitEnv) else {}
 
-    async def run(self, task_id: str, episode_id: str, group_id: str, *,
-                  evaluate: bool = False) -> tuple[Trajectory, EpisodeSummary]:
+    async def run(self, task_id: str, episode_id: str, group_id: str, *, evaluate: bool = False,
+                  resume: Any = None, recorder: Any = None) -> tuple[Trajectory, EpisodeSummary]:
+        """`resume` (an agentrl.agent.resume.EpisodeSnapshot) continues a recorded episode in a fresh
+        sandbox, or plays it again from the start when the sandbox does not reproduce it; `recorder`
+        (a ProgressRecorder) records this one as it runs."""
         from agentrl.agent.episode import run_episode
+        from agentrl.agent.resume import ResumeDiverged
 
         t0 = time.time()
-        traj = await run_episode(self.make_env(), self.generator, self.tokenizer, task_id, self.cfg.agent,
-                                 self.sampling, episode_id, group_id)
+        def play(snapshot: Any):
+            return run_episode(self.make_env(), self.generator, self.tokenizer, task_id, self.cfg.agent,
+                               self.sampling, episode_id, group_id, partial=self.cfg.rollout.partial,
+                               recorder=recorder, resume=snapshot)
+
+        try:
+            traj = await play(resume)
+        except ResumeDiverged as why:
+            traj = await play(None)
+            traj.info["resume_diverged"] = str(why)
         summary = EpisodeSummary(episode_id, task_id, group_id, traj.outcome, traj.reward, len(traj.token_ids),
                                  traj.num_generated, traj.num_turns, traj.oldest_version, evaluate, time.time() - t0)
         if self._transcripts is not None:

@@ -58,21 +58,32 @@ class EpisodeWorker:
         self._setup()
         self.router.mark_up(url)
 
-    async def run_group(self, task_id: str, group_id: str, n: int, evaluate: bool = False) -> list[dict]:
+    async def run_group(self, task_id: str, group_id: str, n: int, evaluate: bool = False,
+                        resume: dict | None = None) -> list[dict]:
         """Run n episodes of one task concurrently; trajectories go to the buffer unless evaluating.
-        Returns one EpisodeSummary dict per episode."""
+        Returns one EpisodeSummary dict per episode run. `resume` (a group the buffer handed back after
+        a restart: accepted episode ids, progress records) runs only the episodes not yet accepted,
+        continuing the recorded ones. With buffer.resume_in_flight every episode records its progress."""
+        from agentrl.agent.resume import EpisodeSnapshot, ProgressRecorder
+
         runner = self._setup()
         task = asyncio.current_task()
         self._tasks.add(task)
+        done, snapshots = set(resume["accepted"]) if resume else set(), resume["snapshots"] if resume else {}
 
         async def one(k: int) -> dict:
-            traj, summary = await runner.run(task_id, f"{group_id}-{k}", group_id, evaluate=evaluate)
+            eid = f"{group_id}-{k}"
+            snap = EpisodeSnapshot.from_record(snapshots[eid]) if eid in snapshots else None
+            rec = None
+            if self.cfg.buffer.resume_in_flight and not evaluate:
+                rec = ProgressRecorder(self.buffer.record_partial.remote, eid, group_id, task_id, n)
+            traj, summary = await runner.run(task_id, eid, group_id, evaluate=evaluate, resume=snap, recorder=rec)
             if not evaluate:
                 await self.buffer.add.remote(traj)
             return summary.to_dict()
 
         try:
-            return list(await asyncio.gather(*(one(k) for k in range(n))))
+            return list(await asyncio.gather(*(one(k) for k in range(n) if f"{group_id}-{k}" not in done)))
         finally:
             self._tasks.discard(task)
 
