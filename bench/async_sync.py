@@ -13,7 +13,8 @@ the report gives the staleness distribution and final reward next to the speedup
 Measured over the loop only (after Ray, engine and trainer are up, which both modes pay alike):
 wall clock to the last optimizer step, trained samples/hour, trainer idle ratio (1 - time in
 train step + weight sync / wall), rollout occupancy (time-averaged episodes in flight /
-in_flight), engine busy ratio (sampled: a generate request running), staleness p50/p95/max.
+in_flight), engine busy ratio (sampled: a generate request running or queued while the engine is not
+paused) and its complement the engine (rollout) idle ratio, staleness p50/p95/max.
 """
 
 from __future__ import annotations
@@ -87,12 +88,22 @@ def _percentile(xs: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
-async def _run_mode(w: Workload, mode: str, run_dir: Path) -> dict[str, Any]:
+async def _run_mode(w: Workload, mode: str, run_dir: Path, recipe: str = "local",
+                    extra: tuple[str, ...] = ()) -> dict[str, Any]:
     from agentrl.config.loader import load_config
+
+    cfg = load_config(recipe, overrides(w, mode, run_dir) + list(extra))
+    orch, rows, samples, summary = await timed_run(cfg, run_dir)
+    return _summarize(w, mode, orch, rows, samples, summary)
+
+
+async def timed_run(cfg: Any, run_dir: Path) -> tuple[Any, list[dict], list[dict], dict]:
+    """The real run loop on `cfg`, timed from the end of start-up to the last recorded step, with a
+    load sampler (episodes in flight, engine 0 busy, a train step in flight) every SAMPLE_EVERY_S.
+    Returns (orchestrator, metrics rows, samples, summary)."""
     from agentrl.config.plan import resolve_plan
     from agentrl.orchestrator import Orchestrator
 
-    cfg = load_config("local", overrides(w, mode, run_dir))
     plan = resolve_plan(cfg)
     samples: list[dict[str, float]] = []
 
@@ -118,8 +129,10 @@ async def _run_mode(w: Workload, mode: str, run_dir: Path) -> dict[str, Any]:
                     info = (await self.engines.server_info(0))["internal_states"][0]
                 except Exception as err:  # noqa: BLE001 - an engine between restarts counts as idle
                     info = {"error": str(err)}
+                # busy: requests to run and not paused for a weight update (paused, they only wait)
+                queued = info.get("num_running", 0) + info.get("num_waiting", 0) > 0
                 samples.append({"t": time.perf_counter(), "running": self.admission.running_episodes,
-                                "engine_busy": float(info.get("num_running", 0) + info.get("num_waiting", 0) > 0),
+                                "engine_busy": float(queued and not info.get("paused")),
                                 "training": float(self._training is not None)})
                 await asyncio.sleep(SAMPLE_EVERY_S)
 
@@ -132,7 +145,7 @@ async def _run_mode(w: Workload, mode: str, run_dir: Path) -> dict[str, Any]:
         if getattr(orch, "load_sampler", None):  # absent when start-up failed
             orch.load_sampler.cancel()
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return _summarize(w, mode, orch, rows, samples, summary)
+    return orch, rows, samples, summary
 
 
 def _summarize(w: Workload, mode: str, orch: Any, rows: list[dict], samples: list[dict], summary: dict) -> dict:
@@ -156,6 +169,8 @@ def _summarize(w: Workload, mode: str, orch: Any, rows: list[dict], samples: lis
         "rollout_occupancy": (statistics.fmean(s["running"] for s in in_loop) / w.in_flight) if in_loop else None,
         "episodes_in_flight_mean": statistics.fmean(s["running"] for s in in_loop) if in_loop else None,
         "engine_busy_ratio": statistics.fmean(s["engine_busy"] for s in in_loop) if in_loop else None,
+        # verl's pair: the trainer's idle share and the rollout engines' (engine 0 with nothing to run)
+        "engine_idle_ratio": 1 - statistics.fmean(s["engine_busy"] for s in in_loop) if in_loop else None,
         "staleness_p50": _percentile(staleness, 50), "staleness_p95": _percentile(staleness, 95),
         "staleness_max": max(staleness) if staleness else None,
         "staleness_histogram": {str(k): staleness.count(k) for k in sorted(set(staleness))},
@@ -192,19 +207,23 @@ def _episode_timings(episodes: list[dict]) -> dict[str, float]:
 
 
 def run_async_vs_sync(out_path: str | Path, workload: Workload = Workload(), work_dir: str | Path | None = None,
-                      modes: tuple[str, ...] = ("sync", "async")) -> dict:
-    """Run every mode of `modes` one after the other on `workload`; write the JSON report and PNG."""
+                      modes: tuple[str, ...] = ("sync", "async"), recipe: str = "local",
+                      extra: tuple[str, ...] = (), what: str | None = None) -> dict:
+    """Run every mode of `modes` one after the other on `workload`; write the JSON report and PNG.
+    `recipe` and `extra` (--set items after the workload's) place the run elsewhere (bench/gpu/async_vs_sync_gpu.py)."""
     workload.check()
     if set(modes) - {"sync", "async"} or not modes:
         raise ValueError(f"modes must be among sync, async; got {modes}")
     out_path = Path(out_path)
     report: dict[str, Any] = {"benchmark": "async_vs_sync", "machine": machine(), "workload": asdict(workload),
                               "goal": {"speedup": GOAL_SPEEDUP, "trainer_idle_ratio_async": GOAL_TRAINER_IDLE},
-                              "modes": {}}
+                              "recipe": recipe, "overrides": list(extra), "modes": {}}
+    if what:
+        report["what"] = what
     with tempfile.TemporaryDirectory(prefix="agentrl-async-vs-sync-", dir=work_dir) as tmp:
         for mode in modes:
             t0 = time.perf_counter()
-            result = asyncio.run(_run_mode(workload, mode, Path(tmp) / mode))
+            result = asyncio.run(_run_mode(workload, mode, Path(tmp) / mode, recipe, extra))
             result["total_s"] = time.perf_counter() - t0
             report["modes"][mode] = result
     report.update(_headline(report["modes"]))
@@ -219,13 +238,20 @@ def _headline(modes: dict[str, dict]) -> dict:
     head: dict[str, Any] = {}
     if a:
         head.update(trainer_idle_ratio_async=a["trainer_idle_ratio"], staleness_p95=a["staleness_p95"],
+                    staleness_p50=a.get("staleness_p50"),
                     trainer_idle_ratio_async_after_first_step=a["trainer_idle_ratio_after_first_step"],
-                    reward_final_async=a["reward_final"])
+                    reward_final_async=a["reward_final"], engine_idle_ratio_async=a.get("engine_idle_ratio"),
+                    episodes_in_flight_mean_async=a.get("episodes_in_flight_mean"))
+        idle = [x for x in (a["trainer_idle_ratio"], a.get("engine_idle_ratio")) if x is not None]
+        # The bottleneck stage is the less idle one: the trainer when rollouts keep ahead, the engines
+        # when training is the slower side.
+        head["bottleneck_idle_ratio_async"] = min(idle)
     if s:
         head.update(trainer_idle_ratio_sync=s["trainer_idle_ratio"], reward_final_sync=s["reward_final"])
     if a and s:
         head["speedup"] = s["wall_s"] / a["wall_s"]
         head["goal_met"] = head["speedup"] >= GOAL_SPEEDUP and a["trainer_idle_ratio"] <= GOAL_TRAINER_IDLE
+        head["goal_met_bottleneck"] = head["speedup"] >= GOAL_SPEEDUP and head["bottleneck_idle_ratio_async"] <= GOAL_TRAINER_IDLE
     return head
 
 

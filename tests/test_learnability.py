@@ -1,6 +1,9 @@
 """A learnability check that can fail: GRPO on the tiny GLM must learn a one-token bandit
 (reward 1 when the sampled token is one of 10% of the vocabulary) from chance (~0.1) to >= 0.9,
-and its sign-flipped twin must not learn."""
+and its sign-flipped twin must not learn. With partial rollout every completion is a generation
+interrupted by weight updates: its first token was sampled by the weights of PARTIAL_LAG versions
+ago, the rewarded last token by the current ones, and the batch goes through the buffer's
+stale-token policy (mask: the first token leaves the loss; tis: it stays, TIS-weighted)."""
 
 import pytest
 import torch
@@ -32,7 +35,25 @@ def sample_group(model, prompt, n, version, temperature=1.0):
     return [(t, float(logp[t])) for t in toks]
 
 
-def run_grpo(sign: float, steps: int, seed: int = 0):
+PARTIAL_LAG = 2  # versions between a continued completion's first token and its last
+PARTIAL_MAX_STALENESS = 1  # so the first token is stale: masked or TIS-corrected
+
+
+def sample_continued(stale, model, prompt, n):
+    """n two-token completions: the first token from `stale`, the second from `model` after it."""
+    first = sample_group(stale, prompt, n)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + [a] for a, _ in first])).logits[:, -1].float()
+    logp = torch.log_softmax(logits, -1)
+    second = torch.multinomial(logp.exp(), 1).squeeze(1).tolist()
+    return [(a, lpa, b, float(logp[i, b])) for i, ((a, lpa), b) in enumerate(zip(first, second))]
+
+
+def run_grpo(sign: float, steps: int, seed: int = 0, partial: str | None = None):
+    import copy
+
+    from agentrl.buffer.batch_view import batch_view
+
     torch.manual_seed(seed)
     model = make_tiny(seed)
     train = TrainConfig(micro_batch_tokens=4096, logprob_chunk_tokens=256)
@@ -42,28 +63,41 @@ def run_grpo(sign: float, steps: int, seed: int = 0):
     backend = TorchBackend(model, train, algo, advantage_sign=sign)
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, 1000, (6,), generator=g).tolist() for _ in range(4)]
-    history = []
+    history, snapshots = [], {0: copy.deepcopy(model)}
     for step in range(steps):
+        v = backend.version
         trajs, gids = [], []
         for p_i in range(algo.prompts_per_step):
             prompt = prompts[(step * algo.prompts_per_step + p_i) % len(prompts)]
-            for k, (tok, lp) in enumerate(sample_group(model, prompt, algo.group_size, backend.version)):
-                gid = f"s{step}p{p_i}"
+            gid = f"s{step}p{p_i}"
+            if partial is None:
+                completions = [([tok], [lp], [v]) for tok, lp in sample_group(model, prompt, algo.group_size, v)]
+            else:
+                old = max(v - PARTIAL_LAG, 0)
+                completions = [([a, b], [lpa, lpb], [old, v])
+                               for a, lpa, b, lpb in sample_continued(snapshots[old], model, prompt, algo.group_size)]
+            for k, (toks, lps, versions) in enumerate(completions):
                 trajs.append(Trajectory(
                     episode_id=f"{gid}e{k}", task_id=str(p_i), group_id=gid, prompt_len=len(prompt),
-                    token_ids=prompt + [tok], loss_mask=[0] * len(prompt) + [1],
-                    rollout_logprobs=[0.0] * len(prompt) + [lp], weight_versions=[-1] * len(prompt) + [backend.version],
-                    outcome=SCORED, reward=1.0 if rewarded(tok) else 0.0))
+                    token_ids=prompt + toks, loss_mask=[0] * len(prompt) + [1] * len(toks),
+                    rollout_logprobs=[0.0] * len(prompt) + lps, weight_versions=[-1] * len(prompt) + versions,
+                    outcome=SCORED, reward=1.0 if rewarded(toks[-1]) else 0.0))
                 gids.append(gid)
+        if partial is not None:  # what the replay buffer hands the trainer under partial rollout
+            trajs, facts = batch_view(trajs, v, PARTIAL_MAX_STALENESS, partial)
+            assert facts["stale_tokens"] == (len(trajs) if v >= PARTIAL_LAG else 0)
         m = backend.train_step(trajs, gids)
         history.append(m["reward_mean"])
+        snapshots[backend.version] = copy.deepcopy(model)
+        snapshots.pop(backend.version - PARTIAL_LAG - 1, None)
     return history
 
 
 @pytest.mark.slow
-def test_grpo_learns_and_sign_flip_does_not():
-    up = run_grpo(+1.0, steps=25)
-    down = run_grpo(-1.0, steps=25)
+@pytest.mark.parametrize("partial", [None, "mask", "tis"])
+def test_grpo_learns_and_sign_flip_does_not(partial):
+    up = run_grpo(+1.0, steps=25, partial=partial)
+    down = run_grpo(-1.0, steps=25, partial=partial)
     start = sum(up[:3]) / 3
     assert start < 0.4, f"the bandit should start near chance, got {start}"
     end_up = sum(up[-5:]) / 5

@@ -1,0 +1,156 @@
+"""Partial rollout off vs on, side by side: the same workload through the real run loop (async mode,
+the same staleness bound), one after the other in one process.
+
+Workload: the tiny GLM on the `turns` env (bench/turns_env.py): multi-turn episodes whose number of
+turns is heavy-tailed, every turn generating `tokens_per_turn` tokens, so generation is the work and
+long episodes are in flight across several weight updates.
+- off (rollout.partial=false, the defaults): engines pause with retract (a request in flight is
+  held in the engine and re-prefilled under the new weights); a group trains only while its OLDEST
+  token is within max_staleness, else it is retired and generated again.
+- on (rollout.partial=true): engines pause with abort, each episode keeps the tokens and re-issues
+  the turn for the rest of its budget; a group trains while each trajectory's NEWEST token is within
+  the bound, its older tokens masked out of the loss (`mask`: the bound still holds for every
+  trained token) or kept with their TIS weight (`tis`).
+Rollout throughput = trained tokens (sampled tokens the loss trained on) per second of the loop;
+reported with the generated tokens per second, both sides' trainer idle ratio and engine (rollout)
+idle ratio (verl's pair), group staleness and trained-token lag, the buffer's stale retirements,
+interruptions and carried-over tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.async_sync import _percentile, timed_run
+from bench.machine import machine
+from bench.turns_env import ENV_NAME
+
+GOAL_GAIN = 0.20  # +20% trained tokens per second with partial rollout (slime's APRIL: +22.5% on average)
+VARIANTS = {"off": (False, "mask"), "mask": (True, "mask"), "tis": (True, "tis")}  # -> (partial, stale_tokens)
+
+
+@dataclass(frozen=True)
+class PartialWorkload:
+    steps: int = 16
+    prompts_per_step: int = 4
+    group_size: int = 4
+    median_turns: float = 3.0
+    sigma: float = 0.9  # the longest of 16 episodes runs ~4x the median
+    max_turns: int = 16
+    tokens_per_turn: int = 24
+    max_staleness: int = 1
+    in_flight: int = 48
+    lr: float = 1e-3
+    sandbox: bool = False  # one real sandbox command per turn (CPU the engine and trainer then share)
+    seed: int = 0
+
+    @property
+    def batch(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def check(self) -> None:
+        for name in ("steps", "prompts_per_step", "group_size", "max_turns", "tokens_per_turn", "in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"workload.{name} must be >= 1, got {getattr(self, name)}")
+        if self.median_turns < 1 or self.sigma < 0 or self.max_staleness < 0:
+            raise ValueError("workload: need median_turns >= 1, sigma >= 0, max_staleness >= 0")
+        if self.in_flight < self.group_size:
+            raise ValueError(f"workload.in_flight ({self.in_flight}) must hold one group ({self.group_size})")
+
+
+def overrides(w: PartialWorkload, variant: str, run_dir: Path) -> list[str]:
+    """The `--set` list that turns the local recipe into this workload as `variant` (off, mask, tis)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant {variant!r}; use one of {sorted(VARIANTS)}")
+    partial, stale = VARIANTS[variant]
+    kwargs = {"median_turns": w.median_turns, "sigma": w.sigma, "max_turns": w.max_turns, "num_tasks": 8,
+              "seed": w.seed, "sandbox": w.sandbox}
+    context = (w.max_turns + 2) * (w.tokens_per_turn + 24) + 256  # every turn's reply and observation fit
+    return [
+        "mode=async", f"seed={w.seed}", f"logging.run_dir={run_dir}", "cluster.dashboard=false",
+        f"env.name={ENV_NAME}", f"env.kwargs={json.dumps(kwargs)}", "env.eval_every=0",
+        "agent.action_format=text", f"agent.max_turns={w.max_turns}", f"agent.max_context_tokens={context}",
+        "agent.episode_timeout_s=600", f"rollout.max_new_tokens={w.tokens_per_turn}",
+        "rollout.embedded.max_batch_size=64", f"rollout.partial={str(partial).lower()}",
+        f"algorithm.stale_tokens={stale}", f"algorithm.group_size={w.group_size}",
+        f"algorithm.prompts_per_step={w.prompts_per_step}", f"train.max_steps={w.steps}",
+        f"train.checkpoint_every={w.steps}", f"train.optimizer.lr={w.lr}", "train.optimizer.weight_decay=0.0",
+        f"buffer.max_staleness={w.max_staleness}", f"buffer.max_episodes_in_flight={w.in_flight}",
+    ]
+
+
+def summarize(variant: str, orch: Any, rows: list[dict], samples: list[dict], summary: dict) -> dict[str, Any]:
+    """One variant's numbers, over the loop only (start-up excluded, its own field)."""
+    wall = orch.loop_ended - orch.loop_started
+    in_loop = [s for s in samples if orch.loop_started <= s["t"] <= orch.loop_ended]
+    trained = sum(int(r.get("trained_tokens", 0)) for r in rows)
+    group_lags = [int(x) for r in rows for x in r.get("staleness", [])]
+    buffer = summary.get("buffer", {})
+    busy = statistics.fmean(s["engine_busy"] for s in in_loop) if in_loop else None
+    rewards = [r["reward_mean"] for r in rows]
+    return {
+        "variant": variant, "partial": VARIANTS[variant][0],
+        "stale_policy": VARIANTS[variant][1] if VARIANTS[variant][0] else None, "steps": len(rows), "wall_s": wall, "startup_s": orch.loop_started - orch.run_began,
+        "trained_tokens": trained, "trained_tokens_per_s": trained / wall if wall > 0 else None,
+        "generated_tokens": orch.generated_tokens, "generated_tokens_per_s": orch.generated_tokens / wall if wall else None,
+        "trainer_idle_ratio": max(0.0, 1 - orch.trainer_busy_s / wall) if wall > 0 else None,
+        "engine_idle_ratio": 1 - busy if busy is not None else None,
+        "episodes_in_flight_mean": statistics.fmean(s["running"] for s in in_loop) if in_loop else None,
+        "group_staleness_p50": _percentile(group_lags, 50), "group_staleness_p95": _percentile(group_lags, 95),
+        "trained_token_lag_max": max((int(r.get("token_lag_max", 0)) for r in rows), default=None),
+        "trained_token_lag_mean": statistics.fmean(r.get("token_lag_mean", 0.0) for r in rows) if rows else None,
+        "stale_tokens": sum(int(r.get("stale_tokens", 0)) for r in rows),
+        "groups_retired_stale": buffer.get("stale_retired"), "trajectories_accepted": buffer.get("accepted"),
+        "trajectories_interrupted": sum(int(r.get("trajectories_interrupted", 0)) for r in rows),
+        "tokens_carried_over": sum(int(r.get("tokens_carried_over", 0)) for r in rows),
+        "version_spans_mean": statistics.fmean(r.get("version_spans_mean", 0.0) for r in rows) if rows else None,
+        "version_spans_max": max((int(r.get("version_spans_max", 0)) for r in rows), default=None),
+        "train_step_s_mean": statistics.fmean(r["step_time_s"] for r in rows if "step_time_s" in r) if rows else None,
+        "weight_sync_s_mean": statistics.fmean(r["sync_s"] for r in rows if "sync_s" in r) if rows else None,
+        "reward_first": rewards[0] if rewards else None,
+        "reward_final": statistics.fmean(rewards[-max(1, len(rewards) // 4):]) if rewards else None,
+        "outcomes": rows[-1]["outcomes"] if rows else {}, "step_ends_s": orch.step_ends,
+    }
+
+
+def headline(variants: dict[str, dict]) -> dict[str, Any]:
+    off = variants.get("off")
+    head: dict[str, Any] = {}
+    for name in ("mask", "tis"):
+        on = variants.get(name)
+        if off and on and off["trained_tokens_per_s"] and on["trained_tokens_per_s"] is not None:
+            head[f"throughput_gain_{name}"] = on["trained_tokens_per_s"] / off["trained_tokens_per_s"] - 1
+    if "throughput_gain_mask" in head:
+        head["goal_met"] = head["throughput_gain_mask"] >= GOAL_GAIN
+    return head
+
+
+def run_partial_bench(out_path: str | Path, workload: PartialWorkload = PartialWorkload(),
+                      work_dir: str | Path | None = None, variants: tuple[str, ...] = ("off", "mask")) -> dict:
+    """Run every variant of `variants` on `workload`, one after the other; write the JSON report."""
+    workload.check()
+    if not variants or set(variants) - set(VARIANTS):
+        raise ValueError(f"variants must be among {sorted(VARIANTS)}; got {variants}")
+    from agentrl.config.loader import load_config
+
+    out_path = Path(out_path)
+    report: dict[str, Any] = {"benchmark": "partial_rollout", "machine": machine(), "workload": asdict(workload),
+                              "goal": {"throughput_gain": GOAL_GAIN}, "variants": {}}
+    with tempfile.TemporaryDirectory(prefix="agentrl-partial-", dir=work_dir) as tmp:
+        for v in variants:
+            run_dir = Path(tmp) / v
+            t0 = time.perf_counter()
+            orch, rows, samples, summary = asyncio.run(timed_run(load_config("local", overrides(workload, v, run_dir)),
+                                                                 run_dir))
+            report["variants"][v] = {**summarize(v, orch, rows, samples, summary), "total_s": time.perf_counter() - t0}
+    report.update(headline(report["variants"]))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    return report
