@@ -216,7 +216,9 @@ class BucketStream:
             raise ValueError(f"{name}: got {dtype_name(t.dtype)} {tuple(t.shape)}, the plan says "
                              f"{entry.dtype} {tuple(entry.shape)}")
         t0 = time.perf_counter()
-        fill(self._flat, offset, t.to(self.device, non_blocking=True))
+        if t.device != self.device:  # async only towards the GPU: a host copy must be complete when read
+            t = t.to(self.device, non_blocking=self.device.type == "cuda")
+        fill(self._flat, offset, t)
         self.stats.fill_s += time.perf_counter() - t0
         self._missing -= 1
         if self._missing == 0:

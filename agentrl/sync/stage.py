@@ -54,11 +54,10 @@ class StageSender:
         buckets = plan_buckets(specs, request.bucket_bytes, request.fp8)
         links = EngineLinks(request.urls, request.timeout_s, asyncio.get_running_loop())
         self.broken = False
+        stream = BucketStream(buckets, self.bucket_device(),
+                              lambda b, flat, last: self.send_bucket(links, request, b, flat, last and request.last_stage))
         try:
             await self.prepare(links, request)
-            stream = BucketStream(buckets, self.bucket_device(),
-                                  lambda b, flat, last: self.send_bucket(links, request, b, flat,
-                                                                         last and request.last_stage))
             await asyncio.to_thread(self._export, source, stream, request.fp8)
             await self.finish(links, request)
         finally:
