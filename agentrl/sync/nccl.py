@@ -188,10 +188,12 @@ class NcclTransport(StageSender):
         futures = links.post(list(g.members), lambda c: c.update_weights_from_distributed(
             p["names"], p["dtypes"], p["shapes"], group_name=g.name, flush_cache=last and request.flush,
             weight_version=version, load_format="flattened_bucket"))
-        try:
+        try:  # NCCL builds its communicator here, at the first broadcast (where mixed versions fail)
             work = dist.broadcast(flat, src=0, group=g.pg, async_op=True)
-        except Exception:  # noqa: BLE001 - a group whose peer died refuses new work
+        except Exception as exc:  # noqa: BLE001 - a group whose peer died refuses new work
             links.collect(futures)
+            for u in g.members:
+                links.failed.setdefault(u, f"broadcast on {g.name} failed: {str(exc)[:200]}{nccl_version_hint()}")
             self.break_group(g)
             return Done()
         return _BroadcastPending(self, g, work, links, futures, request.timeout_s)
