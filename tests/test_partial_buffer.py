@@ -28,10 +28,10 @@ def traj(gid, k, versions, reward=1.0, outcome=SCORED, info=None):
                       reward=reward if outcome == SCORED else None, info=info or {})
 
 
-def test_the_per_token_rule_judges_each_trajectory_by_its_newest_token():
+def test_the_per_token_rule_judges_a_group_by_its_newest_token():
     group = [traj("g", 0, [1, 1, 4]), traj("g", 1, [3, 3])]
     assert StalenessBound(1).group_lag(group, 5) == 4  # whole-group rule: the oldest token (1)
-    assert StalenessBound(1, per_token=True).group_lag(group, 5) == 2  # the staler newest token (3)
+    assert StalenessBound(1, per_token=True).group_lag(group, 5) == 1  # the newest token (4)
     assert StalenessBound(1, per_token=True).group_lag([traj("g", 0, [])], 5) is None
 
 
@@ -48,7 +48,7 @@ def test_mask_leaves_stale_tokens_out_and_tis_keeps_them():
 
 @pytest.mark.parametrize("policy", ["mask", "tis"])
 def test_a_long_continued_group_trains_under_partial_and_is_retired_without(tmp_path, policy):
-    slow = [traj("g", 0, [1, 2, 3, 4], info={"interruptions": 3, "carried_tokens": 3}), traj("g", 1, [3, 4])]
+    slow = [traj("g", 0, [1, 2, 3, 4], info={"interruptions": 3, "carried_tokens": 3}), traj("g", 1, [2])]
     plain = ReplayBuffer(tmp_path / "off", group_size=2, max_staleness=1)
     for t in slow:
         plain.add(t)
@@ -60,19 +60,19 @@ def test_a_long_continued_group_trains_under_partial_and_is_retired_without(tmp_
     assert b.staleness == [0]
     facts = b.tokens
     assert facts["trajectories_interrupted"] == 1 and facts["tokens_carried_over"] == 3
-    assert facts["version_spans_max"] == 4 and facts["version_spans_mean"] == 3.0 and facts["stale_tokens"] == 2
+    assert facts["version_spans_max"] == 4 and facts["version_spans_mean"] == 2.5 and facts["stale_tokens"] == 3
     trained = buf.batch_trajectories(b.batch_id)
-    if policy == "mask":
-        assert trained[0].loss_mask == [0, 0, 0, 0, 1, 1] and facts["trained_tokens"] == 4
-        assert facts["token_lag_max"] == 1
+    if policy == "mask":  # the early finisher is stale throughout: its reward counts, its tokens do not
+        assert trained[0].loss_mask == [0, 0, 0, 0, 1, 1] and trained[1].loss_mask == [0, 0, 0]
+        assert facts["trained_tokens"] == 2 and facts["token_lag_max"] == 1
     else:
-        assert trained[0].loss_mask == slow[0].loss_mask and facts["trained_tokens"] == 6
+        assert trained[0].loss_mask == slow[0].loss_mask and facts["trained_tokens"] == 5
         assert facts["token_lag_max"] == 3
     # the stored trajectory is never changed: the replay log and a resume see what was sampled
     assert buf._taken[b.batch_id][0].trajectories["g-0"].loss_mask == slow[0].loss_mask
     buf.mark_trained(1, b.batch_id)
-    # Even its newest tokens too old: retired under partial as well.
-    for t in [traj("h", 0, [1]), traj("h", 1, [4])]:
+    # Even its newest token too old: retired under partial as well.
+    for t in [traj("h", 0, [1]), traj("h", 1, [2])]:
         buf.add(t)
     assert buf.take_batch(1, current_version=4) is None and buf.counters["stale_retired"] == 1
 

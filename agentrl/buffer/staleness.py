@@ -5,9 +5,12 @@ max + 1 is not). Which tokens the lag is taken from depends on how episodes meet
 - whole-group rule (default): the group's OLDEST sampled token, because a multi-turn episode spans
   versions and its first turn is the stalest part; every trained token is then within the bound.
 - per-token rule (rollout.partial): episodes are continued across updates, so a long one holds
-  tokens of many versions. The group trains while EACH trajectory's NEWEST sampled token is within
-  the bound (every trajectory still has a fresh part); its older tokens are the loss's business
-  (algorithm.stale_tokens: masked out, or kept with their TIS weight; agentrl/train/loss.py).
+  tokens of many versions, and a group's first finishers age while its last one still runs. The
+  group trains while its NEWEST sampled token is within the bound (it has something fresh to
+  train); every older token is the loss's business (algorithm.stale_tokens, agentrl/train/loss.py:
+  masked out, so the bound still holds for every trained token, or kept with its TIS weight).
+  Under `mask` a trajectory that is stale throughout still gives its reward to the group's
+  baseline but no gradient: the gradient then leans to the group's later, longer episodes.
 How many groups may start so that the bound holds is admission's business (agentrl/policy/admission.py).
 """
 
@@ -29,12 +32,9 @@ class StalenessBound:
         return self.lag(oldest_version, current_version) <= self.max_staleness
 
     def group_lag(self, trajectories: Iterable, current_version: int) -> int | None:
-        """The lag this rule judges a group of trajectories by; None when no token was sampled."""
-        ends = []
-        for t in trajectories:
-            sampled = [v for v, m in zip(t.weight_versions, t.loss_mask) if m]
-            if sampled:
-                ends.append(max(sampled) if self.per_token else min(sampled))
-        if not ends:
+        """The lag this rule judges a group of trajectories by (its oldest sampled token's, or with
+        per_token its newest one's); None when no token was sampled."""
+        sampled = [v for t in trajectories for v, m in zip(t.weight_versions, t.loss_mask) if m]
+        if not sampled:
             return None
-        return self.lag(min(ends), current_version)
+        return self.lag(max(sampled) if self.per_token else min(sampled), current_version)

@@ -132,8 +132,8 @@ class AlgorithmConfig(Section):
         "tasks are all failed (or all solved) still steps.")
     stale_tokens: Literal["mask", "tis"] = Field(
         "mask", description="With rollout.partial, what the loss does with a token older than buffer.max_staleness "
-        "(a group trains while each trajectory's newest token is within the bound): mask leaves it out, tis keeps it "
-        "with its truncated importance weight (needs use_tis).")
+        "(a group trains while its newest token is within the bound): mask leaves it out, tis keeps it with its "
+        "truncated importance weight (needs use_tis).")
 
 
 class SGLangConfig(Section):

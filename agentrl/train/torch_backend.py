@@ -112,6 +112,8 @@ class TorchBackend:
         sums: dict[str, float] = {}
         loss_total = 0.0
         for i, mb in enumerate(batches):
+            if not mb.loss_mask.any():  # nothing sampled to train (stale tokens masked, an episode done at reset)
+                continue
             logp = self._token_logprobs(self.model, mb)
             loss, m = grpo_tis_loss(
                 LossInputs(logp=logp, old_logp=logp.detach(), rollout_logp=mb.rollout_logp, advantages=mb.advantages,
