@@ -140,6 +140,9 @@ _MAPPED = {
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
     ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): _rebuild_cuda_tensor,
     ("torch.storage", "_load_from_bytes"): _load_storage,
+    # megatron.core replaces torch.storage._load_from_bytes with this (the same weights_only load) when
+    # it is imported, so a trainer's CPU payloads name it; SGLang never gets CPU payloads
+    ("megatron.core.safe_globals", "safe_load_from_bytes"): _load_storage,
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): FlattenedTensorMetadata,
 }
 
