@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -118,9 +120,13 @@ def run_learning_report(run_dir: Path, out: Path, samples: int, concurrency: int
         field, n = SPLIT_FIELDS[key], samples_for(len(tasks), samples, min_episodes)
         sides = {}
         for side, ckpt in (("before", None), ("after", checkpoint)):
-            (work / key / side).mkdir(parents=True, exist_ok=True)
-            sides[side] = asyncio.run(evaluate(cfg, tasks, n, checkpoint=ckpt, concurrency=concurrency,
-                                               work_dir=work / key / side))
+            # The engine's logs and the backend's model cache (~0.5 GB) stay in a scratch folder; only
+            # the episodes are kept beside the report.
+            with tempfile.TemporaryDirectory(prefix="agentrl-learning-") as scratch:
+                sides[side] = asyncio.run(evaluate(cfg, tasks, n, checkpoint=ckpt, concurrency=concurrency,
+                                                   work_dir=Path(scratch)))
+                (work / key / side).mkdir(parents=True, exist_ok=True)
+                shutil.copy(Path(scratch) / "eval_episodes.jsonl", work / key / side / "eval_episodes.jsonl")
         report.update(compare(sides["before"], sides["after"], field))
         report[f"{field}_samples_per_task"] = n
         report["checkpoint_version"] = sides["after"]["weight_version"]
