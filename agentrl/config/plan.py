@@ -276,9 +276,11 @@ def _resolve_transport(cfg: RunConfig, engine_kind: str, shared: bool, colocate:
     t = cfg.rollout.weight_transport
     if t != "auto":
         return t
+    if colocate:
+        return "cuda_ipc"  # trainer and engine on one GPU: handles to the trainer's own tensors, no copy
     if engine_kind == "embedded":
         return "http_tensors"  # the embedded engine reads safetensors bytes/files over its HTTP API
-    return "cuda_ipc" if colocate else "nccl"
+    return "nccl"
 
 
 def engine_model_path(cfg: RunConfig, kind: str) -> str:

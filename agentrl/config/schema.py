@@ -224,8 +224,8 @@ class RolloutConfig(Section):
         5, ge=0, description="Restarts of one engine (all its nodes, backoff 1, 2, 4, ... s) before the run stops "
         "with an error; the count starts again after the engine has run for 10 minutes.")
     weight_transport: Literal["auto", "http_tensors", "nccl", "cuda_ipc"] = Field(
-        "auto", description="How weights reach the engines. auto: http_tensors for embedded engines, cuda_ipc for "
-        "an engine colocated with the trainer on one GPU, nccl (one group per pipeline stage) otherwise.")
+        "auto", description="How weights reach the engines. auto: cuda_ipc for an engine colocated with the trainer "
+        "on one GPU, http_tensors for other embedded engines, nccl (one group per pipeline stage) otherwise.")
     weight_sync_fp8: bool = Field(
         False, description="Send projection weights to engines as FP8 e4m3 + 128x128-block weight_scale_inv "
         "(DeepSeek FP8 checkpoint naming; half the bytes): exactly the tensors the rollout checkpoint "
