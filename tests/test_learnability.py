@@ -41,7 +41,7 @@ PARTIAL_MAX_STALENESS = 1  # so the first token is stale: masked or TIS-correcte
 
 def sample_continued(stale, model, prompt, n):
     """n two-token completions: the first token from `stale`, the second from `model` after it."""
-    first = sample_group(stale, prompt, n)
+    first = sample_group(stale, prompt, n, version=None)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + [a] for a, _ in first])).logits[:, -1].float()
     logp = torch.log_softmax(logits, -1)
