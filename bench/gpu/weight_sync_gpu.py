@@ -121,8 +121,8 @@ class EngineProcess:
 
         self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-c", "import sys; from agentrl.rollout.engine_cli import app; app(sys.argv[1:])",
-                    "serve", "--model", str(model_dir), "--port", str(self.port), "--device", "cuda",
+        # The run's own engine command line (a one-command Typer app takes no "serve" argument).
+        self.cmd = [sys.executable, "-m", "agentrl.cli", "engine", "serve", "--model", str(model_dir), "--port", str(self.port), "--device", "cuda",
                     "--dtype", "bfloat16", "--max-batch-size", "4", "--weight-update-timeout-s", "300"]
         self.log, self.timeout_s, self.proc = log, timeout_s, None
         self._log_file = None
