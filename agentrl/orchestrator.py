@@ -57,6 +57,7 @@ class Orchestrator:
         self.eval_results: dict[int, dict] = {}
         self._lineage: dict[str, str] = {}  # group id -> the group id of its first admission
         self._handled: set[str] = set()  # groups whose loss the loop accounted for itself (lost worker)
+        self._infra_seen: set[str] = set()  # infra_error kinds already explained in a note
         self._group_tasks: set[asyncio.Task] = set()
         self._eval_tasks: set[asyncio.Task] = set()
         self._worker_load: list[int] = []
@@ -247,6 +248,10 @@ class Orchestrator:
             self.metrics.on_episode(s)
             self.outcomes[s["outcome"]] += 1
             self.generated_tokens += s["generated"]
+            if s["outcome"].startswith("infra_error") and s["outcome"] not in self._infra_seen:
+                # The first failure of each kind says why, once (the rest are counted in metrics).
+                self._infra_seen.add(s["outcome"])
+                self.progress.note(f"first {s['outcome']} (task {task_id}): {s.get('error') or 'no detail'}")
         trainable = [s["reward"] or 0.0 for s in summaries if not s["outcome"].startswith("infra_error")]
         if len(trainable) == n:
             self.sampler.observe(task_id, trainable)
@@ -323,8 +328,15 @@ class Orchestrator:
             self.retry.on_trained(self._lineage.pop(g, g))
         sync = await self.trainers.push_weights(self._in_rotation())
         failed = sync.pop("failed_engines")
-        if failed:  # a dead engine: restarted and re-sent these weights by the next health check
+        if failed:
+            # Dead or not, an engine that missed this update must not serve: routers stop sending to
+            # it; the next health check restarts it if it died, re-sends the weights, and only then
+            # puts it back (an engine that is up but failed mid-session may still be paused).
             self.progress.note(f"weight sync skipped {len(failed)} engine(s) that failed: {sorted(failed)}")
+            for i, url in enumerate(self.urls):
+                if url in failed and i not in self._out_of_rotation:
+                    self._out_of_rotation.add(i)
+                    await self._engine_down(i)
             self._engines_suspect = True
         self.version = await self.trainers.version()
         for i in range(len(self.urls)):

@@ -63,6 +63,7 @@ class EpisodeSummary:
     oldest_version: int | None
     evaluate: bool
     duration_s: float
+    error: str | None = None  # why an infra_error episode failed, in one line (capped)
 
     @property
     def passed(self) -> bool:
@@ -119,7 +120,8 @@ class EpisodeRunner:
             traj = await play(None)
             traj.info["resume_diverged"] = str(why)
         summary = EpisodeSummary(episode_id, task_id, group_id, traj.outcome, traj.reward, len(traj.token_ids),
-                                 traj.num_generated, traj.num_turns, traj.oldest_version, evaluate, time.time() - t0)
+                                 traj.num_generated, traj.num_turns, traj.oldest_version, evaluate, time.time() - t0,
+                                 error=traj.info.get("error"))
         if self._transcripts is not None:
             self._write_transcript(traj, summary)
         return traj, summary
