@@ -63,7 +63,3 @@ class AdmissionPolicy:
         `buffered_groups` complete or partial groups came back from the replay log; all count as started."""
         self.started_groups = version * self.groups_per_step + buffered_groups
         self.running_episodes = 0
-
-    def gauges(self) -> dict[str, int]:
-        """What the metrics report (agentrl_admission_*)."""
-        return {"started_groups": self.started_groups, "running_episodes": self.running_episodes}

@@ -194,7 +194,8 @@ class MegatronBackend:
         from megatron.core import parallel_state as ps
 
         t0 = time.perf_counter()
-        adv, advantages, reward_mean = step_advantages(trajectories, group_ids, self.advantage_sign)
+        adv, advantages, reward_mean = step_advantages(trajectories, group_ids, self.advantage_sign,
+                                                       self.algo.advantage_norm)
         packs = self._my_packs(trajectories, advantages)
         total = torch.tensor([float(sum(p.loss_mask.sum() for p in packs))], device=self.device)
         dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
