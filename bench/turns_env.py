@@ -40,8 +40,6 @@ class TurnsEnv:
                 raise ValueError(f"TurnsEnv: {name} must be an integer >= 1, got {value!r}")
         if not target_chars:
             raise ValueError("TurnsEnv: target_chars must name at least one character")
-        if sandbox and provider is None:
-            raise ValueError("TurnsEnv(sandbox=True) needs a sandbox provider: build it with TurnsEnv.from_config")
         self.provider, self.use_sandbox = provider, sandbox
         self.median_turns, self.sigma, self.max_turns = float(median_turns), float(sigma), max_turns
         self.num_tasks, self.seed, self.target_chars = num_tasks, seed, target_chars.lower()
@@ -73,6 +71,8 @@ class TurnsEnv:
         self._state = State(episode_id=episode_id, step_count=0, task_id=task_id)
         self.turns, self.replies = self.draw_turns(episode_id or task_id), []
         if self.use_sandbox:
+            if self.provider is None:  # a run builds it with one; only a check of the tasks goes without
+                raise ValueError("TurnsEnv(sandbox=True) needs a sandbox provider: build it with TurnsEnv.from_config")
             self._sandbox = await self.provider.create(SandboxSpec(labels={"env": "turns", "task": task_id}))
         return Observation(text=f"{PROMPT} ({task_id})\n{self._ask(1)}")
 

@@ -60,7 +60,7 @@ async def test_turns_env_plays_the_same_episode_twice():
     score = await env.score()
     assert score.reward == pytest.approx(sum(r == "apple" for r in replies[:turns]) / turns)
     with pytest.raises(ValueError, match="sandbox provider"):
-        TurnsEnv(sandbox=True)
+        await TurnsEnv(sandbox=True).reset("turns-0", episode_id="g-0")
 
 
 def test_gpu_script_resolves_an_h200_plan_and_says_what_is_missing(capsys):
@@ -86,3 +86,18 @@ def test_bottleneck_idle_is_the_busier_stage():
     h = _headline({"async": a, "sync": {"wall_s": 30.0, "trainer_idle_ratio": 0.9, "reward_final": 0.5}})
     assert h["bottleneck_idle_ratio_async"] == 0.05 and h["goal_met_bottleneck"] and not h["goal_met"]
     assert h["episodes_in_flight_mean_async"] == 40.0
+
+
+def test_a_variant_is_the_mean_of_its_rounds():
+    from bench.partial import MEANS, mean_of_rounds
+
+    base = {k: 1.0 for k in MEANS}
+    rounds = [{**base, "variant": "mask", "partial": True, "stale_policy": "mask", "trained_tokens_per_s": 100.0,
+               "trained_token_lag_max": 1, "version_spans_max": 2},
+              {**base, "variant": "mask", "partial": True, "stale_policy": "mask", "trained_tokens_per_s": 140.0,
+               "trained_token_lag_max": 0, "version_spans_max": 3}]
+    m = mean_of_rounds(rounds)
+    assert m["trained_tokens_per_s"] == 120.0 and m["trained_tokens_per_s_rounds"] == [100.0, 140.0]
+    assert m["trained_token_lag_max"] == 1 and m["version_spans_max"] == 3 and len(m["rounds"]) == 2
+    with pytest.raises(ValueError, match="repeats"):
+        run_partial_bench("x.json", repeats=0)
