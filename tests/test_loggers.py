@@ -8,6 +8,7 @@ import json
 import logging
 import struct
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -152,6 +153,21 @@ def _wandb_records(run_file: Path) -> list:
     return records
 
 
+def _finished_wandb_records(run_dir: Path, timeout_s: float = 60.0) -> list:
+    """The records of the run's .wandb file once its exit record is on disk. wandb-core writes
+    the file from its own service process, and under a loaded CI machine `finish()` has returned
+    before the history records reached the file (CI saw an empty history once); a reader waits
+    for the exit record, which is written last."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        files = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+        records = _wandb_records(files[0]) if len(files) == 1 else []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            assert len(files) == 1, files
+            return records
+        time.sleep(0.2)
+
+
 def test_wandb_offline_logs_every_row_and_no_secret(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is in the [dev] extra")
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
@@ -166,8 +182,7 @@ def test_wandb_offline_logs_every_row_and_no_secret(tmp_path, monkeypatch):
     loggers.close(failed=True)
 
     assert any("offline" in n and "wandb sync" in n for n in notes)
-    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    records = _wandb_records(run_file)
+    records = _finished_wandb_records(tmp_path)
     history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
                for r in records if r.WhichOneof("record_type") == "history"]
     assert [(h["_step"], h["reward_mean"], h["outcomes/scored"]) for h in history] == [(1, 0.25, 4.0), (2, 0.75, 8.0)]
