@@ -240,3 +240,23 @@ async def test_many_sandboxes_are_independent(provider):
     await a.exec("echo a > /app/who")
     assert (await b.exec("cat /app/who 2>/dev/null || echo none")).output.strip() == "none"
     assert os.path.exists(a.root / "app" / "who")
+
+
+def test_host_side_tools_may_come_from_path_but_in_sandbox_tools_may_not(tmp_path, monkeypatch):
+    # The GPU machine has no bubblewrap package: its .deb is unpacked with dpkg -x and put on PATH.
+    # bwrap runs on the host, so that copy is used; setpriv runs inside the sandbox, whose /usr is
+    # the host's, so a PATH-only copy would not exist in there and is refused.
+    import agentrl.sandbox.local as local
+    from agentrl.sandbox.base import SandboxError
+
+    for name in ("bwrap", "setpriv"):
+        f = tmp_path / name
+        f.write_text("#!/bin/sh\n")
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    real_access = local.os.access
+    monkeypatch.setattr(local.os, "access", lambda p, mode: (not str(p).startswith(("/usr/", "/bin/", "/sbin/")))
+                        and real_access(p, mode))
+    assert local._tool("bwrap") == str(tmp_path / "bwrap")
+    with pytest.raises(SandboxError, match="setpriv"):
+        local._tool("setpriv")

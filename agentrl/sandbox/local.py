@@ -68,12 +68,20 @@ _READ_ONLY = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/lib
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
+# Run on the host, never inside the sandbox: these may also come from PATH (e.g. a bubblewrap
+# .deb unpacked with `dpkg -x` on a machine without root or a package registry). The others run
+# after nsenter, inside the sandbox, so they must live under the read-only /usr it binds.
+_HOST_SIDE = frozenset({"bwrap", "slirp4netns", "unshare", "nsenter", "cat", "sh"})
+
+
 def _tool(name: str) -> str:
-    # Tools run inside the sandbox too, so they must live under the read-only /usr we bind.
     for d in ("/usr/bin", "/usr/sbin", "/bin", "/sbin"):
         p = os.path.join(d, name)
         if os.access(p, os.X_OK):
             return p
+    found = shutil.which(name) if name in _HOST_SIDE else None
+    if found:
+        return os.path.abspath(found)
     pkg = {"bwrap": "bubblewrap", "nsenter": "util-linux", "setpriv": "util-linux", "prlimit": "util-linux",
            "unshare": "util-linux", "slirp4netns": "slirp4netns"}
     raise SandboxError(

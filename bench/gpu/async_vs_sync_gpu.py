@@ -65,7 +65,32 @@ def missing() -> list[str]:
             out.append("no CUDA device: run this on the GPU machine")
     if shutil.which("bwrap") is None:
         out.append("bwrap is not on PATH: unpack the bubblewrap .deb (dpkg -x) and add its usr/bin to PATH")
+    elif not out:
+        out += sandbox_probe()
     return out
+
+
+def sandbox_probe() -> list[str]:
+    """One real local sandbox: created, one command run, closed (the last GPU attempt lost every
+    episode to infra_error:create without a message; this names the cause before anything starts)."""
+    import asyncio
+
+    from agentrl.sandbox.base import SandboxSpec
+    from agentrl.sandbox.local import LocalSandboxProvider
+
+    async def probe() -> str:
+        box = await LocalSandboxProvider(run_id="gpu-probe").create(SandboxSpec(image="local"))
+        try:
+            r = await box.exec("echo sandbox-ok", timeout_s=30)
+            return r.output.strip()
+        finally:
+            await box.close()
+
+    try:
+        got = asyncio.run(probe())
+    except Exception as e:  # noqa: BLE001 - reported, the run is refused
+        return [f"a local sandbox does not work here: {type(e).__name__}: {e}"]
+    return [] if got == "sandbox-ok" else [f"a local sandbox ran `echo` and printed {got!r}"]
 
 
 def check(args: argparse.Namespace) -> dict:
