@@ -96,20 +96,22 @@ def partial(out: Path = typer.Option(RESULTS / "partial_rollout.json", help="Whe
             prompts_per_step: int = typer.Option(4, help="Groups per optimizer step."),
             group_size: int = typer.Option(4, help="Samples per prompt (GRPO group)."),
             median_turns: float = typer.Option(3.0, help="Turns per episode: lognormal median."),
-            sigma: float = typer.Option(0.9, help="Turns per episode: lognormal shape (heavier tail when larger)."),
+            sigma: float = typer.Option(1.2, help="Turns per episode: lognormal shape (heavier tail when larger)."),
             max_turns: int = typer.Option(16, help="Turns per episode: cap."),
             tokens_per_turn: int = typer.Option(24, help="Tokens each turn generates (rollout.max_new_tokens)."),
             max_staleness: int = typer.Option(1, help="The staleness bound both variants train under."),
             in_flight: int = typer.Option(48, help="Episodes running at once (at most)."),
             sandbox: bool = typer.Option(False, help="Run one real sandbox command per turn."),
-            variant: list[str] = typer.Option(["off", "mask"], help="Variants: off, mask, tis (repeatable).")) -> None:
+            variant: list[str] = typer.Option(["off", "mask"], help="Variants: off, mask, tis (repeatable)."),
+            repeats: int = typer.Option(2, help="Interleaved rounds of the variants (the shared machine's load "
+                                                "changes; each variant reports its mean).")) -> None:
     """Partial rollout off vs on: the same multi-turn workload through the real run loop, one after the other."""
     from bench.partial import PartialWorkload, run_partial_bench
 
     w = PartialWorkload(steps=steps, prompts_per_step=prompts_per_step, group_size=group_size,
                         median_turns=median_turns, sigma=sigma, max_turns=max_turns, tokens_per_turn=tokens_per_turn,
                         max_staleness=max_staleness, in_flight=in_flight, sandbox=sandbox)
-    r = run_partial_bench(out, w, variants=tuple(variant))
+    r = run_partial_bench(out, w, variants=tuple(variant), repeats=repeats)
     typer.echo(f"wrote {out} (throughput_gain_mask = {r.get('throughput_gain_mask')}, "
                f"throughput_gain_tis = {r.get('throughput_gain_tis')})")
 
