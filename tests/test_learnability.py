@@ -60,7 +60,7 @@ def run_grpo(sign: float, steps: int, seed: int = 0, partial: str | None = None)
     train.optimizer.lr = 2e-2
     train.optimizer.weight_decay = 0.0
     algo = AlgorithmConfig(group_size=16, prompts_per_step=2)
-    backend = TorchBackend(model, train, algo, advantage_sign=sign)
+    backend = TorchBackend(model, train, algo)
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, 1000, (6,), generator=g).tolist() for _ in range(4)]
     history, snapshots = [], {0: copy.deepcopy(model)}
@@ -81,13 +81,15 @@ def run_grpo(sign: float, steps: int, seed: int = 0, partial: str | None = None)
                     episode_id=f"{gid}e{k}", task_id=str(p_i), group_id=gid, prompt_len=len(prompt),
                     token_ids=prompt + toks, loss_mask=[0] * len(prompt) + [1] * len(toks),
                     rollout_logprobs=[0.0] * len(prompt) + lps, weight_versions=[-1] * len(prompt) + versions,
-                    outcome=SCORED, reward=1.0 if rewarded(toks[-1]) else 0.0))
+                    outcome=SCORED, reward=sign * (1.0 if rewarded(toks[-1]) else 0.0)))
                 gids.append(gid)
         if partial is not None:  # what the replay buffer hands the trainer under partial rollout
             trajs, facts = batch_view(trajs, v, PARTIAL_MAX_STALENESS, partial)
             assert facts["stale_tokens"] == (len(trajs) if v >= PARTIAL_LAG else 0)
-        m = backend.train_step(trajs, gids)
-        history.append(m["reward_mean"])
+        backend.train_step(trajs, gids)
+        # The pass rate, whatever the sign: the negative control (sign -1) negates the reward the
+        # trainer sees, which negates every group advantage, so it must unlearn the rewarded tokens.
+        history.append(sum(rewarded(t.token_ids[-1]) for t in trajs) / len(trajs))
         snapshots[backend.version] = copy.deepcopy(model)
         snapshots.pop(backend.version - PARTIAL_LAG - 1, None)
     return history

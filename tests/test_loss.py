@@ -115,9 +115,9 @@ def test_step_advantages_honours_advantage_norm():
     trajs = [Trajectory(f"e{i}", "t", "g", 1, [1, 2], [0, 1], [0.0, -1.0], [-1, 0], "scored", float(i == 0))
              for i in range(4)]
     _, std, mean = step_advantages(trajs, ["g"] * 4)
-    _, centred, _ = step_advantages(trajs, ["g"] * 4, -1.0, advantage_norm="none")
+    _, centred, _ = step_advantages(trajs, ["g"] * 4, advantage_norm="none")
     assert mean == 0.25 and std[0] == pytest.approx(3 ** 0.5, abs=1e-4)
-    assert centred == pytest.approx([-0.75, 0.25, 0.25, 0.25])  # sign applies after
+    assert centred == pytest.approx([0.75, -0.25, -0.25, -0.25])
     with pytest.raises(ValueError, match="algorithm.advantage_norm 'max'"):
         step_advantages(trajs, ["g"] * 4, advantage_norm="max")
 

@@ -38,18 +38,18 @@ class GroupAdvantages:
     groups: int
 
 
-def step_advantages(trajectories, group_ids: list[str], sign: float = 1.0,
+def step_advantages(trajectories, group_ids: list[str],
                     advantage_norm: str = "std") -> tuple[GroupAdvantages, list[float], float]:
     """A training step's group advantages (a missing reward counts as 0), the per-trajectory
-    advantages times `sign` (-1 is the learnability check's negative control) and the mean reward.
-    `advantage_norm` is algorithm.advantage_norm. Both backends start their step with it."""
+    advantages and the mean reward. `advantage_norm` is algorithm.advantage_norm. Both backends
+    start their step with it."""
     if not trajectories:
         raise ValueError("train_step needs at least one trajectory")
     if advantage_norm not in ADVANTAGE_NORMS:
         raise ValueError(f"algorithm.advantage_norm {advantage_norm!r} is unknown; use one of {ADVANTAGE_NORMS}")
     rewards = [t.reward if t.reward is not None else 0.0 for t in trajectories]
     adv = group_advantages(rewards, group_ids, normalize_std=advantage_norm == "std")
-    return adv, [a * sign for a in adv.advantages], sum(rewards) / len(rewards)
+    return adv, list(adv.advantages), sum(rewards) / len(rewards)
 
 
 def group_advantages(rewards: list[float], group_ids: list[str], normalize_std: bool = True) -> GroupAdvantages:

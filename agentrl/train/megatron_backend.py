@@ -61,7 +61,7 @@ class MegatronBackend:
                  dist_init: DistInit | None = None,
                  hf_state: dict[str, torch.Tensor] | None = None, megatron_checkpoint: str | Path | None = None,
                  temperature: float = 1.0, run_dir: str | Path | None = None, seed: int = 0,
-                 qk_norm_eps: float | None = 1e-6, advantage_sign: float = 1.0, grouped_experts: bool = True):
+                 qk_norm_eps: float | None = 1e-6, grouped_experts: bool = True):
         """`layout`: the plan's trainer layout (None: one rank); `dist_init`: how this rank joins the
         trainer's world (None: already initialised, or a world of one).
         `hf_state`: full HF-named weights (e.g. a transformers model's state_dict); or
@@ -74,7 +74,7 @@ class MegatronBackend:
         from agentrl.models.megatron_builder import build_gpt_model, to_bf16_keeping_fp32_router_bias
 
         self.hf_config, self.train_cfg, self.algo = hf_config, train, algo
-        self.temperature, self.advantage_sign = temperature, advantage_sign
+        self.temperature = temperature
         self.loss_cfg = LossConfig(algo.eps_clip, algo.eps_clip_high, algo.use_tis, algo.tis_clip_low,
                                    algo.tis_clip, algo.kl_coef)
         if algo.kl_coef > 0:
@@ -194,8 +194,7 @@ class MegatronBackend:
         from megatron.core import parallel_state as ps
 
         t0 = time.perf_counter()
-        adv, advantages, reward_mean = step_advantages(trajectories, group_ids, self.advantage_sign,
-                                                       self.algo.advantage_norm)
+        adv, advantages, reward_mean = step_advantages(trajectories, group_ids, self.algo.advantage_norm)
         packs = self._my_packs(trajectories, advantages)
         total = torch.tensor([float(sum(p.loss_mask.sum() for p in packs))], device=self.device)
         dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))

@@ -47,15 +47,13 @@ def freeze_below_top_layers(model: torch.nn.Module, n: int) -> int:
 
 class TorchBackend:
     def __init__(self, model: torch.nn.Module, train: TrainConfig, algo: AlgorithmConfig, *, pad_id: int = 0,
-                 temperature: float = 1.0, advantage_sign: float = 1.0, run_dir: str | Path | None = None):
-        """`advantage_sign` exists for the learnability check's negative control (-1 must not learn).
-        `run_dir` names the optimizer's folder when its state is offloaded to disk."""
+                 temperature: float = 1.0, run_dir: str | Path | None = None):
+        """`run_dir` names the optimizer's folder when its state is offloaded to disk."""
         self.model = model
         self.train_cfg = train
         self.algo = algo
         self.pad_id = pad_id
         self.temperature = temperature
-        self.advantage_sign = advantage_sign
         self.loss_cfg = LossConfig(algo.eps_clip, algo.eps_clip_high, algo.use_tis, algo.tis_clip_low,
                                    algo.tis_clip, algo.kl_coef)
         if train.optimizer.offload == "disk" and run_dir is None:
@@ -95,8 +93,7 @@ class TorchBackend:
     # -- one optimizer step --------------------------------------------------------------------
     def train_step(self, trajectories: list[Trajectory], group_ids: list[str]) -> dict[str, float]:
         t0 = time.perf_counter()
-        adv, advantages, reward_mean = step_advantages(trajectories, group_ids, self.advantage_sign,
-                                                       self.algo.advantage_norm)
+        adv, advantages, reward_mean = step_advantages(trajectories, group_ids, self.algo.advantage_norm)
         device = next(self.model.parameters()).device
         batches = [collate(trajectories, advantages, idx, self.pad_id).to(device)
                    for idx in plan_micro_batches([len(t.token_ids) for t in trajectories],
