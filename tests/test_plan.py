@@ -176,3 +176,26 @@ def test_sglang_flags_are_0_5_23_names():
     assert not any(a.startswith("--nsa") for a in cmd)
     for flag in ("--attn-dp-size", "--kv-cache-dtype", "--page-size", "--watchdog-timeout", "--ep-size"):
         assert flag in cmd
+
+
+# -- weight-update precision: the plan carries it and the transport's own table refuses mismatches --
+def test_the_reference_recipe_serves_and_sends_fp8():
+    plan = resolve_plan(load_config("glm5_2_tbench2"))
+    assert plan.serves_fp8 and plan.weight_sync_fp8 and plan.weight_transport == "nccl"
+    assert resolve_plan(load_config("local")).serves_fp8 is False  # the embedded engine serves bf16
+
+
+@pytest.mark.parametrize("sets,field", [
+    (["rollout.weight_sync_fp8=false"], "rollout.sglang.quantization=fp8 with bf16 weight updates"),
+    (["rollout.sglang.quantization=none"], "rollout.weight_sync_fp8=true sends FP8"),
+])
+def test_fp8_serving_and_fp8_updates_must_agree(sets, field):
+    with pytest.raises(PlanError, match=field.replace(".", r"\.").replace("(", r"\(")):
+        resolve_plan(load_config("glm5_2_tbench2", sets))
+    resolve_plan(load_config("glm5_2_tbench2", sets), check_runnable=False)  # the arithmetic alone still resolves
+
+
+def test_cuda_ipc_is_refused_for_a_trainer_of_several_ranks():
+    sets = ["cluster.colocate=true", "rollout.weight_transport=cuda_ipc", "rollout.sglang.gpus_per_engine=8"]
+    with pytest.raises(PlanError, match="this plan has 8 trainer ranks: use nccl"):
+        resolve_plan(load_config("glm5_2_5layer_1node", sets))

@@ -64,6 +64,8 @@ class RunPlan:
     node_roles: list[NodeRole]
     weight_transport: str  # http_tensors | nccl | cuda_ipc
     colocated: bool = False
+    serves_fp8: bool = False  # SGLang engines serve FP8 (rollout.sglang.quantization=fp8)
+    weight_sync_fp8: bool = False  # updates are sent FP8 (rollout.weight_sync_fp8)
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -217,6 +219,8 @@ def resolve_plan(cfg: RunConfig, *, check_runnable: bool = True) -> RunPlan:
         layout=layout, ranks_per_train_node=ranks_per_node, gpus_per_rank=gpus_per_rank,
         max_tokens_per_gpu=cfg.train.parallel.max_tokens_per_gpu, engines=engines, node_roles=roles,
         weight_transport=_resolve_transport(cfg, engine_kind, shared, c.colocate), colocated=c.colocate,
+        serves_fp8=engine_kind == "sglang" and cfg.rollout.sglang.quantization == "fp8",
+        weight_sync_fp8=cfg.rollout.weight_sync_fp8,
     )
     if check_runnable:
         check_plan_runnable(plan)
@@ -232,7 +236,9 @@ def check_plan_runnable(plan: RunPlan) -> None:
     device = "cuda" if plan.gpus_per_rank else "cpu"
     why = backend_refusal(plan.backend, plan.layout, device)
     if why is None:
-        why = transport_refusal(plan.weight_transport, plan.engine_kind, plan.colocated)
+        why = transport_refusal(plan.weight_transport, plan.engine_kind, plan.colocated,
+                                trainer_ranks=plan.layout.world, serves_fp8=plan.serves_fp8,
+                                fp8_updates=plan.weight_sync_fp8)
     if why is not None:
         raise PlanError(why)
 

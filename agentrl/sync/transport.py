@@ -84,10 +84,13 @@ class WeightTransport(Protocol):
 
 
 def transport_refusal(kind: str, engine_kind: str, colocated: bool, *, trainer_ranks: int = 1,
-                      online_fp8: bool = False, fp8_updates: bool = False) -> str | None:
+                      serves_fp8: bool = False, fp8_updates: bool = False) -> str | None:
     """None if `kind` can carry weights to `engine_kind` engines, else the reason naming the field.
-    `online_fp8`: the engines quantise a bf16 checkpoint themselves (rollout.sglang.quantization=fp8
-    on SGLang engines); `fp8_updates`: updates are sent FP8 (rollout.weight_sync_fp8)."""
+    `serves_fp8`: SGLang engines serve FP8 (rollout.sglang.quantization=fp8: a pre-converted FP8
+    checkpoint, or a bf16 one quantised online); `fp8_updates`: updates are sent FP8
+    (rollout.weight_sync_fp8). An FP8-serving engine needs FP8 updates (the FP8 tensors and their
+    block scales), a bf16-serving SGLang engine has no FP8 parameters to load them into; the
+    embedded engine dequantises FP8 updates on receipt and takes either."""
     if kind not in TRANSPORTS:
         return f"rollout.weight_transport={kind!r}: use one of {', '.join(TRANSPORTS)}"
     if kind == "http_tensors" and engine_kind == "sglang":
@@ -101,10 +104,14 @@ def transport_refusal(kind: str, engine_kind: str, colocated: bool, *, trainer_r
     if kind not in IMPLEMENTED:
         return (f"rollout.weight_transport={kind}: this agentrl has no {kind} weight transport in its run loop "
                 f"(it has {', '.join(IMPLEMENTED)}); engines could not receive updated weights")
-    if engine_kind == "sglang" and online_fp8 and not fp8_updates:
-        return ("rollout.sglang.quantization=fp8 quantises a bf16 checkpoint inside SGLang, and bf16 weight updates "
-                "are not re-quantised correctly for this architecture (SGLang 0.5.23 audits online-FP8 reload for "
-                "Qwen2/3 only); serve the pre-converted FP8 checkpoint (`prepare --fp8`, model.rollout_path) and set "
+    if engine_kind == "sglang" and serves_fp8 and not fp8_updates:
+        return ("rollout.sglang.quantization=fp8 with bf16 weight updates: SGLang 0.5.23 does not re-quantise bf16 "
+                "updates correctly for this architecture (its online-FP8 reload is audited for Qwen2/3 only); "
+                "serve the pre-converted FP8 checkpoint (`prepare --fp8`, model.rollout_path) and set "
                 "rollout.weight_sync_fp8=true, or set rollout.sglang.quantization=none for bf16 serving")
+    if engine_kind == "sglang" and fp8_updates and not serves_fp8:
+        return ("rollout.weight_sync_fp8=true sends FP8 weights and block scales, but the SGLang engines serve bf16 "
+                "(rollout.sglang.quantization=none) and have no FP8 parameters to load them into; set "
+                "rollout.sglang.quantization=fp8 with the FP8 checkpoint, or rollout.weight_sync_fp8=false")
     return None
 
