@@ -204,8 +204,11 @@ def _bench_sparse_mla_one(torch, dev, sh, timer, S) -> dict:
 
 
 def bench_sparse_mla_bwd(torch, dev, sh, timer) -> Iterator[dict]:
+    """Both backward impls on the same inputs: "atomic" (entry sparse_mla_bwd) and "keymajor"
+    (sparse_mla_bwd_keymajor, with its speedup over atomic and the index inversion's own time)."""
     from kernels.sparse_mla import default_sm_scale, reference_sparse_mla, sparse_mla_forward
-    from kernels.sparse_mla_bwd import sparse_mla_backward, sparse_mla_bwd_flops
+    from kernels.sparse_mla_bwd import BWD_IMPLS, sparse_mla_backward, sparse_mla_bwd_flops
+    from kernels.sparse_mla_bwd_keymajor import DKV_TUNER, invert_topk, tuning_keys
 
     T, S, Hh, dv, dr, K = sh.mla_tokens, sh.mla_context, sh.mla_heads, sh.mla_dv, sh.mla_dr, sh.topk
     shape = {"tokens": T, "context": S, "heads": Hh, "d_qk": dv + dr, "d_v": dv, "topk": K}
@@ -215,15 +218,12 @@ def bench_sparse_mla_bwd(torch, dev, sh, timer) -> Iterator[dict]:
     dout = torch.randn(T, Hh, dv, device=dev).to(torch.bfloat16)
     scale = default_sm_scale()
     out, lse = sparse_mla_forward(q, kv, idx, scale, d_v=dv)
-    sparse_mla_backward(q, kv, idx, out, lse, dout, scale, dv)  # tune
     n = min(sh.check_rows, T)
-    dq, dkv = sparse_mla_backward(q[:n], kv, idx[:n], out[:n], lse[:n], dout[:n], scale, dv)
     qr, kvr = q[:n].float().requires_grad_(), kv.float().requires_grad_()
     ref_out, _ = reference_sparse_mla(qr, kvr, idx[:n], scale, d_v=dv, chunk_tokens=64)
     ref_out.backward(dout[:n].float())
-    errs = {"dq_rel": _rel(torch, dq, qr.grad), "dkv_rel": _rel(torch, dkv, kvr.grad)}
+    ref_dq, ref_dkv = qr.grad, kvr.grad
     del qr, kvr, ref_out
-    ms = timer(lambda: sparse_mla_backward(q, kv, idx, out, lse, dout, scale, dv))
 
     def ref_step():
         qa, kva = q.float().requires_grad_(), kv.float().requires_grad_()
@@ -232,10 +232,28 @@ def bench_sparse_mla_bwd(torch, dev, sh, timer) -> Iterator[dict]:
             o.backward(dout[s0:s0 + 512].float())
 
     ref_ms = timer(ref_step, warmup=0, min_iters=1, max_iters=1) if dev.type == "cuda" else None
-    yield make_entry("sparse_mla_bwd", shape, ms, flops=sparse_mla_bwd_flops(T, Hh, K, dv, dr), reference_ms=ref_ms,
-                     correct=max(errs.values()) < 2e-2, errors=errs,
-                     flop_formula="2 * tokens * heads * topk * (3 * d_qk + 2 * d_v)",
-                     reference="torch autograd of gather + fp32 einsum softmax, 512-token chunks")
+    flops = sparse_mla_bwd_flops(T, Hh, K, dv, dr)
+    atomic_ms = None
+    for impl in BWD_IMPLS:
+        sparse_mla_backward(q, kv, idx, out, lse, dout, scale, dv, impl=impl)  # tune
+        dq, dkv = sparse_mla_backward(q[:n], kv, idx[:n], out[:n], lse[:n], dout[:n], scale, dv, impl=impl)
+        errs = {"dq_rel": _rel(torch, dq, ref_dq), "dkv_rel": _rel(torch, dkv, ref_dkv)}
+        del dq, dkv
+        ms = timer(lambda impl=impl: sparse_mla_backward(q, kv, idx, out, lse, dout, scale, dv, impl=impl))
+        extra: dict[str, Any] = {"impl": impl}
+        if impl == "atomic":
+            atomic_ms = ms
+        else:
+            block_k = DKV_TUNER.records[tuning_keys(q, kv, idx)[1]].best["BLOCK_K"]  # the tuned one
+            inv = invert_topk(idx, S, block_k)
+            extra.update(speedup_over_atomic=None if atomic_ms is None else round(atomic_ms / ms, 3),
+                         inversion_ms=round(timer(lambda bk=block_k: invert_topk(idx, S, bk)), 4),
+                         inversion_block_k=block_k, key_block_token_pairs=int(inv.pair_tok.numel()))
+            del inv
+        name = "sparse_mla_bwd" if impl == "atomic" else f"sparse_mla_bwd_{impl}"
+        yield make_entry(name, shape, ms, flops=flops, reference_ms=ref_ms, correct=max(errs.values()) < 2e-2,
+                         errors=errs, flop_formula="2 * tokens * heads * topk * (3 * d_qk + 2 * d_v)",
+                         reference="torch autograd of gather + fp32 einsum softmax, 512-token chunks", **extra)
 
 
 def bench_fp8(torch, dev, sh, timer) -> Iterator[dict]:
@@ -266,8 +284,9 @@ CASES = {"fp8": bench_fp8, "logprobs": bench_logprobs, "sparse_mla": bench_spars
 
 
 def tuning_summary() -> dict[str, Any]:
-    from kernels import fp8_quant, indexer, logprobs, sparse_mla, sparse_mla_bwd
+    from kernels import fp8_quant, indexer, logprobs, sparse_mla, sparse_mla_bwd, sparse_mla_bwd_keymajor
 
     tuners = [logprobs.FWD_TUNER, logprobs.BWD_TUNER, indexer.SCORE_TUNER, indexer.TOPK_TUNER,
-              sparse_mla.TUNER, sparse_mla_bwd.BWD_TUNER, fp8_quant.QUANT_TUNER, fp8_quant.DEQUANT_TUNER]
+              sparse_mla.TUNER, sparse_mla_bwd.BWD_TUNER, sparse_mla_bwd_keymajor.DQ_TUNER,
+              sparse_mla_bwd_keymajor.DKV_TUNER, fp8_quant.QUANT_TUNER, fp8_quant.DEQUANT_TUNER]
     return {t.name: t.summary() for t in tuners}

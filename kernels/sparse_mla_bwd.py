@@ -9,6 +9,9 @@ One program per (token, block of heads) recomputes S and P from lse (no [T, head
 kept), accumulates dq in registers and scatter-adds each key block's dkv with fp32 atomics: a key
 picked by many tokens, or twice in one row, simply receives several adds; -1 slots add nothing.
 FLOPs (the benchmark's formula): 2 * T * heads * n_valid * (3 * (D_V + D_R) + 2 * D_V).
+impl="keymajor" runs kernels/sparse_mla_bwd_keymajor.py instead (a dq kernel and a key-major dkv
+kernel that owns its rows: no atomics, same results); "atomic" stays the default until the GPU
+has timed both.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import triton.language as tl
 
 from kernels._tuning import Autotuner, KernelConfig
 from kernels.sparse_mla import LOG2E, _bucket, reference_sparse_mla, sparse_mla_forward
+from kernels.sparse_mla_bwd_keymajor import keymajor_backward
 
 # H200, 4096 tokens, 64 heads, top-2048: every tile with 64 heads or 64 keys needs 311-418 KB of
 # shared memory (limit 227 KB: the transposed dS / P operands of the dkv dots are staged there).
@@ -29,6 +33,12 @@ BWD_CONFIGS = [
     KernelConfig.make(BLOCK_H=32, BLOCK_N=16, num_warps=4, num_stages=2),
 ]
 BWD_TUNER = Autotuner("sparse_mla_bwd", BWD_CONFIGS)
+BWD_IMPLS = ("atomic", "keymajor")  # atomic: this file's kernel; keymajor: sparse_mla_bwd_keymajor.py
+
+
+def _check_impl(impl: str, name: str = "impl") -> None:
+    if impl not in BWD_IMPLS:
+        raise ValueError(f"{name} must be one of {BWD_IMPLS}, got {impl!r}")
 
 
 @triton.jit
@@ -83,8 +93,9 @@ def _sparse_mla_bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, d
 
 def sparse_mla_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, grad_out: torch.Tensor, sm_scale: float,
-                        d_v: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+                        d_v: int = 512, impl: str = "atomic") -> tuple[torch.Tensor, torch.Tensor]:
     """(dq [T, heads, D] in q's dtype, dkv [S, D] fp32) for the forward's (out, lse)."""
+    _check_impl(impl)
     T, heads, dim = q.shape
     if grad_out.shape != (T, heads, d_v) or out.shape != (T, heads, d_v) or lse.shape != (T, heads):
         raise ValueError(f"grad_out/out must be [T={T}, heads={heads}, d_v={d_v}] and lse [T, heads]; got "
@@ -92,6 +103,8 @@ def sparse_mla_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, ou
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
     grad_out, lse = grad_out.to(q.dtype).contiguous(), lse.float().contiguous()
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # [T, heads]
+    if impl == "keymajor":
+        return keymajor_backward(q, kv, idx, grad_out, lse, delta, sm_scale, d_v)
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
     if T == 0:
@@ -122,10 +135,11 @@ class SparseMLAFunction(torch.autograd.Function):
     """out = sparse MLA(q, kv, idx) with Triton forward and backward; idx gets no gradient."""
 
     @staticmethod
-    def forward(ctx, q, kv, idx, sm_scale: float, d_v: int):
+    def forward(ctx, q, kv, idx, sm_scale: float, d_v: int, bwd_impl: str = "atomic"):
+        _check_impl(bwd_impl, "bwd_impl")
         out, lse = sparse_mla_forward(q, kv, idx, sm_scale, d_v)
         ctx.save_for_backward(q, kv, idx, out, lse)
-        ctx.sm_scale, ctx.d_v = sm_scale, d_v
+        ctx.sm_scale, ctx.d_v, ctx.bwd_impl = sm_scale, d_v, bwd_impl
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -133,20 +147,21 @@ class SparseMLAFunction(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         q, kv, idx, out, lse = ctx.saved_tensors
         if grad_out is None:
-            return None, None, None, None, None
-        dq, dkv = sparse_mla_backward(q, kv, idx, out, lse, grad_out, ctx.sm_scale, ctx.d_v)
-        return dq, dkv.to(kv.dtype), None, None, None
+            return None, None, None, None, None, None
+        dq, dkv = sparse_mla_backward(q, kv, idx, out, lse, grad_out, ctx.sm_scale, ctx.d_v, ctx.bwd_impl)
+        return dq, dkv.to(kv.dtype), None, None, None, None
 
 
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float, d_v: int = 512,
-               use_triton: bool | None = None) -> torch.Tensor:
+               use_triton: bool | None = None, bwd_impl: str = "atomic") -> torch.Tensor:
     """Differentiable sparse MLA: out [T, heads, d_v] (q's dtype). Gradients flow to q and kv.
 
     use_triton None: the Triton kernels on CUDA, the torch reference elsewhere (its autograd
     defines the gradient the kernels are tested against). True also runs Triton under
-    TRITON_INTERPRET=1 on CPU (tests)."""
+    TRITON_INTERPRET=1 on CPU (tests). bwd_impl picks the Triton backward (BWD_IMPLS)."""
+    _check_impl(bwd_impl, "bwd_impl")
     if use_triton is None:
         use_triton = q.is_cuda
     if use_triton:
-        return SparseMLAFunction.apply(q, kv, idx, sm_scale, d_v)[0]
+        return SparseMLAFunction.apply(q, kv, idx, sm_scale, d_v, bwd_impl)[0]
     return reference_sparse_mla(q, kv, idx, sm_scale, d_v)[0]

@@ -2,6 +2,7 @@
 the real cases need an H200 and run there via `python -m bench.kernels`)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 
@@ -10,6 +11,7 @@ import torch
 
 from bench import kernel_cases
 from bench import kernels as kb
+from kernels import sparse_mla_bwd_keymajor
 
 
 def test_make_entry_rates_and_fractions():
@@ -48,3 +50,27 @@ def test_full_shapes_refuse_to_run_without_cuda(tmp_path, capsys):
     assert "no CUDA device" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         kb.main(["--out", str(tmp_path / "x.json"), "--only", "nonsense"])
+
+
+def test_sparse_mla_bwd_case_times_both_impls_side_by_side(device):
+    """The real case at tiny shapes (interpreted on CPU): one entry per impl, both correct, the
+    key-major one with its speedup over atomic and the index inversion's time."""
+    calls = []
+
+    def once(fn, **_):  # one run per timing: the interpreter is slow and the times mean nothing here
+        calls.append(fn)
+        fn()
+        return 1.0 + len(calls)
+
+    shapes = dataclasses.replace(kb.TINY, mla_tokens=4, mla_context=40, topk=16)
+    entries = list(kernel_cases.bench_sparse_mla_bwd(torch, device, shapes, once))
+    assert [e["name"] for e in entries] == ["sparse_mla_bwd", "sparse_mla_bwd_keymajor"]
+    assert [e["impl"] for e in entries] == ["atomic", "keymajor"]
+    assert all(e["correct"] is True and "tflops" in e for e in entries), entries
+    atomic, keymajor = entries
+    assert keymajor["speedup_over_atomic"] == round(atomic["ms"] / keymajor["ms"], 3)
+    assert keymajor["inversion_ms"] > 0
+    assert keymajor["inversion_block_k"] in {c["BLOCK_K"] for c in sparse_mla_bwd_keymajor.DKV_CONFIGS}
+    assert keymajor["key_block_token_pairs"] > 0
+    assert set(kernel_cases.tuning_summary()) >= {"sparse_mla_bwd", "sparse_mla_bwd_dq",
+                                                   "sparse_mla_bwd_dkv_keymajor"}
