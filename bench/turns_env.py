@@ -83,7 +83,9 @@ class TurnsEnv:
         k = self._state.step_count
         text = "ok"
         if self._sandbox is not None:
-            word = (reply.split() or [""])[0][:32]
+            # The tiny model's random tokens can decode to NUL, which a command cannot hold (the
+            # sandbox answers exit 126): the word is counted without them.
+            word = (reply.split() or [""])[0][:32].replace("\x00", "")
             result = await self._sandbox.exec(f"printf %s {shlex.quote(word)} | wc -c", timeout_s=60.0)
             if result.exit_code != 0:
                 raise SandboxError("exec", f"wc in the sandbox exited {result.exit_code}: {result.output[:200]}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.config.schema import SandboxConfig
-from agentrl.sandbox.base import Sandbox, SandboxError, SandboxSpec
+from agentrl.sandbox.base import NUL_EXIT_CODE, Sandbox, SandboxError, SandboxSpec
 
 KEY = "sk-dtn-CONFORMANCE-7e1d"
 # Background processes an agent can leave behind, each a different way out of its exec: a setsid
@@ -74,6 +74,11 @@ async def test_exec_files_and_timeouts(box):
         await box.download("no/such/file")
     r = await box.exec("echo begun; sleep 30", timeout_s=1)
     assert r.timed_out and r.exit_code == -1 and r.output == "begun\n"
+    # Model output can decode to a NUL byte, which no shell can receive: the command's own failure.
+    for cmd, env in (("echo a\x00b > nul.txt", None), ("echo hi", {"X": "a\x00b"})):
+        r = await box.exec(cmd, env=env)
+        assert r.exit_code == NUL_EXIT_CODE and "NUL byte" in r.output and not r.timed_out
+    assert (await box.exec("ls nul.txt")).exit_code != 0  # nothing ran
 
 
 async def test_kill_all_ends_every_agent_process_and_keeps_the_sandbox(box):

@@ -79,6 +79,16 @@ async def test_keystrokes_drive_tmux(env):
     assert (await env.score()).reward == 1.0
 
 
+async def test_nul_bytes_in_model_output_are_the_episodes_not_infra_errors(env):
+    # Sampled tokens can decode to NUL, which argv cannot carry: typed keystrokes send it as C-@
+    # (bash ignores it at the prompt), a command holding one fails with exit 126 and a reason.
+    await env.reset("count-lines")
+    out = await env.step(Action(keystrokes="echo nul-\x00ok\n", duration_s=0.5))
+    assert "nul-ok" in out.text
+    out = await env.step(Action(command="echo a\x00b"))
+    assert "NUL byte" in out.text
+
+
 async def test_shell_exit_restarts_terminal(env):
     await env.reset("count-lines")
     await env.step(Action(keystrokes="exit\n", duration_s=0.3))

@@ -19,6 +19,21 @@ class ExecResult:
     truncated: bool = False
 
 
+# A NUL byte cannot reach a shell (argv and environment strings end at it), and model output can
+# decode to one: such a command is the command's failure, scored like any other, never an infra error.
+NUL_EXIT_CODE = 126  # the shell's "found but cannot be executed"
+
+
+def nul_refusal(command: str, env: dict[str, str] | None = None) -> ExecResult | None:
+    """The ExecResult of a command (or env entry) holding a NUL byte, None when there is none."""
+    where = "command" if "\x00" in command else next(
+        (f"env {k!r}" for k, v in (env or {}).items() if "\x00" in k or "\x00" in v), None)
+    if where is None:
+        return None
+    return ExecResult(NUL_EXIT_CODE, f"agentrl: the {where} contains a NUL byte (\\x00), which no shell can "
+                                     "receive; it was not run\n")
+
+
 @dataclass(frozen=True)
 class SandboxSpec:
     """What to create. `image` is the task's docker image (Daytona); `files_dir` is the task's
@@ -58,7 +73,8 @@ class Sandbox(Protocol):
         max_output_bytes: int = 1 << 20,
     ) -> ExecResult:
         """Run `bash -c command`. A timeout kills the command and returns timed_out=True; it does
-        not raise. Raises SandboxError only when the sandbox itself failed."""
+        not raise. A command or env holding a NUL byte is not run: `nul_refusal`'s result (exit
+        126, the reason as output). Raises SandboxError only when the sandbox itself failed."""
         ...
 
     async def upload(self, data: bytes, path: str) -> None: ...

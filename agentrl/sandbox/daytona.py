@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from agentrl.sandbox.base import ExecResult, SandboxError, SandboxSpec
+from agentrl.sandbox.base import ExecResult, SandboxError, SandboxSpec, nul_refusal
 from agentrl.sandbox.daytona_exec import (
     CALL_TIMEOUT_S,
     KILL_ALL_EXEC_TIMEOUT_S,
@@ -405,6 +405,9 @@ class DaytonaSandbox:
         max_output_bytes: int = 1 << 20,
     ) -> ExecResult:
         self._check_usable("exec")
+        refused = nul_refusal(command, env)
+        if refused is not None:
+            return refused
         try:
             return await run_command(
                 self._sdk.process,

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentrl.sandbox.base import ExecResult, SandboxError, SandboxSpec
+from agentrl.sandbox.base import ExecResult, SandboxError, SandboxSpec, nul_refusal
 from agentrl.sandbox.dockerfile import DEFAULT_PATH, DockerfilePlan
 from agentrl.sandbox.local_files import download_file, upload_file
 from agentrl.sandbox.local_isolation import (
@@ -309,6 +309,10 @@ class LocalSandbox:
         timeout_s: float = 60.0,
         max_output_bytes: int = 1 << 20,
     ) -> ExecResult:
+        self._check_alive()
+        refused = nul_refusal(command, env)
+        if refused is not None:
+            return refused
         return await self._run(
             command, [], cwd=cwd, env=env, timeout_s=timeout_s, max_output_bytes=max_output_bytes
         )

@@ -116,8 +116,13 @@ class TmuxTerminal:
             for i, chunk in enumerate(keystrokes.split("\n")):
                 if i:
                     steps.append(f"{self._tmux} send-keys {self._target} Enter")
-                if chunk:
-                    steps.append(f"{self._tmux} send-keys {self._target} -l -- {shlex.quote(chunk)}")
+                # A NUL (model output can decode to one) cannot travel in argv: it is typed as
+                # C-@, the key that sends it, between the literal pieces around it.
+                for j, piece in enumerate(chunk.split("\x00")):
+                    if j:
+                        steps.append(f"{self._tmux} send-keys {self._target} C-@")
+                    if piece:
+                        steps.append(f"{self._tmux} send-keys {self._target} -l -- {shlex.quote(piece)}")
             await self._sh(" && ".join(steps), "send-keys")
         wait = 1.0 if duration_s is None else duration_s
         await asyncio.sleep(min(max(wait, 0.0), self.max_duration_s))
