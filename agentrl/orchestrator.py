@@ -231,7 +231,6 @@ class Orchestrator:
             summaries = await self.workers[w].run_group.remote(task_id, gid, n, False, resume)
         except Exception as e:  # the worker actor died: the group cannot complete
             self.admission.on_episodes_end(n)
-            self.progress.note(f"episode worker {w} failed ({type(e).__name__}) during group {gid} of {task_id}")
             self._handled.add(gid)
             try:  # what the worker had sent of this group can never complete: retire it, counted
                 await self.buffer.retire_incomplete.remote(gid, "worker_lost")
@@ -239,7 +238,9 @@ class Orchestrator:
                 self.progress.note(f"could not retire group {gid} of the failed worker: {err}")
             self.outcomes["infra_error:worker"] += n
             self.metrics.on_episodes_lost(n)
-            self._on_group_left(gid, task_id, ["infra_error:worker"])
+            again = self._on_group_left(gid, task_id, ["infra_error:worker"])
+            self.progress.note(f"episode worker {w} failed ({type(e).__name__}) during group {gid} of {task_id}; "
+                               + (f"re-admitting task {task_id}" if again else "its task is not retried"))
             return
         finally:
             self._worker_load[w] -= n
@@ -275,22 +276,24 @@ class Orchestrator:
                                 stale=r.reason.startswith("stale"), reason=r.reason)
 
     def _on_group_left(self, gid: str, task_id: str, outcomes: list[str], stale: bool = False,
-                       reason: str = "") -> None:
+                       reason: str = "") -> bool:
         """A started group left untrained: its admission slot frees up and the policies say whether
-        it runs again."""
+        it runs again (returned; when not, their reason is noted)."""
         self.admission.on_group_retired()
         lineage = self._lineage.pop(gid, gid)
         if reason == ZERO_VARIANCE:
-            return  # dynamic sampling: the freed slot admits a new group, not this one again
+            return False  # dynamic sampling: the freed slot admits a new group, not this one again
         if stale:
             if self.cfg.buffer.stale_policy == "regenerate":
                 self.readmit.append((task_id, lineage))
-            return
+                return True
+            return False
         decision = self.retry.decide(lineage, outcomes)
         if decision.retry:
             self.readmit.append((task_id, lineage))
         else:
             self.progress.note(f"group of task {task_id}: {decision.reason}")
+        return decision.retry
 
     # -- evaluation ----------------------------------------------------------------------------
     def _start_eval(self, at_version: int) -> None:
