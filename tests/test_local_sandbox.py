@@ -260,3 +260,22 @@ def test_host_side_tools_may_come_from_path_but_in_sandbox_tools_may_not(tmp_pat
     assert local._tool("bwrap") == str(tmp_path / "bwrap")
     with pytest.raises(SandboxError, match="setpriv"):
         local._tool("setpriv")
+
+
+async def test_a_killed_init_is_seen_at_once_not_when_the_loop_reaps_bwrap(box):
+    # CI: the init was SIGKILLed mid-command, the command returned, and the episode went on to be
+    # scored 0.0 because bwrap's returncode was still unset. The init's /proc entry decides.
+    import signal
+
+    assert box.alive()
+    os.kill(box._init_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{box._init_pid}/stat") and time.monotonic() < deadline:
+        with open(f"/proc/{box._init_pid}/stat", "rb") as f:  # a zombie counts as dead
+            if f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
+                break
+        time.sleep(0.01)  # blocking on purpose: the event loop never runs, so bwrap is not reaped
+    assert not box.alive()
+    with pytest.raises(SandboxError) as e:
+        await box.kill_all()
+    assert e.value.kind == "lost"

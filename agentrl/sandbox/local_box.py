@@ -36,6 +36,7 @@ from agentrl.sandbox.local_procs import (
     open_capped_pipe,
     pid_namespace,
     read_json,
+    running,
     start_time,
     wait_namespace_empty,
 )
@@ -102,6 +103,7 @@ class LocalSandbox:
         self._tools = tools
         self._bwrap: asyncio.subprocess.Process | None = None
         self._init_pid = 0
+        self._init_start: int | None = None
         self._keeper_pid = 0  # the init's one child (`sleep infinity`): its exit would end the sandbox
         self._network: SlirpNetwork | None = None
         self.owner_lock_fd = -1  # held while this process owns the sandbox (sweep_stale reads it)
@@ -174,8 +176,9 @@ class LocalSandbox:
             self._keeper_pid = only_child(self._init_pid)
         except OSError as err:
             raise SandboxError("create", f"sandbox {self.id}: {err}") from err
+        self._init_start = start_time(self._init_pid)
         (self.host_dir / "init.pid").write_text(json.dumps(
-            {"bwrap": self._bwrap.pid, "init": self._init_pid, "init_start": start_time(self._init_pid)}
+            {"bwrap": self._bwrap.pid, "init": self._init_pid, "init_start": self._init_start}
         ))  # fmt: skip
         if self.disk_kind == "tmpfs":  # copied onto the tmpfs by LAUNCH_SCRIPT
             await asyncio.to_thread(shutil.rmtree, self.stage, True)
@@ -273,8 +276,11 @@ class LocalSandbox:
         return self._closed
 
     def alive(self) -> bool:
+        # bwrap's returncode is set only when the event loop reaps it, which under load came after
+        # the next exec (CI: a killed sandbox's episode went on to be scored 0.0); the init's own
+        # /proc entry says at once.
         return (not self._closed and not self.pids_exceeded and self._bwrap is not None
-                and self._bwrap.returncode is None)
+                and self._bwrap.returncode is None and running(self._init_pid, self._init_start))
 
     # --- commands --------------------------------------------------------------------------------
 

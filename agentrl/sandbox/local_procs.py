@@ -121,6 +121,20 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+def running(pid: int, started: int | None) -> bool:
+    """Whether the process `pid` that started at `started` (start_time) still runs: not exited,
+    not a zombie, and not a later process that reused the pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return False
+    try:
+        return fields[0] not in (b"Z", b"X") and int(fields[19]) == started
+    except (IndexError, ValueError):
+        return False
+
+
 def _has_marker(pid: int, marker: bytes) -> bool:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
