@@ -26,7 +26,7 @@ from agentrl.config.schema import RunConfig
 from agentrl.loggers import RunLoggers
 from agentrl.policy.admission import AdmissionPolicy
 from agentrl.policy.dynamic_sampling import DynamicSampler
-from agentrl.policy.retry import RetryPolicy
+from agentrl.policy.retry import RetryPolicy, UnplayableTasks, failure_kind
 from agentrl.progress import Progress
 
 LOOP_TICK_S = 1.0  # longest the loop sleeps with nothing happening (progress panel, health checks)
@@ -45,6 +45,7 @@ class Orchestrator:
         self.admission = AdmissionPolicy(a.prompts_per_step, a.group_size, cfg.buffer.max_staleness,
                                          cfg.buffer.max_episodes_in_flight)
         self.retry = RetryPolicy()
+        self.unplayable = UnplayableTasks()
         self.dynamic = DynamicSampler.from_config(a)
         self.outcomes: Counter[str] = Counter()
         self.generated_tokens = 0
@@ -58,6 +59,7 @@ class Orchestrator:
         self._lineage: dict[str, str] = {}  # group id -> the group id of its first admission
         self._handled: set[str] = set()  # groups whose loss the loop accounted for itself (lost worker)
         self._infra_seen: set[str] = set()  # infra_error kinds already explained in a note
+        self._task_errors: dict[str, str] = {}  # task id -> its first data error's message
         self._group_tasks: set[asyncio.Task] = set()
         self._eval_tasks: set[asyncio.Task] = set()
         self._worker_load: list[int] = []
@@ -208,7 +210,9 @@ class Orchestrator:
             if self.readmit:
                 task_id, lineage = self.readmit.pop(0)
             else:
-                task_id, lineage = self.sampler.next_task(), None
+                task_id, lineage = self.unplayable.draw(self.sampler.next_task, self.train_tasks), None
+                if task_id is None:
+                    return  # this round's draws found only unplayable tasks; the next round draws again
             self._launch_group(task_id, lineage)
 
     def _launch_group(self, task_id: str, lineage: str | None, resume: dict | None = None) -> None:
@@ -249,6 +253,8 @@ class Orchestrator:
             self.metrics.on_episode(s)
             self.outcomes[s["outcome"]] += 1
             self.generated_tokens += s["generated"]
+            if failure_kind(s["outcome"]) == "data" and s.get("error"):
+                self._task_errors.setdefault(task_id, s["error"])  # why, should the task be left out
             if s["outcome"].startswith("infra_error") and s["outcome"] not in self._infra_seen:
                 # The first failure of each kind says why, once (the rest are counted in metrics).
                 self._infra_seen.add(s["outcome"])
@@ -292,7 +298,10 @@ class Orchestrator:
         if decision.retry:
             self.readmit.append((task_id, lineage))
         else:
-            self.progress.note(f"group of task {task_id}: {decision.reason}")
+            self.progress.note(f"group of task {task_id}: {decision.reason}"
+                               + ("; the task is left out of sampling" if decision.kind == "data" else ""))
+            if decision.kind == "data":
+                self.unplayable.mark(task_id, self._task_errors.get(task_id) or decision.reason)
         return decision.retry
 
     # -- evaluation ----------------------------------------------------------------------------

@@ -235,6 +235,7 @@ def _train(cfg, plan, quiet: bool = False) -> None:
     preflight(cfg, plan)
     from agentrl.cluster.ray_env import ClusterError
     from agentrl.orchestrator import Orchestrator
+    from agentrl.policy.retry import NoPlayableTasks
     from agentrl.progress import Progress
 
     import signal
@@ -246,7 +247,7 @@ def _train(cfg, plan, quiet: bool = False) -> None:
         summary = asyncio.run(Orchestrator(cfg, plan, Progress(quiet=quiet)).run())
     except KeyboardInterrupt:
         _fail("interrupted; engines, workers and sandboxes were stopped", code=130)
-    except ClusterError as e:
+    except (ClusterError, NoPlayableTasks) as e:
         _fail(str(e))
     except Exception as e:
         from ray.exceptions import RayActorError, RayTaskError

@@ -255,6 +255,19 @@ async def test_context_limit_truncates(tok):
     assert all(sp.max_new_tokens <= 400 - len(ids) for ids, sp, *_ in gen.calls)
 
 
+async def test_a_prompt_that_fills_the_context_is_a_task_error_not_a_trained_truncation(tok):
+    env = FakeTerminalEnv()
+    gen = ScriptedGenerator(tok, [bash("write answer 42")])
+    prompt_len = (await play(FakeTerminalEnv(), ScriptedGenerator(tok, ["TASK_COMPLETE"]), tok)).prompt_len
+    traj = await play(env, gen, tok, cfg=AgentConfig(max_context_tokens=prompt_len))
+    assert traj.outcome == "infra_error:task" and traj.reward is None and not traj.trainable
+    assert not gen.calls and env.closed == 1  # nothing generated, the env still closed
+    assert f"{prompt_len} tokens" in traj.info["error"] and "agent.max_context_tokens" in traj.info["error"]
+    ok = await play(FakeTerminalEnv(), ScriptedGenerator(tok, ["TASK_COMPLETE"]), tok,
+                    cfg=AgentConfig(max_context_tokens=prompt_len + 1))
+    assert ok.outcome != "infra_error:task"  # one token of room is enough to play
+
+
 async def test_per_turn_token_limit_cuts_the_reply_and_feeds_back(tok):
     env = FakeTerminalEnv()
     gen = ScriptedGenerator(

@@ -133,3 +133,15 @@ def test_metrics_reach_prometheus_during_a_local_run(tmp_path):
     for want in ("ray_agentrl_step", "ray_agentrl_reward_mean", "ray_agentrl_staleness_max",
                  "ray_agentrl_episodes_finished_total", "ray_agentrl_buffer_ready_groups"):
         assert want in names, (want, sorted(names))
+
+
+@pytest.mark.slow
+def test_a_run_whose_every_task_cannot_be_played_stops_with_the_reason(tmp_path):
+    # Every fixture prompt is over 64 tokens: each task fails once as a data error and is left
+    # out of sampling; then the run stops with the field to fix instead of admitting groups forever.
+    r = launch(tmp_path / "run", "agent.max_context_tokens=64", "rollout.max_new_tokens=16",
+               "train.max_steps=1", timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: every training task") and "agent.max_context_tokens=64" in last, last
+    assert "left out of sampling" in r.stderr and "Traceback" not in r.stderr

@@ -4,7 +4,7 @@
 import pytest
 
 from agentrl.policy.admission import AdmissionPolicy
-from agentrl.policy.retry import INFRA_RETRIES, RetryPolicy, failure_kind
+from agentrl.policy.retry import INFRA_RETRIES, NoPlayableTasks, RetryPolicy, UnplayableTasks, failure_kind
 
 
 def test_admission_capacity_formula():
@@ -68,4 +68,34 @@ def test_infra_retries_are_budgeted_per_lineage_not_per_task():
 def test_data_failures_are_not_retried_by_default():
     r = RetryPolicy()
     d = r.decide("g", ["infra_error:task"])
-    assert not d.retry and r.counters["data_dropped"] == 1
+    assert not d.retry and r.counters["data_dropped"] == 1 and d.kind == "data"
+    assert r.decide("h", ["infra_error:engine"]).kind == "infra"
+
+
+def round_robin(pool):
+    state = {"i": -1}
+
+    def next_task():
+        state["i"] = (state["i"] + 1) % len(pool)
+        return pool[state["i"]]
+    return next_task
+
+
+def test_unplayable_tasks_are_skipped_and_all_unplayable_stops_the_run():
+    pool = ["a", "b", "c"]
+    u, draw = UnplayableTasks(), round_robin(pool)
+    assert [u.draw(draw, pool) for _ in range(3)] == pool
+    u.mark("a", "prompt too long")
+    u.mark("a", "a later reason")  # the first reason is kept
+    assert {u.draw(draw, pool) for _ in range(6)} == {"b", "c"}
+    u.mark("b", "x")
+    assert {u.draw(draw, pool) for _ in range(4)} == {"c"}
+    u.mark("c", "y")
+    with pytest.raises(NoPlayableTasks, match=r"every training task \(3\).*a: prompt too long"):
+        u.draw(draw, pool)
+
+
+def test_unplayable_draws_give_up_for_the_round_on_a_sampler_that_keeps_returning_them():
+    u = UnplayableTasks()
+    u.mark("bad", "why")
+    assert u.draw(lambda: "bad", ["bad", "good"]) is None  # "good" is still playable: no stop, no hang

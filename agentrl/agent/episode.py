@@ -19,7 +19,8 @@ parsed as it is (a complete command block still runs); one cut by the context or
 the episode as truncated.
 - `infra_error:<kind>`: the env, sandbox, engine or verifier failed (a SandboxError keeps its
   kind; other env failures are `env`, engine failures and aborts `engine`, scoring failures
-  `verifier`). The reward is then None, never 0.
+  `verifier`). The reward is then None, never 0. A first prompt that fills agent.max_context_tokens
+  by itself is `infra_error:task` (the task cannot be played at that limit; not retried).
 Partial rollout (`partial`, agentrl/agent/partial.py): an aborted generation is a weight update's
 interruption, not a failure: the turn keeps its tokens and goes on for the rest of its budget
 (counted in info: interruptions, carried_tokens). A `recorder` (agentrl/agent/resume.py) records
@@ -332,6 +333,12 @@ async def run_episode(
             first = await ep.env_call("reset", env.reset(task_id, episode_id=episode_id))
             prompt = ep.chat.prompt_ids(first.text)
             ep.prompt_len = len(prompt)
+            if not first.done and len(prompt) >= cfg.max_context_tokens:
+                # Not a truncation: the model would train on a prompt it never answered. The task
+                # cannot be played at this limit (a data error, not retried, its reason noted once).
+                raise _InfraFailure("task", f"the first prompt is {len(prompt)} tokens, which leaves no room "
+                                    f"under agent.max_context_tokens={cfg.max_context_tokens}: raise "
+                                    "agent.max_context_tokens or shorten the task's instruction")
             ep.append_context(prompt)
             if resume is not None and not first.done:
                 await resume_into(ep, resume, prompt)

@@ -8,10 +8,14 @@ Two kinds of failure (NeMo-RL's split):
   Retrying gives the same result: DATA_RETRIES times at most, reported loudly.
 A group's lineage is the chain of groups re-run for one admission; the budget is per lineage, not
 per task for the whole run (a task that failed twice in hour 1 still gets its retries in hour 9).
+A task dropped for a data error is unplayable for the rest of the run (UnplayableTasks): the sampler's
+draws skip it, and when every training task is unplayable the run stops (NoPlayableTasks) instead of
+admitting groups that fail forever.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 INFRA_RETRIES = 2  # re-runs of one group after infrastructure failures; a third failure drops it
@@ -31,6 +35,7 @@ def failure_kind(outcome: str) -> str | None:
 class Decision:
     retry: bool
     reason: str  # e.g. "infra_error:sandbox (retry 1 of 2)" or "dropped after 2 infra retries"
+    kind: str = "infra"  # "infra" or "data": which budget decided
 
 
 @dataclass
@@ -51,10 +56,46 @@ class RetryPolicy:
         if done < budget:
             self._attempts[lineage] = done + 1
             self.counters[f"{kind}_retried"] += 1
-            return Decision(True, f"{first} (retry {done + 1} of {budget})")
+            return Decision(True, f"{first} (retry {done + 1} of {budget})", kind)
         self._attempts.pop(lineage, None)
         self.counters[f"{kind}_dropped"] += 1
-        return Decision(False, f"{first}: dropped after {done} {kind} retr{'y' if done == 1 else 'ies'}")
+        return Decision(False, f"{first}: dropped after {done} {kind} retr{'y' if done == 1 else 'ies'}", kind)
 
     def on_trained(self, lineage: str) -> None:
         self._attempts.pop(lineage, None)
+
+
+# Draws from the sampler per admission, per training task, before giving up on this admission
+# round: a round-robin sampler visits every task in len(pool) draws; a random one (the curriculum)
+# needs a few times that to find the last playable tasks of a mostly unplayable pool.
+DRAWS_PER_TASK = 4
+
+
+class NoPlayableTasks(RuntimeError):
+    """Every training task failed as a data error: no step can be made; the message says why."""
+
+
+@dataclass
+class UnplayableTasks:
+    """Training tasks dropped for a data error, left out of sampling for the rest of the run.
+
+    Not persisted: a resumed run finds them again at the cost of one failed group each.
+    """
+
+    reasons: dict[str, str] = field(default_factory=dict)  # task id -> its data error
+
+    def mark(self, task_id: str, reason: str) -> None:
+        self.reasons.setdefault(task_id, reason)
+
+    def draw(self, next_task: Callable[[], str], pool: Sequence[str]) -> str | None:
+        """A playable task from `next_task`, or None when this round's draws found none (some
+        remain playable); raises NoPlayableTasks when none of `pool` is playable."""
+        if pool and all(t in self.reasons for t in pool):
+            task, why = next(iter(self.reasons.items()))
+            raise NoPlayableTasks(f"every training task ({len(pool)}) failed as a data error and was left out; "
+                                  f"the first, {task}: {why}")
+        for _ in range(DRAWS_PER_TASK * max(len(pool), 1)):
+            task = next_task()
+            if task not in self.reasons:
+                return task
+        return None

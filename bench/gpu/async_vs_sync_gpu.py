@@ -14,8 +14,8 @@ the lognormal env needs no tmux):
 
     python bench/gpu/async_vs_sync_gpu.py --out "$OUT/async_vs_sync_gpu.json"
 
-About 2 x (start-up + steps x step time); with the defaults (20 steps of 8 x 4 episodes, median
-episode 1 s) well under the 10-minute limit of one device command. `--check` resolves the plan,
+About 2 x (start-up + steps x step time): with 8 steps of 8 x 4 episodes (median episode 2 s,
+prompts of about 2K tokens), about 5 minutes on the H200 (bench/gpu/pending.sh runs that). `--check` resolves the plan,
 lists what the machine lacks and runs nothing (the CPU test runs it).
 """
 
@@ -34,8 +34,10 @@ if str(ROOT) not in sys.path:
 RECIPE = "gpu_smoke"  # one H200: a Megatron rank and one embedded engine sharing it
 # Host placement: 16 cores for the sandboxes and episode workers; the engine batches every episode
 # in flight. More episode workers spread the sandboxes' exec overhead over processes.
+# The context limit holds the long prompts (--context-words 500 is 2,049 tiny-tokenizer tokens; the
+# recipe's 2,048 had left 1,500 words, 6,166 tokens, no room: every episode was a prompt nobody answered).
 GPU_SETS = ("cluster.num_cpus=16", "cluster.episode_workers=4", "rollout.embedded.max_batch_size=128",
-            "sandbox.backend=local")
+            "sandbox.backend=local", "agent.max_context_tokens=4096")
 WHAT = ("async vs sync on one H200: Megatron trainer rank + embedded engine sharing the GPU (gpu_smoke), "
         "lognormal episodes in local bubblewrap sandboxes on the host's cores")
 
@@ -117,12 +119,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompts-per-step", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=4)
-    ap.add_argument("--median-s", type=float, default=1.0)
+    ap.add_argument("--median-s", type=float, default=2.0)
     ap.add_argument("--sigma", type=float, default=1.0)
     ap.add_argument("--max-s", type=float, default=15.0)
     ap.add_argument("--in-flight", type=int, default=128)
     ap.add_argument("--max-staleness", type=int, default=4)
-    ap.add_argument("--context-words", type=int, default=1500)
+    ap.add_argument("--context-words", type=int, default=500)
     ap.add_argument("--lr", type=float, default=2e-2)
     ap.add_argument("--check", action="store_true", help="resolve the plan, list what is missing, run nothing")
     return ap.parse_args(argv)

@@ -5,22 +5,30 @@
 # pydantic-core, annotated-types, typing-inspection, jsonschema and deps, megatron-core 0.19.2,
 # transformers 5.24.0), .carry/debs (bubblewrap .deb). Each part writes its JSON under $OUT and is
 # bounded by its own timeout so that one slow part cannot take the others' results with it.
+# Arguments name the parts to run (default: all); `bash bench/gpu/pending.sh async` gives the async
+# run a call of its own, `bash bench/gpu/pending.sh kernels memory` the rest (neither needs Ray).
 #
 #   [V]  async vs sync on the H200 (bench/results/async_vs_sync_gpu.json)
 #   [N]  memory slice with train.dsa_kernels on: peak vs the accounting (parallel_gpu.json part)
 #   [K2] sparse MLA backward, atomic vs key-major (kernels.json sparse_mla_bwd entries)
 set -u
 OUT=${OUT:?set OUT}
-if [ ! -f /tmp/site/ray/__init__.py ]; then
+PARTS=${*:-kernels memory async}
+if [ ! -f /tmp/site/ray/__init__.py ] && [ -f /tmp/carry/ray.part.aa ] && [ -f .carry/ray2/ray.part.ab ]; then
   cat /tmp/carry/ray.part.aa .carry/ray2/ray.part.ab > /tmp/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    /tmp/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl .carry/wheels/*.whl
+    /tmp/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
 fi
+[ -f /tmp/site/pydantic/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+  --target /tmp/site .carry/wheels/*.whl
 rm -rf /tmp/site2 && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site2 . packages/agentrl-countdown
 mkdir -p /tmp/bw && for f in .carry/debs/*.deb; do dpkg -x "$f" /tmp/bw; done
 export PYTHONPATH=$PWD:/tmp/site2:/tmp/site PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 PATH=/tmp/bw/usr/bin:$PATH
 part() { local name=$1 t=$2; shift 2; timeout "$t" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc $?"; tail -4 "$OUT/$name.log"; }
-part kernels_bwd 150 python3 -m bench.kernels --only sparse_mla_bwd --out "$OUT/kernels_bwd.json"
-part memory_slice 150 python3 bench/gpu/parallel_gpu.py --parts memory_slice_dsa_kernels \
+has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
+has kernels && part kernels 200 python3 -m bench.kernels --only sparse_mla_bwd,indexer \
+  --out "$OUT/kernels_pending.json"
+has memory && part memory_slice 150 python3 bench/gpu/parallel_gpu.py --parts memory_slice_dsa_kernels \
   --out "$OUT/parallel_gpu_dsa.json" --offload-dir /tmp/offl
-part async_vs_sync 280 python3 bench/gpu/async_vs_sync_gpu.py --steps 8 --out "$OUT/async_vs_sync_gpu.json"
+has async && part async_vs_sync 540 python3 bench/gpu/async_vs_sync_gpu.py --steps 8 --out "$OUT/async_vs_sync_gpu.json"
+true
