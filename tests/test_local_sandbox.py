@@ -279,3 +279,32 @@ async def test_a_killed_init_is_seen_at_once_not_when_the_loop_reaps_bwrap(box):
     with pytest.raises(SandboxError) as e:
         await box.kill_all()
     assert e.value.kind == "lost"
+
+
+async def test_a_create_cancelled_while_its_folder_is_built_cleans_up_after_the_build(provider, monkeypatch):
+    import threading
+
+    from agentrl.sandbox.local import LocalSandboxProvider as P
+
+    building, release, seen = threading.Event(), threading.Event(), {}
+    real = P._build_stage
+
+    def slow_build(box, plan, spec):
+        building.set()
+        release.wait(10)
+        seen["fd_open_after_cancel"] = os.fstat(box.owner_lock_fd) is not None  # raises if closed under us
+        real(box, plan, spec)
+
+    monkeypatch.setattr(P, "_build_stage", staticmethod(slow_build))
+    before = set(os.listdir("/proc/self/fd"))
+    task = asyncio.ensure_future(provider.create(SandboxSpec()))
+    await asyncio.to_thread(building.wait, 10)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    assert not task.done()  # the create waits for the thread instead of pulling the folder from under it
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert seen["fd_open_after_cancel"]
+    leaked = {f: os.readlink(f"/proc/self/fd/{f}") for f in set(os.listdir("/proc/self/fd")) - before}
+    assert list(provider.base_dir.iterdir()) == [] and not leaked, leaked  # the holder's pipe included

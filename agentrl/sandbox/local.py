@@ -40,6 +40,7 @@ import re
 import shutil
 import tempfile
 import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -138,18 +139,27 @@ class LocalSandboxProvider:
             # The user namespace's holder starts while the disk is built (both are ~5-10 ms of
             # waiting on other processes).
             holder = asyncio.ensure_future(asyncio.to_thread(new_user_namespace, tools["unshare"], tools["cat"]))
+            prepare = asyncio.ensure_future(asyncio.to_thread(self._prepare, box, plan, spec, self.run_id))
             try:
-                await asyncio.to_thread(self._prepare, box, plan, spec, self.run_id)
+                await asyncio.shield(prepare)
                 self._live[sid] = box
                 box._on_close = lambda b: self._live.pop(b.id, None)
                 await box._start(*await holder)
             except BaseException as err:
+                if not prepare.done():
+                    # Cancelled while the thread still builds the folder: close() must not remove it
+                    # and close its lock fd under the thread (the fd's number could be another
+                    # sandbox's by the time the thread writes to it).
+                    await asyncio.wait([prepare])
+                if prepare.done() and not prepare.cancelled():
+                    prepare.exception()  # retrieved: its error, if any, is `err` or moot
                 await _drop_holder(holder)
                 await box.close()
                 if isinstance(err, DockerfileError):
                     raise SandboxError("image_build", str(err)) from err
                 if isinstance(err, OSError):
-                    raise SandboxError("create", f"cannot prepare sandbox root {host_dir}: {err}") from err
+                    raise SandboxError("create", f"cannot prepare sandbox root {host_dir}: {err} "
+                                       f"(in {_where(err)})") from err
                 raise
         return box
 
@@ -241,6 +251,12 @@ class LocalSandboxProvider:
             pass
 
 
+def _where(err: BaseException) -> str:
+    """The function and line an error came from (which step of a create failed)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return f"{frames[-1].name}:{frames[-1].lineno}" if frames else "?"
+
+
 async def _drop_holder(job: asyncio.Future) -> None:
     """End a user-namespace holder that a failed create did not hand over."""
     try:
@@ -250,6 +266,8 @@ async def _drop_holder(job: asyncio.Future) -> None:
     if proc.poll() is None:
         proc.kill()
         await asyncio.to_thread(proc.wait)
+    if proc.stdin is not None:
+        proc.stdin.close()  # its pipe, else one fd leaks per failed create
 
 
 def _owner_is_gone(d: Path) -> bool:
