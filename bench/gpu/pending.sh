@@ -26,7 +26,7 @@ mkdir -p /tmp/bw && for f in .carry/debs/*.deb; do dpkg -x "$f" /tmp/bw; done
 export PYTHONPATH=$PWD:/tmp/site2:/tmp/site PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 PATH=/tmp/bw/usr/bin:$PATH
 part() { local name=$1 t=$2; shift 2; timeout "$t" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc $?"; tail -4 "$OUT/$name.log"; }
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
-has kernels && part kernels 200 python3 -m bench.kernels --only sparse_mla_bwd,indexer \
+has kernels && part kernels 300 python3 -m bench.kernels --only sparse_mla_bwd,indexer \
   --out "$OUT/kernels_pending.json"
 has memory && part memory_slice 150 python3 bench/gpu/parallel_gpu.py --parts memory_slice_dsa_kernels \
   --out "$OUT/parallel_gpu_dsa.json" --offload-dir /tmp/offl
