@@ -33,22 +33,26 @@ TOPK_CONFIGS = [
     KernelConfig.make(BLOCK=1024, RADIX_BITS=8, COMPACT=1, FULL_PASSES=2, CAP=4096, num_warps=4, num_stages=1),
     KernelConfig.make(BLOCK=512, RADIX_BITS=7, COMPACT=1, FULL_PASSES=2, CAP=8192, num_warps=4, num_stages=1),
     KernelConfig.make(BLOCK=512, RADIX_BITS=6, COMPACT=1, FULL_PASSES=3, CAP=2048, num_warps=4, num_stages=1),
+    # sampled threshold (kernels/topk_sample.py): one compaction read of the row, then an exact select
+    # over the survivors. H200, the 4096 longest rows of 64K (bench indexer_topk_variants, 2026-12-01):
+    # 2.34 ms (7 bits, BLOCK 512) and 2.46 ms (8 bits, BLOCK 1024) against the compact variant's
+    # 3.33 ms, every row the same selection; 10.5% of the copy rate, up from 7.4%.
+    KernelConfig.make(SAMPLES=2048, BLOCK=512, RADIX_BITS=7, CAP=8192, num_warps=4, num_stages=1),
+    KernelConfig.make(SAMPLES=2048, BLOCK=1024, RADIX_BITS=8, CAP=8192, num_warps=4, num_stages=1),
 ]
 # Exact, CPU-interpreter tested, not in the default list: the segment-parallel variant measured
-# 3.70 ms against the compact variant's 3.40 ms (H200, 4096 rows of 64K; it is instruction-bound,
-# not short of parallelism), and the sampled-threshold variant has no H200 timing or GPU check yet
-# (tests/kernels/test_kernels_indexer.py::test_every_gpu_config_is_correct covers both lists).
+# 3.77-4.62 ms against the compact variant's 3.33 ms (same run; it is instruction-bound, not short
+# of parallelism), and the sampled-threshold shapes that lost to the two above (3.05 and 2.68 ms).
+# tests/kernels/test_kernels_indexer.py::test_every_gpu_config_is_correct covers both lists.
 EXPERIMENTAL_TOPK_CONFIGS = [
     # segment-parallel (kernels/topk_seg.py): (row, segment) grids instead of one program per row
     KernelConfig.make(SEG=4096, BLOCK=512, RADIX_BITS=8, FULL_PASSES=2, CAP=4096, num_warps=4, num_stages=1),
     KernelConfig.make(SEG=8192, BLOCK=1024, RADIX_BITS=8, FULL_PASSES=2, CAP=4096, num_warps=4, num_stages=1),
     KernelConfig.make(SEG=4096, BLOCK=512, RADIX_BITS=7, FULL_PASSES=2, CAP=8192, num_warps=4, num_stages=1),
     KernelConfig.make(SEG=2048, BLOCK=512, RADIX_BITS=8, FULL_PASSES=2, CAP=4096, num_warps=2, num_stages=1),
-    # sampled threshold (kernels/topk_sample.py): one compaction read of the row, then exact select
-    KernelConfig.make(SAMPLES=2048, BLOCK=1024, RADIX_BITS=8, CAP=8192, num_warps=4, num_stages=1),
+    # sampled threshold: the shapes that lost to the two in TOPK_CONFIGS
     KernelConfig.make(SAMPLES=4096, BLOCK=1024, RADIX_BITS=8, CAP=8192, num_warps=8, num_stages=1),
     KernelConfig.make(SAMPLES=2048, BLOCK=2048, RADIX_BITS=8, CAP=8192, num_warps=8, num_stages=1),
-    KernelConfig.make(SAMPLES=2048, BLOCK=512, RADIX_BITS=7, CAP=8192, num_warps=4, num_stages=1),
 ]
 TOPK_TUNER = Autotuner("indexer_topk", TOPK_CONFIGS)
 
