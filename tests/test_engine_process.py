@@ -95,6 +95,12 @@ def test_engine_dies_with_the_process_that_started_it(tmp_path):
                               text=True)
     child = int(parent.stdout.readline())
     try:
+        # setpriv sets the parent-death signal and then execs the engine; a parent killed before that
+        # (a few ms, longer on a loaded box) leaves nothing to signal, so wait for the exec.
+        for _ in range(600):
+            if os.path.realpath(f"/proc/{child}/exe") != os.path.realpath(shutil.which("setpriv")):
+                break
+            time.sleep(0.05)
         os.kill(parent.pid, signal.SIGKILL)  # an actor killed outright
         parent.wait(10)
         for _ in range(600):  # 30 s: SIGTERM from the kernel is instant, but a loaded 2-core box is slow to run it
