@@ -74,7 +74,11 @@ async def open_capped_pipe(max_bytes: int) -> tuple[int, CappedOutput, asyncio.R
     r, w = os.pipe()
     loop = asyncio.get_running_loop()
     reader = CappedOutput(max_bytes)
-    transport, _ = await loop.connect_read_pipe(lambda: reader, os.fdopen(r, "rb", buffering=0))
+    try:
+        transport, _ = await loop.connect_read_pipe(lambda: reader, os.fdopen(r, "rb", buffering=0))
+    except BaseException:  # cancelled while connecting: asyncio closed the read end, this is the write end
+        os.close(w)
+        raise
     return w, reader, transport
 
 
