@@ -14,8 +14,9 @@ the lognormal env needs no tmux):
 
     python bench/gpu/async_vs_sync_gpu.py --out "$OUT/async_vs_sync_gpu.json"
 
-About 2 x (start-up + steps x step time): with 8 steps of 8 x 4 episodes (median episode 2 s,
-prompts of about 2K tokens), about 5 minutes on the H200 (bench/gpu/pending.sh runs that). `--check` resolves the plan,
+About 2 x (start-up + steps x step time): the defaults (16 steps of 8 x 4 episodes, median episode
+1 s, prompts of about 2K tokens) took 8.3 minutes on the H200 (bench/results/async_vs_sync_gpu.json:
+sync 270 s, async 100 s, 50-60 s of start-up each); bench/gpu/pending.sh runs it. `--check` resolves the plan,
 lists what the machine lacks and runs nothing (the CPU test runs it).
 """
 
@@ -116,10 +117,10 @@ def check(args: argparse.Namespace) -> dict:
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "async_vs_sync_gpu.json")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--prompts-per-step", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=4)
-    ap.add_argument("--median-s", type=float, default=2.0)
+    ap.add_argument("--median-s", type=float, default=1.0)
     ap.add_argument("--sigma", type=float, default=1.0)
     ap.add_argument("--max-s", type=float, default=15.0)
     ap.add_argument("--in-flight", type=int, default=128)

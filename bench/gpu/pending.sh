@@ -30,5 +30,5 @@ has kernels && part kernels 300 python3 -m bench.kernels --only sparse_mla_bwd,i
   --out "$OUT/kernels_pending.json"
 has memory && part memory_slice 150 python3 bench/gpu/parallel_gpu.py --parts memory_slice_dsa_kernels \
   --out "$OUT/parallel_gpu_dsa.json" --offload-dir /tmp/offl
-has async && part async_vs_sync 540 python3 bench/gpu/async_vs_sync_gpu.py ${ASYNC_ARGS:---steps 8} --out "$OUT/async_vs_sync_gpu.json"
+has async && part async_vs_sync 540 python3 bench/gpu/async_vs_sync_gpu.py ${ASYNC_ARGS:-} --out "$OUT/async_vs_sync_gpu.json"
 true
