@@ -43,7 +43,7 @@ NumNodes = Annotated[int | None, typer.Option("--num-nodes", help="Nodes in the 
 GpusPerNode = Annotated[int | None, typer.Option("--gpus-per-node", help="GPUs per node (0 = CPU).")]
 HardwareOpt = Annotated[Hardware | None, typer.Option("--hardware", help="H200, B200, GB300 or cpu.")]
 ModelName = Annotated[str | None, typer.Option(
-    "--model-name", help="GLM-5.2 (default), GLM-5.2_5layer, tiny or smollm2-135m; picks the recipe when --config "
+    "--model-name", help="GLM-5.2 (default), GLM-5.2_5layer, tiny, smollm2-135m or gemma3-270m; picks the recipe when --config "
     "is not given, overrides the recipe's model when it is.")]
 ConfigOpt = Annotated[str | None, typer.Option("--config", help="Recipe name (configs/NAME.yaml) or YAML path.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.key=value (repeatable).")]
@@ -233,12 +233,12 @@ def _train(cfg, plan, quiet: bool = False) -> None:
     except PlanError as e:
         _fail(f"this plan cannot run: {e}")
     preflight(cfg, plan)
+    import signal
+
     from agentrl.cluster.ray_env import ClusterError
     from agentrl.orchestrator import Orchestrator
     from agentrl.policy.retry import NoPlayableTasks
     from agentrl.progress import Progress
-
-    import signal
 
     # SIGTERM (a scheduler's stop, `kill`) ends the run the way Ctrl-C does: the orchestrator's
     # shutdown stops workers, sandboxes, engines and Ray before the process exits.

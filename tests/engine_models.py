@@ -29,3 +29,16 @@ def llama_model(seed: int = 0):
                       num_attention_heads=4, num_key_value_heads=2, eos_token_id=None, bos_token_id=None)
     torch.manual_seed(seed)
     return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
+
+
+def gemma3_model(seed: int = 0, sliding_window: int = 4):
+    """Gemma 3's text stack with a 4-token sliding window on every layer but the last (the real
+    270M model: 512 tokens on 5 of every 6 layers), so short prompts already cross the window."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=sliding_window,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                           eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    return Gemma3ForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()

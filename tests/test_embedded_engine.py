@@ -352,3 +352,25 @@ async def test_generation_stops_at_the_context_length():
                 await client.generate(prompt(40, 13), SamplingParams(max_new_tokens=1), session_id="c")
     finally:
         await server.stop()
+
+
+async def test_sliding_window_layers_match_teacher_forcing_in_prefill_decode_and_batches():
+    from agentrl.rollout.embedded.server import EmbeddedEngineServer
+    from tests.engine_models import gemma3_model
+
+    model = gemma3_model()
+    server = EmbeddedEngineServer(model, prefill_chunk_tokens=4, max_batch_size=8)  # chunks cross the window
+    url = await server.start()
+    try:
+        async with EngineClient(url, timeout_s=60) as client:
+            prompts = [prompt(n, 20 + n) for n in (3, 11, 17)]  # rows padded differently in one decode batch
+            outs = await asyncio.gather(*(client.generate_raw(
+                {"input_ids": p, "sampling_params": {"max_new_tokens": 12, "temperature": 1.0},
+                 "return_logprob": True, "logprob_start_len": 1}) for p in prompts))
+            for p, raw in zip(prompts, outs):
+                ids = p + raw["output_ids"]
+                got = [x[0] for x in raw["meta_info"]["input_token_logprobs"]]
+                got += [x[0] for x in raw["meta_info"]["output_token_logprobs"]]
+                assert max_err(got, teacher_logprobs(model, ids, 1, 1.0)) < 1e-4
+    finally:
+        await server.stop()

@@ -19,6 +19,7 @@ DEFAULT_RECIPE = {
     "GLM-5.2_5layer": "glm5_2_5layer_1node",
     "tiny": "local",
     "smollm2-135m": "local_smollm2",
+    "gemma3-270m": "local_smollm2",  # the same small-model CPU recipe (scripts/install_gemma3.sh first)
 }
 DEFAULT_MODEL = "GLM-5.2"
 

@@ -355,7 +355,7 @@ class LoggingConfig(Section):
 
 
 class ModelConfig(Section):
-    name: str = Field("tiny", description="A named model (GLM-5.2, GLM-5.2_5layer, tiny, smollm2-135m) or a path.")
+    name: str = Field("tiny", description="A named model (GLM-5.2, GLM-5.2_5layer, tiny, smollm2-135m, gemma3-270m) or a path.")
     path: Path | None = Field(None, description="HF checkpoint folder; default: the named model's own source.")
     megatron_dir: Path | None = Field(None, description="Converted torch_dist checkpoint (shared storage).")
     local_dir: Path | None = Field(None, description="Node-local copy made by prepare-cp.")

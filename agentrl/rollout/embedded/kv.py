@@ -19,7 +19,12 @@ the DSA scores tie at exactly 0 after ReLU and top-k tie-breaking differs by ker
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicIndexedLayer, DynamicLayer
+from transformers.cache_utils import (
+    DynamicCache,
+    DynamicIndexedLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+)
 
 # Tensor attribute of a cache layer -> its sequence dimension.
 SEQ_DIM = {"keys": -2, "values": -2, "indexer_keys": 1}
@@ -78,7 +83,7 @@ class _GrowingIndexedLayer(DynamicIndexedLayer):
 def new_cache(config) -> DynamicCache:
     cache = DynamicCache(config=config)
     for i, layer in enumerate(cache.layers):
-        if type(layer) is DynamicLayer:
+        if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer):  # full KV kept; the window is in the mask
             cache.layers[i] = _GrowingLayer()
         elif type(layer) is DynamicIndexedLayer:
             cache.layers[i] = _GrowingIndexedLayer()
@@ -192,21 +197,24 @@ def select_rows(cache: DynamicCache, rows: list[int], drop_left: int) -> None:
 
 
 def decode_mask(pads: list[int], width: int, *, additive_dtype: torch.dtype | None,
-                device: torch.device | str = "cpu") -> torch.Tensor:
+                device: torch.device | str = "cpu", window: int | None = None) -> torch.Tensor:
     """[B, 1, 1, width + 1] mask for one new token per row: row i sees columns >= pads[i].
 
     Boolean (True = attend) for SDPA; additive (0 / dtype min) when `additive_dtype` is given (eager)."""
     cols = torch.arange(width + 1, device=device)
     mask = (cols[None, :] >= torch.tensor(pads, device=device)[:, None])[:, None, None, :]
+    if window is not None:  # the new token (column width) sees the last `window` positions, itself included
+        mask = mask & (cols > width - window)[None, None, None, :]
     return _as_additive(mask, additive_dtype)
 
 
 def prefill_mask(batch: int, cached: int, new: int, *, additive_dtype: torch.dtype | None,
-                 device: torch.device | str = "cpu") -> torch.Tensor:
+                 device: torch.device | str = "cpu", window: int | None = None) -> torch.Tensor:
     """[B, 1, new, cached + new] causal mask for `new` tokens after `cached` unpadded cached ones."""
     q = torch.arange(new, device=device)[:, None] + cached
     k = torch.arange(cached + new, device=device)[None, :]
-    mask = (k <= q)[None, None].expand(batch, 1, new, cached + new)
+    keep = (k <= q) & (k > q - window) if window is not None else (k <= q)
+    mask = keep[None, None].expand(batch, 1, new, cached + new)
     return _as_additive(mask, additive_dtype)
 
 

@@ -267,8 +267,7 @@ class Scheduler:
             c = min(self.prefill_chunk_tokens, m + n_new - done)
             out = self.model(
                 input_ids=torch.tensor([s.tokens[done : done + c] for s in seqs], device=self.device),
-                attention_mask=kvlib.prefill_mask(len(seqs), done, c, additive_dtype=self._additive,
-                                                  device=self.device),
+                attention_mask=self._masks(kvlib.prefill_mask, len(seqs), done, c),
                 position_ids=torch.arange(done, done + c, device=self.device).expand(len(seqs), c),
                 cache=cache, use_cache=True, logits_to_keep=c if want_input else 1,
             )
@@ -310,12 +309,23 @@ class Scheduler:
             out.append(None if p == 0 else float(lp[p - 1 - m, seq.tokens[p]]))
         seq.input_lps = out
 
+    def _masks(self, build, *args):
+        # Sliding-window layers (Gemma 3: 5 of every 6, 512 tokens) get their own windowed mask,
+        # keyed by layer type as transformers expects; their cache keeps every position.
+        cfg = self.model.config
+        window = getattr(cfg, "sliding_window", None)
+        full = build(*args, additive_dtype=self._additive, device=self.device)
+        if not window or "sliding_attention" not in (getattr(cfg, "layer_types", None) or ()):
+            return full
+        return {"full_attention": full, "sliding_attention": build(*args, additive_dtype=self._additive,
+                                                                   device=self.device, window=window)}
+
     def _decode_step(self) -> None:
         seqs = self._running
         pads = [self._width - s.kv_len for s in seqs]
         out = self.model(
             input_ids=torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device),
-            attention_mask=kvlib.decode_mask(pads, self._width, additive_dtype=self._additive, device=self.device),
+            attention_mask=self._masks(kvlib.decode_mask, pads, self._width),
             position_ids=torch.tensor([[s.kv_len] for s in seqs], device=self.device),
             cache=self._cache, use_cache=True, logits_to_keep=1,
         )
