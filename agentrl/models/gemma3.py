@@ -158,58 +158,21 @@ def load_gemma3_tokenizer(cache_dir: str | Path | None = None) -> PreTrainedToke
 
 
 def load_gemma3_model(dtype: torch.dtype, cache_dir: str | Path | None = None) -> PreTrainedModel:
-    """Gemma 3 270M as a plain, trainable and saveable Gemma3ForCausalLM (weights de-quantised).
+    """Gemma 3 270M as a plain, trainable and saveable Gemma3ForCausalLM (weights de-quantised, as
+    agentrl/models/gguf.py explains), stopping on <end_of_turn> as well as <eos>."""
+    from agentrl.models.gguf import load_dequantized
 
-    Same reason and steps as load_smollm2_model: the GGUF-quantizer tag is dropped by moving the
-    de-quantised weights into a model built from the config without it."""
-    import torch
-    from transformers import AutoModelForCausalLM, GgufConfig
-
-    gguf = gemma3_gguf_path(cache_dir)
-    loaded = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent),
-        gguf_file=gguf.name,
-        dtype=dtype,
-        local_files_only=True,
-        quantization_config=GgufConfig(dequantize=True),
-    )
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    plain.load_state_dict(loaded.state_dict(), assign=True, strict=True)
-    plain.tie_weights()
-    plain.generation_config = loaded.generation_config
-    # Stop on <end_of_turn> as well as <eos> (the embedded engine reads config.eos_token_id).
-    eos = [config.eos_token_id, END_OF_TURN_ID] if isinstance(config.eos_token_id, int) else [END_OF_TURN_ID]
-    plain.config.eos_token_id = plain.generation_config.eos_token_id = eos
-    # Non-persistent buffers (rotary inv_freq, the embedding scale) are not in the state dict.
-    for name, buffer in loaded.named_buffers():
-        module_name, _, buffer_name = name.rpartition(".")
-        plain.get_submodule(module_name).register_buffer(buffer_name, buffer, persistent=False)
+    plain = load_dequantized(gemma3_gguf_path(cache_dir), dtype)
+    eos = plain.config.eos_token_id
+    eos = [eos, END_OF_TURN_ID] if isinstance(eos, int) else [END_OF_TURN_ID]
+    plain.config.eos_token_id = plain.generation_config.eos_token_id = eos  # the engine reads config's
     return plain
 
 
 def export_gemma3(out_dir: str | Path) -> Path:
-    """De-quantise the GGUF once into a plain HF folder (safetensors + tokenizer with the chat template).
+    """De-quantise the GGUF once into a plain HF folder (safetensors + tokenizer with the chat
+    template), complete or absent. Later loads read the folder in seconds instead of converting the
+    262k-token GGUF vocabulary."""
+    from agentrl.models.gguf import export_plain
 
-    Written to a temporary sibling and renamed into place, so `out_dir` is either complete or absent.
-    Later loads read the folder in seconds instead of converting the 262k-token GGUF vocabulary."""
-    import shutil
-
-    import torch
-
-    out = Path(out_dir).expanduser()
-    if out.exists():
-        raise FileExistsError(f"{out} exists; remove it or load it with load_policy({str(out)!r})")
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        load_gemma3_tokenizer().save_pretrained(str(tmp))
-        load_gemma3_model(torch.float32).save_pretrained(str(tmp))
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return export_plain(out_dir, load_gemma3_tokenizer, load_gemma3_model)

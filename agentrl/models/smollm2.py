@@ -52,57 +52,16 @@ def load_smollm2_tokenizer() -> PreTrainedTokenizerBase:
 
 
 def load_smollm2_model(dtype: torch.dtype) -> PreTrainedModel:
-    """SmolLM2 as a plain, trainable and saveable LlamaForCausalLM (weights de-quantised).
+    """SmolLM2 as a plain, trainable and saveable LlamaForCausalLM (weights de-quantised; see
+    agentrl/models/gguf.py for why)."""
+    from agentrl.models.gguf import load_dequantized
 
-    transformers keeps a GGUF-loaded model tagged with its GGUF quantizer, which marks it neither
-    trainable nor serializable (and, with the `kernels` package present, keeps weights packed). The
-    de-quantised weights are therefore moved into a model built from the same config without the
-    quantization entry."""
-    import torch
-    from transformers import AutoModelForCausalLM, GgufConfig
-
-    gguf = smollm2_gguf_path()
-    loaded = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent),
-        gguf_file=gguf.name,
-        dtype=dtype,
-        local_files_only=True,
-        quantization_config=GgufConfig(dequantize=True),
-    )
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    plain.load_state_dict(loaded.state_dict(), assign=True, strict=True)
-    plain.tie_weights()
-    plain.generation_config = loaded.generation_config
-    # Non-persistent buffers (rotary inv_freq) are not in the state dict: take them from the loaded model.
-    for name, buffer in loaded.named_buffers():
-        module_name, _, buffer_name = name.rpartition(".")
-        plain.get_submodule(module_name).register_buffer(buffer_name, buffer, persistent=False)
-    return plain
+    return load_dequantized(smollm2_gguf_path(), dtype)
 
 
 def export_smollm2(out_dir: str | Path) -> Path:
-    """De-quantise the GGUF once into a plain HF folder (safetensors + tokenizer) at `out_dir`.
+    """De-quantise the GGUF once into a plain HF folder (safetensors + tokenizer) at `out_dir`,
+    complete or absent."""
+    from agentrl.models.gguf import export_plain
 
-    Written to a temporary sibling and renamed into place, so `out_dir` is either complete or absent."""
-    import os
-    import shutil
-
-    import torch
-
-    out = Path(out_dir).expanduser()
-    if out.exists():
-        raise FileExistsError(f"{out} exists; remove it or load it with load_policy({str(out)!r})")
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        load_smollm2_tokenizer().save_pretrained(str(tmp))
-        load_smollm2_model(torch.float32).save_pretrained(str(tmp))
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return export_plain(out_dir, load_smollm2_tokenizer, load_smollm2_model)
