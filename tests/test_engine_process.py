@@ -114,3 +114,34 @@ def test_engine_dies_with_the_process_that_started_it(tmp_path):
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+FAILING_SERVER = r"""
+import http.server, sys
+print("model type gemma3: cache layer 0 is not supported", flush=True)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(500); self.end_headers(); self.wfile.write(b"generation failed")
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_an_engine_that_answers_with_errors_is_reported_while_it_is_waited_for(tmp_path, monkeypatch, caplog):
+    import agentrl.cluster.engine_process as ep
+
+    monkeypatch.setattr(ep, "WAIT_NOTE_EVERY_S", 0.5)
+
+    async def main():
+        port = free_port()
+        proc = EngineProcess([sys.executable, "-c", FAILING_SERVER, str(port)], f"http://127.0.0.1:{port}",
+                             tmp_path / "engine.log", ready_timeout_s=3)
+        with pytest.raises(EngineStartError, match="not ready after 3 s"):
+            await proc.start()
+        assert not proc.alive()
+
+    with caplog.at_level("WARNING", logger="agentrl.cluster.engine_process"):
+        asyncio.run(main())
+    notes = [r.getMessage() for r in caplog.records]
+    assert notes and all("not ready after" in n for n in notes)
+    assert any("HTTP 500: generation failed" in n and "cache layer 0 is not supported" in n for n in notes), notes

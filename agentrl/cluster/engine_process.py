@@ -13,6 +13,7 @@ backoff, all nodes of an engine together) are agentrl.cluster.engines.EngineGrou
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import signal
@@ -28,6 +29,12 @@ SETTLE_S = 1.0  # a non-serving process that survives this long started (bad fla
 POLL_S = 0.5
 PROBE_TIMEOUT_S = 30.0  # one /health_generate answer (SGLang waits up to 20 s for a token)
 STOP_GRACE_S = 10.0
+# While an engine is not ready, say so this often: a model load takes minutes, but an engine that
+# answers its health check with errors (a model it cannot serve) would otherwise wait out the
+# whole ready timeout (600 s by default) in silence.
+WAIT_NOTE_EVERY_S = 60.0
+
+log = logging.getLogger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -111,7 +118,8 @@ class EngineProcess:
             if not self.alive():
                 raise self._exited()
             return
-        deadline = time.monotonic() + self.ready_timeout_s
+        began = time.monotonic()
+        deadline, next_note, last = began + self.ready_timeout_s, began + WAIT_NOTE_EVERY_S, "no answer yet"
         async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S) as client:
             while time.monotonic() < deadline:
                 if not self.alive():
@@ -120,12 +128,27 @@ class EngineProcess:
                     r = await client.get(self.url + self.health_path)
                     if r.status_code == 200:
                         return
-                except httpx.HTTPError:
-                    pass
+                    last = f"HTTP {r.status_code}: {r.text.strip()[:200]}"
+                except httpx.HTTPError as err:
+                    last = f"{type(err).__name__}"
+                if time.monotonic() >= next_note:
+                    next_note += WAIT_NOTE_EVERY_S
+                    log.warning("engine at %s not ready after %.0f s of %.0f (last answer: %s); its log ends: %s",
+                                self.url, time.monotonic() - began, self.ready_timeout_s, last, self._log_tail())
                 await asyncio.sleep(POLL_S)
         self.stop()
         raise EngineStartError(f"engine not ready after {self.ready_timeout_s:.0f} s (no 200 from "
                                f"{self.url}{self.health_path}); see {self.log_path}")
+
+    def _log_tail(self) -> str:
+        """The engine log's last non-empty line (where a failing engine says why)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return "(no log)"
+        return lines[-1][-300:] if lines else "(empty)"
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         if self._proc is None or self._proc.poll() is not None:
