@@ -44,7 +44,7 @@ def eval_command(
 
     def progress(e: dict) -> None:
         done["n"] += 1
-        done["passed"] += int((e["reward"] or 0.0) >= 1.0)
+        done["passed"] += int(e["passed"])  # the report's own rule (runner.passed), not reward alone
         typer.echo(f"[{done['n']}/{total}] {e['task_id']}#{e['sample']}: {e['outcome']} reward={e['reward']} "
                    f"(passed so far {done['passed']})", err=True)
 
