@@ -376,6 +376,7 @@ class Orchestrator:
                "episodes_per_s": sum(self.outcomes.values()) / wall, "gen_tokens_per_s": self.generated_tokens / wall,
                # Over the loop only: start-up (model load, engine start) is its own field.
                "trainer_idle_ratio": 1.0 - self.trainer_busy_s / max(loop, 1e-9), "startup_s": self.startup_s,
+               "trainer_busy_s": self.trainer_busy_s,  # cumulative over the loop: idle between any two rows
                "wall_s": wall, "time": time.time(), "retries": dict(self.retry.counters),
                **self.dynamic.metrics(), **self.sampler.metrics(),
                **{k: v for k, v in metrics.items() if k not in ("reward_mean", "staleness_max", "staleness_mean")}}

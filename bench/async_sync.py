@@ -185,11 +185,16 @@ def _summarize(w: Workload, mode: str, orch: Any, rows: list[dict], samples: lis
 
 
 def _idle_after_first(rows: list[dict], step_ends: list[float]) -> float | None:
-    """Idle ratio from the end of step 1 on (steady state, without the pipeline's fill-up);
-    busy per step = train step + weight sync as the trainer reports them."""
+    """Idle ratio from the end of step 1 on (steady state, without the pipeline's fill-up). Busy is
+    the training stage's own clock (the rows' cumulative `trainer_busy_s`: batch, step, weight push,
+    checkpoint), the one `trainer_idle_ratio` uses; rows without it (runs before 2026-12-01) fall
+    back to train step + weight sync as the trainer reports them, a narrower busy."""
     if len(rows) < 2 or len(step_ends) < 2:
         return None
-    busy = sum(r.get("step_time_s", 0.0) + r.get("sync_s", 0.0) for r in rows[1:])
+    if all("trainer_busy_s" in r for r in rows):
+        busy = rows[-1]["trainer_busy_s"] - rows[0]["trainer_busy_s"]
+    else:
+        busy = sum(r.get("step_time_s", 0.0) + r.get("sync_s", 0.0) for r in rows[1:])
     return max(0.0, 1 - busy / (step_ends[-1] - step_ends[0]))
 
 

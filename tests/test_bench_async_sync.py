@@ -41,6 +41,9 @@ def test_idle_after_first_step_counts_train_and_sync_time():
     rows = [{"step_time_s": 1.0, "sync_s": 0.5}] * 3
     assert _idle_after_first(rows, [5.0, 7.0, 9.0]) == pytest.approx(1 - 3.0 / 4.0)
     assert _idle_after_first(rows[:1], [5.0]) is None
+    # With the stage's own cumulative busy clock in the rows, that clock is used.
+    rows = [{"step_time_s": 1.0, "sync_s": 0.5, "trainer_busy_s": b} for b in (2.0, 3.8, 5.6)]
+    assert _idle_after_first(rows, [5.0, 7.0, 9.0]) == pytest.approx(1 - 3.6 / 4.0)
 
 
 @pytest.mark.slow
