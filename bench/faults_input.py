@@ -119,9 +119,11 @@ async def oversized_prompt(tmp: Path) -> Outcome:
                                          SamplingParams(max_new_tokens=16), "gbig-0", "gbig")
         finally:
             await p.aclose()
-        c(traj.outcome == "truncated" and traj.num_generated == 0,
+        error = traj.info.get("error", "")
+        c(traj.outcome == "infra_error:task" and traj.num_generated == 0 and traj.reward is None
+          and not traj.trainable and "agent.max_context_tokens=48" in error,
           f"agent: a task prompt of {traj.prompt_len} tokens over agent.max_context_tokens=48 ends the episode "
-          f"'{traj.outcome}' before any generation (not an engine error)")
+          f"'{traj.outcome}' (a data error, never trained) before any generation: {error[:120]}")
     finally:
         await server.stop()
     return c.outcome()
@@ -200,7 +202,8 @@ SCENARIOS = (
              malformed_model_output),
     Scenario("input_oversized_prompt", "input",
              "the engine refuses a prompt over its context length with HTTP 400 naming both lengths and keeps "
-             "serving; the agent ends an over-long conversation as 'truncated' before asking the engine",
+             "serving; a task whose first prompt fills agent.max_context_tokens is a data error "
+             "(infra_error:task, never trained) before the engine is asked",
              oversized_prompt),
     Scenario("input_bad_config_value", "input",
              "a bad --set value or unknown key is refused naming the key; the launcher exits 2 without a "
