@@ -59,7 +59,6 @@ class Orchestrator:
         self._lineage: dict[str, str] = {}  # group id -> the group id of its first admission
         self._handled: set[str] = set()  # groups whose loss the loop accounted for itself (lost worker)
         self._infra_seen: set[str] = set()  # infra_error kinds already explained in a note
-        self._task_errors: dict[str, str] = {}  # task id -> its first data error's message
         self._group_tasks: set[asyncio.Task] = set()
         self._eval_tasks: set[asyncio.Task] = set()
         self._worker_load: list[int] = []
@@ -254,7 +253,7 @@ class Orchestrator:
             self.outcomes[s["outcome"]] += 1
             self.generated_tokens += s["generated"]
             if failure_kind(s["outcome"]) == "data" and s.get("error"):
-                self._task_errors.setdefault(task_id, s["error"])  # why, should the task be left out
+                self.unplayable.note_error(task_id, s["error"])  # why, should the task be left out
             if s["outcome"].startswith("infra_error") and s["outcome"] not in self._infra_seen:
                 # The first failure of each kind says why, once (the rest are counted in metrics).
                 self._infra_seen.add(s["outcome"])
@@ -301,7 +300,7 @@ class Orchestrator:
             self.progress.note(f"group of task {task_id}: {decision.reason}"
                                + ("; the task is left out of sampling" if decision.kind == "data" else ""))
             if decision.kind == "data":
-                self.unplayable.mark(task_id, self._task_errors.get(task_id) or decision.reason)
+                self.unplayable.mark(task_id, decision.reason)
         return decision.retry
 
     # -- evaluation ----------------------------------------------------------------------------

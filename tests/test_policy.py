@@ -93,6 +93,9 @@ def test_unplayable_tasks_are_skipped_and_all_unplayable_stops_the_run():
     u.mark("c", "y")
     with pytest.raises(NoPlayableTasks, match=r"every training task \(3\).*a: prompt too long"):
         u.draw(draw, pool)
+    u.note_error("a", "the episode's own message")  # arriving after the drop, it is the better reason
+    with pytest.raises(NoPlayableTasks, match="a: the episode's own message"):
+        u.draw(draw, pool)
 
 
 def test_unplayable_draws_give_up_for_the_round_on_a_sampler_that_keeps_returning_them():

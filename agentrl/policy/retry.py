@@ -82,16 +82,23 @@ class UnplayableTasks:
     Not persisted: a resumed run finds them again at the cost of one failed group each.
     """
 
-    reasons: dict[str, str] = field(default_factory=dict)  # task id -> its data error
+    reasons: dict[str, str] = field(default_factory=dict)  # task id -> why it was left out
+    errors: dict[str, str] = field(default_factory=dict)  # task id -> its first data error's message
 
     def mark(self, task_id: str, reason: str) -> None:
         self.reasons.setdefault(task_id, reason)
+
+    def note_error(self, task_id: str, error: str) -> None:
+        """An episode's data error message; it may arrive before or after its group is dropped."""
+        self.errors.setdefault(task_id, error)
 
     def draw(self, next_task: Callable[[], str], pool: Sequence[str]) -> str | None:
         """A playable task from `next_task`, or None when this round's draws found none (some
         remain playable); raises NoPlayableTasks when none of `pool` is playable."""
         if pool and all(t in self.reasons for t in pool):
-            task, why = next(iter(self.reasons.items()))
+            # the first task whose episode said why (its message can trail its group's drop)
+            task = next((t for t in self.reasons if t in self.errors), next(iter(self.reasons)))
+            why = self.errors.get(task) or self.reasons[task]
             raise NoPlayableTasks(f"every training task ({len(pool)}) failed as a data error and was left out; "
                                   f"the first, {task}: {why}")
         for _ in range(DRAWS_PER_TASK * max(len(pool), 1)):
