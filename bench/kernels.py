@@ -1,6 +1,6 @@
 """Kernel benchmark at GLM-5.2 dimensions: `python -m bench.kernels --out PATH`.
 
-Runs the four Triton kernels of kernels/ on a CUDA device (warm-up, the kernels' own autotuning,
+Runs the Triton kernels of kernels/ on a CUDA device (warm-up, the kernels' own autotuning,
 then CUDA-event timing, median of several runs), checks each against its torch reference, times
 that reference where it fits in memory, and writes JSON:
 {"machine", "versions", "ceilings", "kernels": [{"name", "shape", "ms", "tflops" | "gbps",
@@ -8,7 +8,8 @@ that reference where it fits in memory, and writes JSON:
 A kernel that fails records its error and the run goes on; the JSON is rewritten after every
 kernel, so a run cut short still leaves what it measured. Imports only the stdlib at module
 level (torch, triton and kernels/ are imported when the run starts): no Ray, no agentrl deps.
-The cases and the entry format (`make_entry`, the ceilings) are in bench/kernel_cases.py.
+The cases and the entry format (`make_entry`, the ceilings) are in bench/kernel_cases.py; the
+indexer family also times each top-k config and `impl="fused"` (entry indexer_topk_fused).
 """
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ Each row's scores (<= 512 KB at 128K context) stay in L2 across the select's pas
 
 Output: int32 [T, topk]; row t holds min(topk, t + offset + 1) selected key indices in ascending
 order followed by -1. Ties at the threshold go to the lower index (deterministic).
+``impl="fused"`` (kernels/indexer_fused.py) gives the same output without writing the score rows:
+per-row sampled thresholds, survivors written by the scoring kernel, one exact select over them.
 """
 from __future__ import annotations
 
@@ -16,9 +18,15 @@ import triton
 import triton.language as tl
 
 from kernels._tuning import Autotuner, KernelConfig
+from kernels.indexer_fused import indexer_topk_fused
 from kernels.topk import EXPERIMENTAL_TOPK_CONFIGS, TOPK_CONFIGS, TOPK_TUNER, _bucket, topk_rows_chunk
 
-__all__ = ["EXPERIMENTAL_TOPK_CONFIGS", "TOPK_CONFIGS", "TOPK_TUNER", "indexer_scores_chunk", "indexer_topk", "topk_rows_chunk"]
+__all__ = ["EXPERIMENTAL_TOPK_CONFIGS", "INDEXER_IMPLS", "TOPK_CONFIGS", "TOPK_TUNER", "indexer_scores_chunk",
+           "indexer_topk", "topk_rows_chunk"]
+
+# "scores": write each chunk's fp32 score rows, then the tuned select (the default, timed on the H200);
+# "fused": never write them (kernels/indexer_fused.py; not yet timed on the GPU).
+INDEXER_IMPLS = ("scores", "fused")
 
 SCORE_CONFIGS = [
     KernelConfig.make(BLOCK_T=64, BLOCK_S=128, num_warps=4, num_stages=3),
@@ -91,19 +99,24 @@ def indexer_scores_chunk(q, k, w, row0, rows, offset, out):
 
 
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int = 2048,
-                 offset: int | None = None, chunk_rows: int = 4096) -> torch.Tensor:
+                 offset: int | None = None, chunk_rows: int = 4096, impl: str = "scores") -> torch.Tensor:
     """Indices [T, topk] (int32, -1 padded) of the top-k causal indexer scores per query.
 
     q [T, heads, dim], k [S, dim] (same dtype, bf16 on GPU), w [T, heads] (scales folded in).
     Query t sits at key position t + offset (default offset = S - T: queries are the last T
-    keys). Peak extra memory: chunk_rows * S * 4 bytes (4096 x 64K = 1 GiB).
+    keys). Peak extra memory: chunk_rows * S * 4 bytes (4096 x 64K = 1 GiB); with impl="fused"
+    chunk_rows * (CAP * 8 + SAMPLES * 4) bytes (4096 rows: 288 MiB), the same output.
     """
+    if impl not in INDEXER_IMPLS:
+        raise ValueError(f"impl must be one of {INDEXER_IMPLS}, got {impl!r}")
     _check(q, k, w, topk)
     T, S = q.shape[0], k.shape[0]
     offset = S - T if offset is None else int(offset)
     if offset < 0:
         raise ValueError(f"offset must be >= 0 (queries cannot precede the keys), got {offset}")
     q, k, w = q.contiguous(), k.contiguous(), w.contiguous()
+    if impl == "fused":
+        return indexer_topk_fused(q, k, w, topk, offset, chunk_rows)
     out = torch.empty((T, topk), device=q.device, dtype=torch.int32)
     chunk_rows = max(1, min(chunk_rows, T))
     scores = torch.empty((chunk_rows, S), device=q.device, dtype=torch.float32)

@@ -1,6 +1,7 @@
 """Radix-select building blocks shared by the exact top-k variants (kernels/topk.py, topk_sample.py,
 topk_seg.py): the fp32 -> ordered uint32 key map, one digit pass, and the two ways to emit a row's
-k indices (over the whole row, or over a compacted candidate buffer). Public so that each variant
+k indices (over the whole row, or over a compacted candidate buffer), and, at the end, the helpers
+for candidate buffers in any order (kernels/indexer_fused.py). Public so that each variant
 imports them from here, so topk_sample.py and topk_seg.py import nothing from topk.py (which
 dispatches to them).
 """
@@ -99,5 +100,77 @@ def finish_candidates(out_row, ckey_row, cidx_row, n_cand, prefix, pmask, remain
         ties += tl.sum(eq.to(tl.int32), axis=0)
     tl.debug_barrier()
     # 4. the K written indices, ascending (the full variant emits them in order already)
+    kk = tl.arange(0, K)
+    tl.store(out_row + kk, tl.sort(tl.load(out_row + kk), dim=0))
+
+
+# Helpers for candidate buffers in arbitrary order (kernels/indexer_fused.py writes survivors with
+# one atomic counter per row, so their order is not index order and finish_candidates' tie rule,
+# "the first `remaining` equal keys in buffer order", would depend on the scheduling).
+
+@triton.jit
+def threshold_at_count(keys, ok, need):
+    """Largest uint32 t with at least `need` of the valid `keys` >= t (bitwise, 32 count passes in
+    registers; 0 when fewer than `need` keys are valid, i.e. everything survives)."""
+    t = tl.zeros([], tl.uint32)
+    for b in tl.static_range(32):
+        cand = t | tl.full([], 1 << (31 - b), tl.uint32)
+        count = tl.sum((ok & (keys >= cand)).to(tl.int32), axis=0)
+        t = tl.where(count >= need, cand, t)
+    return t
+
+
+@triton.jit
+def lowest_tie_cutoff(ckey_row, cidx_row, n_cand, tie_key, need, idx_bits, BLOCK: tl.constexpr):
+    """The need-th smallest index among the candidates whose key == tie_key (need >= 1 of them).
+
+    Bitwise: the largest z with fewer than `need` such indices < z is that index (indices are
+    distinct); one pass over the candidates per index bit, order-independent."""
+    z = tl.zeros([], tl.int32)
+    for i in range(idx_bits):
+        c = z | (tl.full([], 1, tl.int32) << (idx_bits - 1 - i))
+        below = tl.zeros([], tl.int32)
+        for start in range(0, n_cand, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            ok = j < n_cand
+            key = tl.load(ckey_row + j, mask=ok, other=0)
+            idx = tl.load(cidx_row + j, mask=ok, other=0)
+            below += tl.sum((ok & (key == tie_key) & (idx < c)).to(tl.int32), axis=0)
+        z = tl.where(below < need, c, z)
+    return z
+
+
+@triton.jit
+def finish_unordered_candidates(out_row, ckey_row, cidx_row, n_cand, shift_ptr, dmask_ptr, idx_bits,
+                                K: tl.constexpr, N_PASSES: tl.constexpr, RADIX_BITS: tl.constexpr,
+                                BLOCK: tl.constexpr):
+    """Exact top-K of n_cand >= K candidates (keys + indices, any order): the K indices, ascending.
+
+    Same selection as finish_candidates on index-ordered candidates: every key above the k-th, and
+    of the keys equal to it the `remaining` lowest indices (found by lowest_tie_cutoff, only when
+    more keys tie than are needed)."""
+    prefix = tl.zeros([], tl.uint32)
+    pmask = tl.zeros([], tl.uint32)
+    remaining = tl.full([], K, tl.int32)
+    in_bin = n_cand
+    for p in tl.static_range(N_PASSES):
+        prefix, pmask, remaining, in_bin = radix_pass(ckey_row, n_cand, prefix, pmask, remaining,
+                                                       tl.load(shift_ptr + p), tl.load(dmask_ptr + p),
+                                                       RADIX_BITS, BLOCK, True)
+    # after the last digit `prefix` is the k-th key and `in_bin` counts the candidates equal to it
+    cutoff = tl.full([], 0x7FFFFFFF, tl.int32)
+    if in_bin > remaining:
+        cutoff = lowest_tie_cutoff(ckey_row, cidx_row, n_cand, prefix, remaining, idx_bits, BLOCK)
+    written = tl.zeros([], tl.int32)
+    for start in range(0, n_cand, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        ok = j < n_cand
+        key = tl.load(ckey_row + j, mask=ok, other=0)
+        idx = tl.load(cidx_row + j, mask=ok, other=0)
+        take = ok & ((key > prefix) | ((key == prefix) & (idx <= cutoff)))
+        take_i = take.to(tl.int32)
+        tl.store(out_row + written + tl.cumsum(take_i, axis=0) - 1, idx, mask=take)
+        written += tl.sum(take_i, axis=0)
+    tl.debug_barrier()
     kk = tl.arange(0, K)
     tl.store(out_row + kk, tl.sort(tl.load(out_row + kk), dim=0))
