@@ -30,6 +30,7 @@ from agentrl.sandbox.local_isolation import (
     shared_mountpoint,
 )
 from agentrl.sandbox.local_procs import (
+    PipeReader,
     end_all_but,
     kill_exec_tree,
     only_child,
@@ -135,13 +136,20 @@ class LocalSandbox:
             data_fds.append(memfd_with(data))
             return data_fds[-1]
 
+        info_reader = asyncio.StreamReader()
+        info_pipe: PipeReader | None = None
+        log_fd = -1
         r, w = os.pipe()
-        src = self.host_dir / ("disk.img" if self.disk_kind == "ext4" else "stage")
-        argv = [t["unshare"], "--mount", "--propagation", "private", "--", t["sh"], "-c", LAUNCH_SCRIPT, "sh",
-                str(self.mountpoint), str(src), self.disk_kind, str(self.disk_mb), userns,
-                *bwrap_argv(t["bwrap"], t["bash"], self.mountpoint, self.allow_network, w, data_fd)]  # fmt: skip
-        log_fd = os.open(self.host_dir / "bwrap.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
+            # bwrap's --info-fd: the read end is the PipeReader's from here on, even when it raises
+            # (local_procs says why not loop.connect_read_pipe); the write end and the data fds are
+            # ours until bwrap has been started with them.
+            info_pipe = PipeReader(r, info_reader.feed_data, info_reader.feed_eof)
+            src = self.host_dir / ("disk.img" if self.disk_kind == "ext4" else "stage")
+            argv = [t["unshare"], "--mount", "--propagation", "private", "--", t["sh"], "-c", LAUNCH_SCRIPT, "sh",
+                    str(self.mountpoint), str(src), self.disk_kind, str(self.disk_mb), userns,
+                    *bwrap_argv(t["bwrap"], t["bash"], self.mountpoint, self.allow_network, w, data_fd)]  # fmt: skip
+            log_fd = os.open(self.host_dir / "bwrap.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             self._bwrap = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -150,16 +158,16 @@ class LocalSandbox:
                 pass_fds=(w, *data_fds),
                 env={"PATH": DEFAULT_PATH},
             )
-        except OSError as err:
-            os.close(r)
-            raise SandboxError("create", f"cannot start bwrap: {err}") from err
+        except BaseException as err:
+            if info_pipe is not None:
+                info_pipe.close()
+            if isinstance(err, OSError):
+                raise SandboxError("create", f"cannot start bwrap: {err}") from err
+            raise
         finally:
             for fd in (w, log_fd, *data_fds):
-                os.close(fd)
-        info_reader = asyncio.StreamReader()
-        info_pipe, _ = await asyncio.get_running_loop().connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(info_reader), os.fdopen(r, "rb", buffering=0)
-        )
+                if fd >= 0:
+                    os.close(fd)
         try:
             info = await asyncio.wait_for(read_json(info_reader), _READY_TIMEOUT_S)
             line = await asyncio.wait_for(self._bwrap.stdout.readline(), _READY_TIMEOUT_S)
@@ -336,7 +344,7 @@ class LocalSandbox:
     ) -> ExecResult:
         self._check_alive()
         marker = uuid.uuid4().hex
-        w, reader, transport = await open_capped_pipe(max_output_bytes)
+        w, reader, pipe = open_capped_pipe(max_output_bytes)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self._argv(script, args, cwd or self.workdir),
@@ -345,9 +353,11 @@ class LocalSandbox:
                 stderr=w,
                 env=self._env(env, marker),
             )
-        except OSError as err:
-            transport.close()
-            raise SandboxError("exec", f"cannot start a command in sandbox {self.id}: {err}") from err
+        except BaseException as err:
+            pipe.close()
+            if isinstance(err, OSError):
+                raise SandboxError("exec", f"cannot start a command in sandbox {self.id}: {err}") from err
+            raise
         finally:
             os.close(w)
         timed_out = False
@@ -360,7 +370,7 @@ class LocalSandbox:
             timed_out = True
         except BaseException:  # cancelled: the command must not outlive its caller
             await self._kill_exec(marker, proc)
-            transport.close()
+            pipe.close()
             raise
         if timed_out:
             await self._kill_exec(marker, proc)
@@ -370,7 +380,7 @@ class LocalSandbox:
             await asyncio.wait_for(asyncio.shield(reader.eof), _DRAIN_GRACE_S)
         except TimeoutError:
             pass
-        transport.close()
+        pipe.close()
         if timed_out:
             return ExecResult(-1, reader.text(), timed_out=True, truncated=reader.truncated)
         rc = proc.returncode

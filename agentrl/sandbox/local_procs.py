@@ -2,6 +2,12 @@
 
 Kept apart from local.py because both are pure host-side mechanics with their own tests: neither
 knows about bubblewrap, only about pipes, /proc and pid namespaces.
+
+Pipes are read with PipeReader, never with `loop.connect_read_pipe`: uvloop (Ray's event loop in
+every worker process wherever uvloop is installed, e.g. the GPU image) hands the file object's fd
+to libuv, which closes it, and then closes the file object too: the same fd number twice
+(MagicStack/uvloop#763, open in 0.23.0). When another thread opened a file in between, its fd
+is the one closed: EBADF in a create's rmtree, 2 in ~1,900 GPU episodes.
 """
 
 from __future__ import annotations
@@ -11,9 +17,61 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
+
+_READ_CHUNK = 256 << 10  # bytes per read: what asyncio's own pipe transport reads at once
 
 
-class CappedOutput(asyncio.Protocol):
+class PipeReader:
+    """Reads the read end `fd` of a pipe on the running loop, calling `on_data(bytes)` per read and
+    `on_eof()` once, at EOF or at close(). It owns `fd` from construction to close(): the loop is
+    only asked to watch it (add_reader), so nothing else ever closes it, and close() stops the
+    watch before closing the number, so a later owner of the number is never read from. Not
+    thread-safe: use it on the loop's thread."""
+
+    def __init__(self, fd: int, on_data: Callable[[bytes], None], on_eof: Callable[[], None]):
+        self._loop = asyncio.get_running_loop()
+        self._fd = fd
+        self._on_data, self._on_eof = on_data, on_eof
+        try:
+            os.set_blocking(fd, False)
+            self._loop.add_reader(fd, self._readable)
+        except BaseException:
+            self._fd = -1
+            os.close(fd)
+            raise
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def _readable(self) -> None:
+        if self._fd < 0:
+            return
+        try:
+            data = os.read(self._fd, _READ_CHUNK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""  # not readable any more: the same as EOF for a pipe
+        if data:
+            self._on_data(data)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        """Stop reading and close the fd (once); `on_eof` runs if it has not yet."""
+        if self._fd < 0:
+            return
+        fd, self._fd = self._fd, -1
+        try:
+            self._loop.remove_reader(fd)
+        finally:
+            os.close(fd)
+            self._on_eof()
+
+
+class CappedOutput:
     """Reads a pipe to EOF keeping at most `max_bytes`: the first half and the last half.
 
     Everything in between is counted and dropped as it arrives, so a command that prints 1 GB
@@ -45,10 +103,7 @@ class CappedOutput(asyncio.Protocol):
                 if excess > 0:
                     del self.tail[:excess]
 
-    def eof_received(self) -> bool:
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
+    def eof_received(self) -> None:
         if not self.eof.done():
             self.eof.set_result(None)
 
@@ -68,18 +123,17 @@ class CappedOutput(asyncio.Protocol):
         )
 
 
-async def open_capped_pipe(max_bytes: int) -> tuple[int, CappedOutput, asyncio.ReadTransport]:
-    """A fresh pipe: returns (write fd for the child, the capping reader, its transport). The
-    caller closes the write fd after spawning and the transport when done."""
-    r, w = os.pipe()
-    loop = asyncio.get_running_loop()
+def open_capped_pipe(max_bytes: int) -> tuple[int, CappedOutput, PipeReader]:
+    """A fresh pipe: returns (write fd for the child, the capping reader, the PipeReader that owns
+    the read end). The caller closes the write fd after spawning and the PipeReader when done."""
     reader = CappedOutput(max_bytes)
+    r, w = os.pipe()
     try:
-        transport, _ = await loop.connect_read_pipe(lambda: reader, os.fdopen(r, "rb", buffering=0))
-    except BaseException:  # cancelled while connecting: asyncio closed the read end, this is the write end
+        pipe = PipeReader(r, reader.data_received, reader.eof_received)  # owns r, even when it raises
+    except BaseException:
         os.close(w)
         raise
-    return w, reader, transport
+    return w, reader, pipe
 
 
 def pid_namespace(pid: int) -> str | None:
