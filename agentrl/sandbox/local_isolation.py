@@ -199,8 +199,10 @@ def bwrap_argv(bwrap: str, bash: str, mountpoint: Path, allow_network: bool, inf
 
 
 def memfd_with(data: bytes) -> int:
-    """An inheritable fd at offset 0 holding `data` (bwrap's --*-data options read one to EOF)."""
-    fd = os.memfd_create("agentrl-bwrap-data", 0)
+    """A close-on-exec fd at offset 0 holding `data` (bwrap's --*-data options read one to EOF):
+    only the bwrap it is passed to (pass_fds) gets it. Inheritable, it went into every process
+    the loop started meanwhile: uvloop, Ray's loop where installed, implements no close_fds."""
+    fd = os.memfd_create("agentrl-bwrap-data", os.MFD_CLOEXEC)
     os.write(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
