@@ -311,3 +311,14 @@ def test_sandbox_fd_ownership_stress(loop_factory, monkeypatch, tmp_path):
     assert guard.double_closes == [], "\n".join(guard.double_closes[:3])
     assert errors == [] and stolen == [], (errors[:5], stolen[:5])
     assert leaked == {}, guard.explain(leaked)
+
+
+def test_bwrap_data_fds_reach_no_process_but_the_one_they_are_passed_to():
+    from agentrl.sandbox.local_isolation import memfd_with
+
+    fd = memfd_with(b"nameserver 10.0.2.3\n")
+    try:
+        # uvloop spawns without close_fds: an inheritable fd would go into every concurrent exec
+        assert not os.get_inheritable(fd) and os.read(fd, 100) == b"nameserver 10.0.2.3\n"
+    finally:
+        os.close(fd)
