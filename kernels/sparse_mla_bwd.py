@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from kernels._tuning import Autotuner, KernelConfig
 from kernels.sparse_mla import LOG2E, _bucket, reference_sparse_mla, sparse_mla_forward
 from kernels.sparse_mla_bwd_keymajor import keymajor_backward
+from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
 
 # H200, 4096 tokens, 64 heads, top-2048: every tile with 64 heads or 64 keys needs 311-418 KB of
 # shared memory (limit 227 KB: the transposed dS / P operands of the dkv dots are staged there).
@@ -39,56 +39,6 @@ BWD_IMPLS = ("atomic", "keymajor")  # atomic: this file's kernel; keymajor: spar
 def _check_impl(impl: str, name: str = "impl") -> None:
     if impl not in BWD_IMPLS:
         raise ValueError(f"{name} must be one of {BWD_IMPLS}, got {impl!r}")
-
-
-@triton.jit
-def _sparse_mla_bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr,
-                           scale, scale_log2, n_idx,
-                           stride_qt, stride_qh, stride_kv, stride_it, stride_dot, stride_doh, stride_lt,
-                           stride_dqt, stride_dqh, stride_dkv,
-                           HEADS: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_ok = heads < HEADS
-    dv = tl.arange(0, D_V)
-    dr = tl.arange(0, D_R)
-    q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
-    q_nope = tl.load(q_row + dv[None, :], mask=head_ok[:, None], other=0.0)
-    q_rope = tl.load(q_row + D_V + dr[None, :], mask=head_ok[:, None], other=0.0)
-    do = tl.load(do_ptr + t * stride_dot + heads[:, None] * stride_doh + dv[None, :], mask=head_ok[:, None],
-                 other=0.0)
-    lse = tl.load(lse_ptr + t * stride_lt + heads, mask=head_ok, other=float("-inf"))
-    row_ok = head_ok & (lse > float("-inf"))  # a row with no valid key has P = 0 everywhere
-    lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
-    delta = tl.load(delta_ptr + t * stride_lt + heads, mask=head_ok, other=0.0)
-    dq_nope = tl.zeros([BLOCK_H, D_V], tl.float32)
-    dq_rope = tl.zeros([BLOCK_H, D_R], tl.float32)
-    for start in range(0, n_idx, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        ids = tl.load(idx_ptr + t * stride_it + j, mask=j < n_idx, other=-1)
-        valid = ids >= 0
-        safe = tl.where(valid, ids, 0).to(tl.int64)
-        rows = kv_ptr + safe[:, None] * stride_kv
-        kv_nope = tl.load(rows + dv[None, :], mask=valid[:, None], other=0.0)
-        kv_rope = tl.load(rows + D_V + dr[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q_nope, tl.trans(kv_nope))
-        s = tl.dot(q_rope, tl.trans(kv_rope), s)
-        live = row_ok[:, None] & valid[None, :]
-        p = tl.where(live, tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(kv_nope))
-        ds = (p * (dp - delta[:, None]) * scale).to(kv_nope.dtype)
-        dq_nope = tl.dot(ds, kv_nope, dq_nope)
-        dq_rope = tl.dot(ds, kv_rope, dq_rope)
-        dk_nope = tl.dot(tl.trans(ds), q_nope)
-        dk_nope = tl.dot(tl.trans(p.to(do.dtype)), do, dk_nope)
-        dk_rope = tl.dot(tl.trans(ds), q_rope)
-        out_rows = dkv_ptr + safe[:, None] * stride_dkv
-        tl.atomic_add(out_rows + dv[None, :], dk_nope, mask=valid[:, None], sem="relaxed")
-        tl.atomic_add(out_rows + D_V + dr[None, :], dk_rope, mask=valid[:, None], sem="relaxed")
-    dq_row = dq_ptr + t * stride_dqt + heads[:, None] * stride_dqh
-    tl.store(dq_row + dv[None, :], dq_nope.to(dq_ptr.dtype.element_ty), mask=head_ok[:, None])
-    tl.store(dq_row + D_V + dr[None, :], dq_rope.to(dq_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
 def sparse_mla_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out: torch.Tensor,
@@ -113,11 +63,11 @@ def sparse_mla_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, ou
     def launch(cfg: KernelConfig) -> None:
         bh = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(heads)))
         dkv.zero_()  # the autotuner runs launch several times; atomics accumulate
-        _sparse_mla_bwd_kernel[(T, triton.cdiv(heads, bh))](
+        sparse_mla_bwd_rows_kernel[(T, triton.cdiv(heads, bh))](
             q, kv, idx, grad_out, lse, delta, dq, dkv, sm_scale, sm_scale * LOG2E, idx.shape[1],
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), grad_out.stride(0), grad_out.stride(1),
             lse.stride(0), dq.stride(0), dq.stride(1), dkv.stride(0),
-            HEADS=heads, D_V=d_v, D_R=dim - d_v, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"],
+            HEADS=heads, D_V=d_v, D_R=dim - d_v, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], WITH_DKV=True,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     cfg = BWD_TUNER.choose((min(_bucket(T), 4096), heads, dim, idx.shape[1], q.dtype), q.device, launch)

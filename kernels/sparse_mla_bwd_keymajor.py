@@ -2,8 +2,9 @@
 
 Same math as kernels/sparse_mla_bwd.py (P = exp(scale q.kv - lse), dS = scale P (dO.kv[:D_V] - Delta)),
 split by who owns the output rows:
-- dq: one program per (token, block of heads) walks the token's top-k slots (the atomic kernel
-  without its dkv half, so its tiles are not held to that kernel's 32 x 32 shared-memory limit).
+- dq: one program per (token, block of heads) walks the token's top-k slots: the atomic kernel
+  (kernels/sparse_mla_bwd_rows.py) with its dkv half compiled out, so its tiles are not held to
+  that kernel's 32 x 32 shared-memory limit.
 - dkv: the top-k index is inverted on the device (``invert_topk``: for each block of BLOCK_K
   consecutive keys, the tokens that selected any of them, and per token how many times each key).
   One program per key block owns those BLOCK_K dkv rows in registers and loops over its tokens:
@@ -29,6 +30,7 @@ import triton.language as tl
 
 from kernels._tuning import Autotuner, KernelConfig
 from kernels.sparse_mla import LOG2E, _bucket
+from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
 
 # Not measured yet (the H200 has not run these kernels). The dq kernel keeps no dkv tiles, so the
 # forward's best shape (64 heads x 64 keys, 8 warps: 4.66 ms there) is tried first on CUDA;
@@ -48,47 +50,6 @@ DKV_CONFIGS = [
 ]
 DQ_TUNER = Autotuner("sparse_mla_bwd_dq", DQ_CONFIGS)
 DKV_TUNER = Autotuner("sparse_mla_bwd_dkv_keymajor", DKV_CONFIGS)
-
-
-@triton.jit
-def _dq_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, scale_log2, n_idx,
-               stride_qt, stride_qh, stride_kv, stride_it, stride_dot, stride_doh, stride_lt,
-               stride_dqt, stride_dqh,
-               HEADS: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
-               BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_ok = heads < HEADS
-    dv = tl.arange(0, D_V)
-    dr = tl.arange(0, D_R)
-    q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
-    q_nope = tl.load(q_row + dv[None, :], mask=head_ok[:, None], other=0.0)
-    q_rope = tl.load(q_row + D_V + dr[None, :], mask=head_ok[:, None], other=0.0)
-    do = tl.load(do_ptr + t * stride_dot + heads[:, None] * stride_doh + dv[None, :], mask=head_ok[:, None],
-                 other=0.0)
-    lse = tl.load(lse_ptr + t * stride_lt + heads, mask=head_ok, other=float("-inf"))
-    row_ok = head_ok & (lse > float("-inf"))  # a row with no valid key has P = 0 everywhere
-    lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
-    delta = tl.load(delta_ptr + t * stride_lt + heads, mask=head_ok, other=0.0)
-    dq_nope = tl.zeros([BLOCK_H, D_V], tl.float32)
-    dq_rope = tl.zeros([BLOCK_H, D_R], tl.float32)
-    for start in range(0, n_idx, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        ids = tl.load(idx_ptr + t * stride_it + j, mask=j < n_idx, other=-1)
-        valid = ids >= 0
-        rows = kv_ptr + tl.where(valid, ids, 0).to(tl.int64)[:, None] * stride_kv
-        kv_nope = tl.load(rows + dv[None, :], mask=valid[:, None], other=0.0)
-        kv_rope = tl.load(rows + D_V + dr[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q_nope, tl.trans(kv_nope))
-        s = tl.dot(q_rope, tl.trans(kv_rope), s)
-        p = tl.where(row_ok[:, None] & valid[None, :], tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(kv_nope))
-        ds = (p * (dp - delta[:, None]) * scale).to(kv_nope.dtype)
-        dq_nope = tl.dot(ds, kv_nope, dq_nope)
-        dq_rope = tl.dot(ds, kv_rope, dq_rope)
-    dq_row = dq_ptr + t * stride_dqt + heads[:, None] * stride_dqh
-    tl.store(dq_row + dv[None, :], dq_nope.to(dq_ptr.dtype.element_ty), mask=head_ok[:, None])
-    tl.store(dq_row + D_V + dr[None, :], dq_rope.to(dq_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
 @triton.jit
@@ -197,11 +158,11 @@ def keymajor_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad
 
     def launch_dq(cfg: KernelConfig) -> None:
         bh = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(heads)))
-        _dq_kernel[(T, triton.cdiv(heads, bh))](
-            q, kv, idx, grad_out, lse, delta, dq, sm_scale, sm_scale * LOG2E, idx.shape[1],
+        sparse_mla_bwd_rows_kernel[(T, triton.cdiv(heads, bh))](  # dkv_ptr unused without WITH_DKV
+            q, kv, idx, grad_out, lse, delta, dq, dq, sm_scale, sm_scale * LOG2E, idx.shape[1],
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), grad_out.stride(0), grad_out.stride(1),
-            lse.stride(0), dq.stride(0), dq.stride(1),
-            HEADS=heads, D_V=d_v, D_R=dim - d_v, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"],
+            lse.stride(0), dq.stride(0), dq.stride(1), 0,
+            HEADS=heads, D_V=d_v, D_R=dim - d_v, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], WITH_DKV=False,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     def launch_dkv(cfg: KernelConfig) -> None:
