@@ -53,9 +53,9 @@ from agentrl.sandbox.dockerfile import (
     host_path,
     parse_dockerfile,
 )
-from agentrl.sandbox.local_box import LocalLimits, LocalSandbox, kill_pid
+from agentrl.sandbox.local_box import LocalLimits, LocalSandbox
 from agentrl.sandbox.local_isolation import chown_tree, disk_backend, make_disk_image, new_user_namespace
-from agentrl.sandbox.local_procs import start_time
+from agentrl.sandbox.local_procs import kill_if_started_at, run_to_end
 
 __all__ = ["LocalLimits", "LocalSandbox", "LocalSandboxProvider"]
 
@@ -146,15 +146,9 @@ class LocalSandboxProvider:
                 box._on_close = lambda b: self._live.pop(b.id, None)
                 await box._start(*await holder)
             except BaseException as err:
-                if not prepare.done():
-                    # Cancelled while the thread still builds the folder: close() must not remove it
-                    # and close its lock fd under the thread (the fd's number could be another
-                    # sandbox's by the time the thread writes to it).
-                    await asyncio.wait([prepare])
-                if prepare.done() and not prepare.cancelled():
-                    prepare.exception()  # retrieved: its error, if any, is `err` or moot
-                await _drop_holder(holder)
-                await box.close()
+                # To its end even when cancelled again meanwhile: else the holder, the lock fd and
+                # the folder are left behind.
+                await run_to_end(_undo_create(box, prepare, holder))
                 if isinstance(err, DockerfileError):
                     raise SandboxError("image_build", str(err)) from err
                 if isinstance(err, OSError):
@@ -257,6 +251,19 @@ def _where(err: BaseException) -> str:
     return f"{frames[-1].name}:{frames[-1].lineno}" if frames else "?"
 
 
+async def _undo_create(box: LocalSandbox, prepare: asyncio.Future, holder: asyncio.Future) -> None:
+    """What a failed (or cancelled) create leaves: the folder's build, the holder, the sandbox."""
+    if not prepare.done():
+        # Cancelled while the thread still builds the folder: close() must not remove it and close
+        # its lock fd under the thread (the fd's number could be another sandbox's by the time the
+        # thread writes to it).
+        await asyncio.wait([prepare])
+    if not prepare.cancelled():
+        prepare.exception()  # retrieved: its error, if any, is the create's or moot
+    await _drop_holder(holder)
+    await box.close()
+
+
 async def _drop_holder(job: asyncio.Future) -> None:
     """End a user-namespace holder that a failed create did not hand over."""
     try:
@@ -294,8 +301,7 @@ def _remove_sandbox_dir(d: Path) -> None:
     """Kill the sandbox's init if it still runs (its pid namespace dies with it), then delete it."""
     try:
         rec = json.loads((d / "init.pid").read_text())
-        if start_time(rec["init"]) == rec["init_start"]:  # the same process, not a reused pid
-            kill_pid(rec["init"])
+        kill_if_started_at(rec["init"], rec["init_start"])  # the same process, never a reused pid
     except (OSError, ValueError, KeyError, TypeError):
         pass
     shutil.rmtree(d, True)

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import uuid
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from agentrl.sandbox.base import ExecResult, SandboxError, SandboxSpec, nul_refu
 from agentrl.sandbox.dockerfile import DEFAULT_PATH, DockerfilePlan
 from agentrl.sandbox.local_files import download_file, upload_file
 from agentrl.sandbox.local_isolation import (
+    BWRAP_MARKER_ENV,
     LAUNCH_SCRIPT,
     MIN_DISK_MB,
     SlirpNetwork,
@@ -30,14 +30,19 @@ from agentrl.sandbox.local_isolation import (
     shared_mountpoint,
 )
 from agentrl.sandbox.local_procs import (
+    CappedOutput,
     PipeReader,
+    ProcessRef,
     end_all_but,
     kill_exec_tree,
     only_child,
     open_capped_pipe,
+    parent_of,
     pid_namespace,
     read_json,
+    run_to_end,
     running,
+    spawned_with,
     start_time,
     wait_namespace_empty,
 )
@@ -103,6 +108,10 @@ class LocalSandbox:
         }
         self._tools = tools
         self._bwrap: asyncio.subprocess.Process | None = None
+        # Every signal to bwrap or the init goes through these pidfds, never a pid number: both can be
+        # reaped (bwrap by the loop, the init by bwrap) and their numbers reused by a host process.
+        self._bwrap_ref: ProcessRef | None = None
+        self._init_ref: ProcessRef | None = None
         self._init_pid = 0
         self._init_start: int | None = None
         self._keeper_pid = 0  # the init's one child (`sleep infinity`): its exit would end the sandbox
@@ -150,14 +159,17 @@ class LocalSandbox:
                     str(self.mountpoint), str(src), self.disk_kind, str(self.disk_mb), userns,
                     *bwrap_argv(t["bwrap"], t["bash"], self.mountpoint, self.allow_network, w, data_fd)]  # fmt: skip
             log_fd = os.open(self.host_dir / "bwrap.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            bwrap_id = uuid.uuid4().hex
             self._bwrap = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log_fd,
                 pass_fds=(w, *data_fds),
-                env={"PATH": DEFAULT_PATH},
+                env={"PATH": DEFAULT_PATH, BWRAP_MARKER_ENV: bwrap_id},
             )
+            tag = f"{BWRAP_MARKER_ENV}={bwrap_id}".encode()
+            self._bwrap_ref = ProcessRef(self._bwrap.pid, lambda pid: spawned_with(pid, tag))
         except BaseException as err:
             if info_pipe is not None:
                 info_pipe.close()
@@ -180,6 +192,11 @@ class LocalSandbox:
         if line.strip() != b"ready":
             raise SandboxError("create", f"bwrap init did not come up; {self._bwrap_log()}")
         self._init_pid = int(info["child-pid"])
+        # The init is bwrap's child: a pid with bwrap as its parent, while bwrap is not reaped, is it.
+        bwrap_pid, bwrap_ref = self._bwrap.pid, self._bwrap_ref
+        self._init_ref = ProcessRef(self._init_pid, lambda pid: parent_of(pid) == bwrap_pid and bwrap_ref.exists())
+        if not self._init_ref.held:
+            raise SandboxError("create", f"sandbox {self.id}: its init exited while starting; {self._bwrap_log()}")
         try:
             self._keeper_pid = only_child(self._init_pid)
         except OSError as err:
@@ -221,7 +238,7 @@ class LocalSandbox:
             if n > MAX_PIDS:
                 self.pids_exceeded = n
                 log.warning("sandbox %s: %d processes exceed the limit of %d; killing it", self.id, n, MAX_PIDS)
-                kill_pid(self._init_pid)
+                self._init_ref.kill()
                 return
 
     def _bwrap_log(self) -> str:
@@ -234,21 +251,28 @@ class LocalSandbox:
         return f"bwrap said: {text[-2000:]}" if text else "bwrap printed nothing"
 
     async def close(self) -> None:
+        """End every process of the sandbox and remove its files. Runs to its end even when the
+        caller is cancelled meanwhile (then re-raises): stopping half way would leave slirp4netns,
+        the folder and the owner-lock fd behind."""
         if self._closed:
             return
         self._closed = True
+        await run_to_end(self._teardown())
+
+    async def _teardown(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
         try:
-            if self._init_pid:
-                kill_pid(self._init_pid)  # pid 1 of the namespace: the kernel kills all the others
+            if self._init_ref is not None:
+                self._init_ref.kill()  # pid 1 of the namespace: the kernel kills all the others
             if self._bwrap is not None:
                 # bwrap's monitor reaps the init and exits by itself; kill it only if it lingers
                 # (killing it first would leave the init a zombie for the host's pid 1 to reap).
                 try:
                     await asyncio.wait_for(self._bwrap.wait(), 2)
                 except TimeoutError:
-                    kill_pid(self._bwrap.pid)
+                    if self._bwrap_ref is not None:
+                        self._bwrap_ref.kill()
                     await asyncio.wait_for(self._bwrap.wait(), 10)
             if self._network is not None:
                 await asyncio.to_thread(self._network.stop)
@@ -258,6 +282,9 @@ class LocalSandbox:
         except Exception as err:  # noqa: BLE001 - close never raises: log and move on, sweep() retries the files
             log.warning("sandbox %s: close failed: %s", self.id, err)
         finally:
+            for ref in (self._init_ref, self._bwrap_ref):
+                if ref is not None:
+                    ref.close()
             if self.owner_lock_fd >= 0:
                 os.close(self.owner_lock_fd)
                 self.owner_lock_fd = -1
@@ -344,6 +371,7 @@ class LocalSandbox:
     ) -> ExecResult:
         self._check_alive()
         marker = uuid.uuid4().hex
+        tag = f"AGENTRL_EXEC_ID={marker}".encode()  # what _env puts in the command's environment
         w, reader, pipe = open_capped_pipe(max_output_bytes)
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -357,9 +385,31 @@ class LocalSandbox:
             pipe.close()
             if isinstance(err, OSError):
                 raise SandboxError("exec", f"cannot start a command in sandbox {self.id}: {err}") from err
+            # Cancelled part way through the spawn: the loop kills nsenter, but the command it forked
+            # into the sandbox may already run, and nobody would end it before close(). Its marker
+            # finds it, as on a timeout.
+            await run_to_end(asyncio.to_thread(kill_exec_tree, self._ns, tag))
             raise
         finally:
             os.close(w)
+        # nsenter is reaped by the loop as soon as it exits; from here on it is signalled by pidfd.
+        nsenter = ProcessRef(proc.pid, lambda pid: spawned_with(pid, tag))
+        try:
+            return await self._wait_exec(proc, nsenter, tag, reader, pipe, stdin, timeout_s)
+        finally:
+            pipe.close()
+            nsenter.close()
+
+    async def _wait_exec(
+        self,
+        proc: asyncio.subprocess.Process,
+        nsenter: ProcessRef,
+        tag: bytes,
+        reader: CappedOutput,
+        pipe: PipeReader,
+        stdin: bytes | None,
+        timeout_s: float,
+    ) -> ExecResult:
         timed_out = False
         try:
             async with asyncio.timeout(timeout_s):
@@ -368,12 +418,11 @@ class LocalSandbox:
                 await proc.wait()
         except TimeoutError:
             timed_out = True
-        except BaseException:  # cancelled: the command must not outlive its caller
-            await self._kill_exec(marker, proc)
-            pipe.close()
+        except BaseException:  # cancelled: the command must not outlive its caller, however often cancelled
+            await run_to_end(self._kill_exec(tag, proc, nsenter))
             raise
         if timed_out:
-            await self._kill_exec(marker, proc)
+            await run_to_end(self._kill_exec(tag, proc, nsenter))
         # Background children may still hold the pipe open; give them a moment, then stop reading
         # (they get SIGPIPE on their next write) rather than wait for them.
         try:
@@ -390,9 +439,9 @@ class LocalSandbox:
             raise SandboxError("lost", f"sandbox {self.id} died during a command; {self._bwrap_log()}")
         return ExecResult(rc if rc is not None else -1, reader.text(), truncated=reader.truncated)
 
-    async def _kill_exec(self, marker: str, proc: asyncio.subprocess.Process) -> None:
-        await asyncio.to_thread(kill_exec_tree, self._ns, f"AGENTRL_EXEC_ID={marker}".encode())
-        kill_pid(proc.pid)
+    async def _kill_exec(self, tag: bytes, proc: asyncio.subprocess.Process, nsenter: ProcessRef) -> None:
+        await asyncio.to_thread(kill_exec_tree, self._ns, tag)
+        nsenter.kill()  # by pidfd: the loop may have reaped it meanwhile, and its pid be another's
         try:
             await asyncio.wait_for(proc.wait(), 5)
         except TimeoutError:
@@ -415,9 +464,3 @@ async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
     except (BrokenPipeError, ConnectionResetError):
         pass  # the command exited without reading all of it; its exit code says why
 
-
-def kill_pid(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import glob
 import os
+import select
 import shutil
 import stat
 import subprocess
@@ -55,6 +56,10 @@ MASKED_FILES = (
 MASKED_DIRS = ("/etc/ssl/private", "/etc/sudoers.d", "/etc/ssh/keys")
 SLIRP_NAMESERVER = "10.0.2.3"  # slirp4netns' built-in DNS forwarder
 SLIRP_MTU = 65520  # the largest slirp4netns takes: fewer, bigger packets through user-mode TCP
+# bwrap's own environment carries a fresh marker under this name, so that the pid this process got
+# from the spawn is proven to still be that bwrap (local_procs.ProcessRef) before it is signalled;
+# bwrap unsets it for the sandbox's init, so nothing inside the sandbox sees it.
+BWRAP_MARKER_ENV = "AGENTRL_BWRAP_ID"
 _HOLDER_TIMEOUT_S = 5.0
 _SLIRP_READY_TIMEOUT_S = 10.0
 
@@ -193,8 +198,8 @@ def bwrap_argv(bwrap: str, bash: str, mountpoint: Path, allow_network: bool, inf
     argv += ["--proc", "/proc", "--dev", "/dev", *kernel_args(), *mask_args(*masks(), data_fd)]
     if allow_network:  # slirp4netns' DNS forwarder; the host's resolver may be on its loopback
         argv += ["--ro-bind-data", str(data_fd(f"nameserver {SLIRP_NAMESERVER}\n".encode())), "/etc/resolv.conf"]
-    argv += ["--hostname", "sandbox", "--chdir", "/", "--info-fd", str(info_fd), "--",
-             bash, "-c", "echo ready; exec sleep infinity"]  # fmt: skip
+    argv += ["--unsetenv", BWRAP_MARKER_ENV, "--hostname", "sandbox", "--chdir", "/", "--info-fd", str(info_fd),
+             "--", bash, "-c", "echo ready; exec sleep infinity"]  # fmt: skip
     return argv
 
 
@@ -248,7 +253,8 @@ class SlirpNetwork:
 
 
 def _read_with_timeout(fd: int, timeout_s: float) -> bytes:
-    import select
-
-    ready, _, _ = select.select([fd], [], [], timeout_s)
-    return os.read(fd, 16) if ready else b""
+    """Up to 16 bytes from `fd`, or b"" when nothing came within `timeout_s`. poll, not select:
+    select refuses fds >= 1024 (FD_SETSIZE), which a busy worker's fds reach."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return os.read(fd, 16) if poller.poll(max(0, int(timeout_s * 1000))) else b""

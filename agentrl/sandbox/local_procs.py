@@ -1,4 +1,6 @@
-"""Process plumbing of the local sandbox: a capped output pipe and a killer for one exec's tree.
+"""Process plumbing of the local sandbox: a capped output pipe, a killer for one exec's tree,
+processes named by pidfds (ProcessRef), and cleanup that runs to its end however often it is
+cancelled (run_to_end).
 
 Kept apart from local.py because both are pure host-side mechanics with their own tests: neither
 knows about bubblewrap, only about pipes, /proc and pid namespaces.
@@ -17,7 +19,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 _READ_CHUNK = 256 << 10  # bytes per read: what asyncio's own pipe transport reads at once
 
@@ -193,7 +195,8 @@ def running(pid: int, started: int | None) -> bool:
         return False
 
 
-def _has_marker(pid: int, marker: bytes) -> bool:
+def has_marker(pid: int, marker: bytes) -> bool:
+    """Whether `marker` ("NAME=value") is one of the process's environment entries."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             return marker in f.read().split(b"\0")
@@ -207,7 +210,7 @@ def exec_tree(ns: str, marker: bytes) -> set[int]:
     and every descendant of those. Processes of other execs (e.g. a tmux server started earlier)
     carry other markers and sessions and are left alone."""
     procs = {pid: st for pid in pids_in_namespace(ns) if (st := _stat(pid)) is not None}
-    tree = {pid for pid in procs if _has_marker(pid, marker)}
+    tree = {pid for pid in procs if has_marker(pid, marker)}
     sessions = {procs[pid][1] for pid in tree}
     tree |= {pid for pid, (_, sid) in procs.items() if sid in sessions}
     grew = True
@@ -235,6 +238,119 @@ def kill_in_namespace(pid: int, ns: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+# A process in the middle of an execve shows an empty /proc/PID/environ for a few microseconds (the
+# new image's environment is not mapped yet): 7 of 200 reads right after spawning a chain of 3 execs
+# here. spawned_with waits that long, at most this long.
+_EXEC_SETTLE_S = 0.05
+
+
+def spawned_with(pid: int, marker: bytes) -> bool:
+    """has_marker for a process we just spawned, which may be between two execs of its chain (bwrap
+    is unshare, sh, nsenter, sh, then bwrap): an empty environment is read again until it is not."""
+    deadline = time.monotonic() + _EXEC_SETTLE_S
+    while True:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            return False
+        if env or time.monotonic() > deadline:
+            return marker in env.split(b"\0")
+        time.sleep(0.0001)
+
+
+def parent_of(pid: int) -> int | None:
+    st = _stat(pid)
+    return st[0] if st is not None else None
+
+
+class ProcessRef:
+    """One process this one started, named by a pidfd instead of its pid number. Once the process
+    has exited and been reaped (by the event loop's child watcher, or by bwrap for the sandbox's
+    init) its number is free, and a signal to the number can end an unrelated process that got it.
+
+    The pidfd is opened right after the spawn and kept only when `is_ours(pid)`, asked after the
+    pidfd pinned the number, confirms that the number still names the process we started (its
+    environment carries our marker, its parent is our bwrap, ...): a process that was gone and
+    reaped before that is never named. From then on kill() reaches our process or nobody. close()
+    closes the pidfd exactly once. Not thread-safe: use it on the loop's thread."""
+
+    def __init__(self, pid: int, is_ours: Callable[[int], bool]):
+        self.pid = pid
+        self._fd = -1
+        try:
+            fd = os.pidfd_open(pid)  # close-on-exec: no spawned process inherits it
+        except OSError:
+            return  # exited and reaped already: nothing of ours to signal
+        try:
+            ours = is_ours(pid)
+        except BaseException:
+            os.close(fd)
+            raise
+        if ours:
+            self._fd = fd
+        else:
+            os.close(fd)
+
+    @property
+    def held(self) -> bool:
+        """Whether the process was confirmed ours (and the pidfd is still open)."""
+        return self._fd >= 0
+
+    def signal(self, sig: int) -> bool:
+        """Send `sig` to our process; False when it is reaped already (or was never confirmed)."""
+        if self._fd < 0:
+            return False
+        try:
+            signal.pidfd_send_signal(self._fd, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def kill(self) -> bool:
+        return self.signal(signal.SIGKILL)
+
+    def exists(self) -> bool:
+        """Not reaped yet (alive or a zombie): while so, its pid number is still its own."""
+        return self.signal(0)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
+def kill_if_started_at(pid: int, started: int | None) -> bool:
+    """SIGKILL `pid` only if it is the process that started at `started` (start_time): the number
+    is pinned with a pidfd before the start time is compared, so a reused pid is never hit."""
+    if started is None:
+        return False
+    ref = ProcessRef(pid, lambda p: start_time(p) == started)
+    try:
+        return ref.kill()
+    finally:
+        ref.close()
+
+
+async def run_to_end[T](aw: Awaitable[T]) -> T:
+    """Await `aw` to its end even when the caller is cancelled meanwhile, once or many times, then
+    re-raise the cancellation: for cleanup that must not stop half way (end processes, close fds,
+    remove a folder). A bare `await` of cleanup stops at the first cancel; asyncio.shield stops
+    waiting at it and leaves the rest running unwatched, with its caller gone."""
+    task = asyncio.ensure_future(aw)
+    cancel: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.wait([task])  # cancelling wait() leaves `task` running
+        except asyncio.CancelledError as err:
+            cancel = err
+    if cancel is not None:
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancellation wins
+        raise cancel
+    return task.result()
 
 
 def kill_exec_tree(ns: str, marker: bytes, *, rounds: int = 50, pause_s: float = 0.01) -> int:
