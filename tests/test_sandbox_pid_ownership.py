@@ -24,7 +24,7 @@ import pytest
 
 from agentrl.config.schema import SandboxConfig
 from agentrl.sandbox import local_box
-from agentrl.sandbox.base import SandboxSpec
+from agentrl.sandbox.base import SandboxError, SandboxSpec
 from agentrl.sandbox.local import LocalSandboxProvider
 from agentrl.sandbox.local_isolation import _read_with_timeout
 from agentrl.sandbox.local_procs import pids_in_namespace
@@ -57,13 +57,13 @@ def _gone(pid: int) -> bool:
     return not os.path.exists(f"/proc/{pid}")
 
 
-def spawn_at_pid(pid: int, tries: int = 200) -> subprocess.Popen:
-    """A `sleep 60` of ours with the pid `pid` (free now): the next fork gets ns_last_pid + 1, unless
-    another process of the machine forks first, then we try again."""
+def spawn_at_pid(pid: int, argv: tuple[str, ...] = ("sleep", "60"), tries: int = 200) -> subprocess.Popen:
+    """A process of ours (`argv`, default `sleep 60`) with the pid `pid` (free now): the next fork
+    gets ns_last_pid + 1, unless another process of the machine forks first, then we try again."""
     for _ in range(tries):
         with open(NS_LAST_PID, "w") as f:
             f.write(str(pid - 1))
-        proc = subprocess.Popen(["sleep", "60"])
+        proc = subprocess.Popen(argv)
         if proc.pid == pid:
             return proc
         proc.kill()
@@ -199,6 +199,38 @@ def test_close_leaves_alone_a_process_that_got_the_dead_inits_pid(loop_factory, 
             victim = spawn_at_pid(init)
             await box.close()
             assert victim.poll() is None, "close() killed the process that reused the init's pid"
+        finally:
+            if victim is not None:
+                _stop(victim)
+            await provider.aclose()
+
+    _run(loop_factory, main)
+
+
+@needs_bwrap
+@needs_pid_control
+@pytest.mark.parametrize("loop_factory", LOOPS)
+def test_an_exec_racing_the_inits_death_never_enters_the_next_owner_of_its_pid(loop_factory, tmp_path, monkeypatch):
+    """An exec checks that the sandbox lives, then nsenter enters it. If the init dies in between
+    and its pid goes to a process in another user namespace (another sandbox's, say), nsenter by
+    pid would enter that process's namespaces and root: here the host's /, with root's uid."""
+    escaped = tmp_path / "escaped"
+
+    async def main():
+        provider = _provider(tmp_path)
+        victim = None
+        try:
+            box = await provider.create(SandboxSpec())
+            init = box._init_pid
+            os.kill(init, signal.SIGKILL)  # ours and alive: the box was just created
+            await _wait_until(lambda: _gone(init))
+            victim = spawn_at_pid(init, ("unshare", "--user", "--map-root-user", "sleep", "60"))
+            monkeypatch.setattr(box, "_check_alive", lambda: None)  # it passed just before the death
+            try:
+                await box.exec(f"touch {escaped}", cwd="/", timeout_s=10)
+            except SandboxError as err:
+                assert err.kind == "lost"
+            assert not escaped.exists(), "a dead sandbox's exec ran in the namespaces of its pid's next owner"
         finally:
             if victim is not None:
                 _stop(victim)

@@ -8,8 +8,10 @@ Shape: one long-lived bubblewrap "init" per sandbox, and every exec enters its n
   tmpfs), filled from a stage folder the provider builds; /usr, /etc (and /bin, /lib*, /sbin when
   they are real directories) are bound read-only from the host; /proc and /dev are private; /tmp
   is on the sandbox's own disk (private and persistent across execs, which a tmux socket needs).
-- `exec` runs `nsenter` into the init's namespaces and root, then drops every capability
-  (`setpriv`), applies limits (`prlimit`), starts a new session (`setsid`) and runs `bash -c`.
+- `exec` runs `nsenter` into the init's namespaces and root (named through an fd of the init's /proc
+  directory, never its pid number, which a host process may hold once the init is gone; every
+  signal to bwrap, the init or nsenter goes through a pidfd for the same reason), then drops every
+  capability (`setpriv`), applies limits (`prlimit`), starts a new session (`setsid`) and runs `bash -c`.
   Why not one bwrap per exec over a shared root: each exec would get its own pid/net/ipc
   namespaces, so a tmux server (or any server on 127.0.0.1) would not be reachable from the next
   exec, and nothing would own the processes left behind.

@@ -49,7 +49,8 @@ from agentrl.sandbox.local_procs import (
 
 log = logging.getLogger(__name__)
 
-_NS_FLAGS = {"user": "-U", "mnt": "-m", "uts": "-u", "ipc": "-i", "net": "-n", "pid": "-p", "cgroup": "-C"}
+# /proc/PID/ns entry -> nsenter's option for it
+_NS_OPTIONS = {"user": "user", "mnt": "mount", "uts": "uts", "ipc": "ipc", "net": "net", "pid": "pid", "cgroup": "cgroup"}
 _DRAIN_GRACE_S = 0.5  # after the command exits, how long background children may hold its pipe
 _READY_TIMEOUT_S = 30.0
 # Processes one sandbox may hold. Neither RLIMIT_NPROC (ignored for root) nor a pids cgroup (absent
@@ -113,12 +114,17 @@ class LocalSandbox:
         self._bwrap_ref: ProcessRef | None = None
         self._init_ref: ProcessRef | None = None
         self._init_pid = 0
+        # The init's /proc directory, opened once it is proven ours: every path into the sandbox (its
+        # namespaces for nsenter and slirp4netns, its root) goes through this fd, which goes stale
+        # (ESRCH) when the init dies instead of following its number to the next process. With the
+        # number, an exec racing the init's death could enter another sandbox's namespaces.
+        self._init_dir = -1
         self._init_start: int | None = None
         self._keeper_pid = 0  # the init's one child (`sleep infinity`): its exit would end the sandbox
         self._network: SlirpNetwork | None = None
         self.owner_lock_fd = -1  # held while this process owns the sandbox (sweep_stale reads it)
         self._ns = ""
-        self._ns_flags: list[str] = []
+        self._ns_kinds: list[str] = []  # the init's namespaces that differ from ours
         self._closed = False
         self._on_close = None
         self._watchdog: asyncio.Task | None = None
@@ -131,7 +137,12 @@ class LocalSandbox:
     def root(self) -> Path:
         """The sandbox's / as the host's root sees it (through the init's /proc entry): its disk
         is mounted in a mount namespace of its own, so no host path shows it."""
-        return Path(f"/proc/{self._init_pid}/root")
+        return Path(self._init_path("root"))
+
+    def _init_path(self, name: str, fd: int | None = None) -> str:
+        """/proc/<init>/`name`, through the fd `fd` (default: the sandbox's own) of this process:
+        a path other processes may open too, and that never names another process's entry."""
+        return f"/proc/{os.getpid()}/fd/{self._init_dir if fd is None else fd}/{name}"
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -195,7 +206,9 @@ class LocalSandbox:
         # The init is bwrap's child: a pid with bwrap as its parent, while bwrap is not reaped, is it.
         bwrap_pid, bwrap_ref = self._bwrap.pid, self._bwrap_ref
         self._init_ref = ProcessRef(self._init_pid, lambda pid: parent_of(pid) == bwrap_pid and bwrap_ref.exists())
-        if not self._init_ref.held:
+        if self._init_ref.held:
+            self._init_dir = os.open(f"/proc/{self._init_pid}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        if not self._init_ref.exists():  # not reaped since the open: the directory is the init's
             raise SandboxError("create", f"sandbox {self.id}: its init exited while starting; {self._bwrap_log()}")
         try:
             self._keeper_pid = only_child(self._init_pid)
@@ -207,19 +220,21 @@ class LocalSandbox:
         ))  # fmt: skip
         if self.disk_kind == "tmpfs":  # copied onto the tmpfs by LAUNCH_SCRIPT
             await asyncio.to_thread(shutil.rmtree, self.stage, True)
-        self._ns = pid_namespace(self._init_pid) or ""
-        for kind, flag in _NS_FLAGS.items():
+        for kind in _NS_OPTIONS:
             try:
-                if os.readlink(f"/proc/{self._init_pid}/ns/{kind}") != os.readlink(f"/proc/self/ns/{kind}"):
-                    self._ns_flags.append(flag)
+                if os.readlink(self._init_path(f"ns/{kind}")) != os.readlink(f"/proc/self/ns/{kind}"):
+                    self._ns_kinds.append(kind)
             except OSError:
                 continue
-        if not {"-U", "-p", "-m", "-n"} <= set(self._ns_flags):
+        self._ns = pid_namespace(self._init_pid) or ""
+        if self._ns != os.readlink(self._init_path("ns/pid")):  # raises once the init is gone
+            raise SandboxError("create", f"sandbox {self.id}: its init exited while starting")
+        if not {"user", "pid", "mnt", "net"} <= set(self._ns_kinds):
             raise SandboxError("create", "bwrap did not create private user, pid, mount and net namespaces")
         if self.allow_network:
             try:
                 self._network = await asyncio.to_thread(
-                    SlirpNetwork, t["slirp4netns"], self._init_pid, self.host_dir / "slirp.log"
+                    SlirpNetwork, t["slirp4netns"], self._init_path("ns/net"), self.host_dir / "slirp.log"
                 )
             except OSError as err:
                 raise SandboxError("create", f"sandbox {self.id}: {err}") from err
@@ -228,7 +243,7 @@ class LocalSandbox:
     async def _watch_pids(self) -> None:
         """Kill the whole sandbox (its pid 1) once it holds more than MAX_PIDS processes. Listing the
         sandbox's own /proc costs one small readdir, so it can run every 0.1 s for every sandbox."""
-        proc_dir = f"/proc/{self._init_pid}/root/proc"
+        proc_dir = self._init_path("root/proc")
         while not self._closed:
             await asyncio.sleep(_PIDS_POLL_S)
             try:
@@ -285,6 +300,9 @@ class LocalSandbox:
             for ref in (self._init_ref, self._bwrap_ref):
                 if ref is not None:
                     ref.close()
+            if self._init_dir >= 0:
+                fd, self._init_dir = self._init_dir, -1
+                os.close(fd)
             if self.owner_lock_fd >= 0:
                 os.close(self.owner_lock_fd)
                 self.owner_lock_fd = -1
@@ -319,11 +337,15 @@ class LocalSandbox:
 
     # --- commands --------------------------------------------------------------------------------
 
-    def _argv(self, script: str, args: list[str], cwd: str) -> list[str]:
+    def _argv(self, script: str, args: list[str], cwd: str, init_dir: int) -> list[str]:
+        """The command line of one exec; nsenter finds the sandbox through `init_dir`, a duplicate
+        of the init's directory fd that this process holds until nsenter is done with it (no fd
+        goes to nsenter itself: its inherited fds would reach the command inside the sandbox)."""
         t = self._tools
         lim = self.limits
+        ns = [f"--{_NS_OPTIONS[kind]}={self._init_path(f'ns/{kind}', init_dir)}" for kind in self._ns_kinds]
         return [
-            t["nsenter"], "-t", str(self._init_pid), *self._ns_flags, "-r", "--",
+            t["nsenter"], *ns, f"--root={self._init_path('root', init_dir)}", "--",
             t["setpriv"], "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs", "--",
             t["prlimit"], f"--as={lim.memory_bytes}", f"--cpu={lim.cpu_seconds}",
             f"--fsize={lim.file_bytes}", "--core=0", "--",
@@ -373,22 +395,31 @@ class LocalSandbox:
         marker = uuid.uuid4().hex
         tag = f"AGENTRL_EXEC_ID={marker}".encode()  # what _env puts in the command's environment
         w, reader, pipe = open_capped_pipe(max_output_bytes)
+        init_dir = -1
         try:
+            init_dir = os.dup(self._init_dir)  # this exec's own: close() may close the sandbox's meanwhile
             proc = await asyncio.create_subprocess_exec(
-                *self._argv(script, args, cwd or self.workdir),
+                *self._argv(script, args, cwd or self.workdir, init_dir),
                 stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
                 stdout=w,
                 stderr=w,
                 env=self._env(env, marker),
             )
-        except BaseException as err:
+        except OSError as err:
             pipe.close()
-            if isinstance(err, OSError):
-                raise SandboxError("exec", f"cannot start a command in sandbox {self.id}: {err}") from err
+            if init_dir >= 0:
+                os.close(init_dir)
+            raise SandboxError("exec", f"cannot start a command in sandbox {self.id}: {err}") from err
+        except BaseException:
             # Cancelled part way through the spawn: the loop kills nsenter, but the command it forked
             # into the sandbox may already run, and nobody would end it before close(). Its marker
             # finds it, as on a timeout.
-            await run_to_end(asyncio.to_thread(kill_exec_tree, self._ns, tag))
+            pipe.close()
+            try:
+                await run_to_end(asyncio.to_thread(kill_exec_tree, self._ns, tag))
+            finally:
+                if init_dir >= 0:
+                    os.close(init_dir)
             raise
         finally:
             os.close(w)
@@ -399,6 +430,7 @@ class LocalSandbox:
         finally:
             pipe.close()
             nsenter.close()
+            os.close(init_dir)  # nsenter has exited or was killed: it opens nothing more through it
 
     async def _wait_exec(
         self,

@@ -217,14 +217,15 @@ class SlirpNetwork:
     """slirp4netns connecting one sandbox's network namespace to the outside. It exits when
     `stop()` closes its exit pipe, and by itself if this process dies (the pipe closes then too)."""
 
-    def __init__(self, slirp: str, init_pid: int, log_path: Path):
+    def __init__(self, slirp: str, netns: str, log_path: Path):
+        """`netns`: the path of the sandbox's network namespace (a /proc/PID/ns/net entry)."""
         ready_r, ready_w = os.pipe()
         self._exit_r, self._exit_w = os.pipe()
         log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             self.proc = subprocess.Popen(
                 [slirp, "--configure", f"--mtu={SLIRP_MTU}", "--disable-host-loopback", f"--ready-fd={ready_w}",
-                 f"--exit-fd={self._exit_r}", "--netns-type=path", f"/proc/{init_pid}/ns/net", "tap0"],
+                 f"--exit-fd={self._exit_r}", "--netns-type=path", netns, "tap0"],
                 pass_fds=(ready_w, self._exit_r), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                 env={"PATH": "/usr/bin:/bin"},
             )  # fmt: skip
