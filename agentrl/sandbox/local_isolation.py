@@ -56,9 +56,9 @@ MASKED_FILES = (
 MASKED_DIRS = ("/etc/ssl/private", "/etc/sudoers.d", "/etc/ssh/keys")
 SLIRP_NAMESERVER = "10.0.2.3"  # slirp4netns' built-in DNS forwarder
 SLIRP_MTU = 65520  # the largest slirp4netns takes: fewer, bigger packets through user-mode TCP
-# bwrap's own environment carries a fresh marker under this name, so that the pid this process got
-# from the spawn is proven to still be that bwrap (local_procs.ProcessRef) before it is signalled;
-# bwrap unsets it for the sandbox's init, so nothing inside the sandbox sees it.
+# bwrap's environment carries a fresh marker under this name: it proves, right after the spawn and
+# before any sandbox exists, that the pid still names that bwrap (local_procs.ProcessRef). The
+# sandbox's pid 1 (a fork of bwrap) shows it in /proc/1/environ; knowing it gains nothing then.
 BWRAP_MARKER_ENV = "AGENTRL_BWRAP_ID"
 _HOLDER_TIMEOUT_S = 5.0
 _SLIRP_READY_TIMEOUT_S = 10.0
@@ -198,8 +198,8 @@ def bwrap_argv(bwrap: str, bash: str, mountpoint: Path, allow_network: bool, inf
     argv += ["--proc", "/proc", "--dev", "/dev", *kernel_args(), *mask_args(*masks(), data_fd)]
     if allow_network:  # slirp4netns' DNS forwarder; the host's resolver may be on its loopback
         argv += ["--ro-bind-data", str(data_fd(f"nameserver {SLIRP_NAMESERVER}\n".encode())), "/etc/resolv.conf"]
-    argv += ["--unsetenv", BWRAP_MARKER_ENV, "--hostname", "sandbox", "--chdir", "/", "--info-fd", str(info_fd),
-             "--", bash, "-c", "echo ready; exec sleep infinity"]  # fmt: skip
+    argv += ["--hostname", "sandbox", "--chdir", "/", "--info-fd", str(info_fd), "--",
+             bash, "-c", "echo ready; exec sleep infinity"]  # fmt: skip
     return argv
 
 
