@@ -207,13 +207,30 @@ async def _cancel_after(coro, delay_s: float) -> None:
         pass
 
 
+async def _cancel_twice(coro, delay_s: float, again_s: float) -> None:
+    """An episode timeout, then a worker shutdown while the call still cleans up."""
+    task = asyncio.ensure_future(coro)
+    await asyncio.sleep(delay_s)
+    task.cancel()
+    await asyncio.sleep(again_s)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
 async def _episode(provider: LocalSandboxProvider, rnd: random.Random) -> None:
     """One episode's use of a sandbox, with the interruptions a worker adds: exec timeouts, execs
-    cancelled part way, files in and out, and (sometimes) a create cancelled part way."""
+    cancelled part way (once, or twice: the second while it cleans up), files in and out, and
+    (sometimes) a create cancelled part way, once or twice."""
     if rnd.random() < 0.2:
         task = asyncio.ensure_future(provider.create(SandboxSpec()))
         await asyncio.sleep(rnd.random() * 0.05)
         task.cancel()
+        if rnd.random() < 0.5:
+            await asyncio.sleep(rnd.random() * 0.01)
+            task.cancel()
         try:
             await (await task).close()
         except asyncio.CancelledError:
@@ -225,6 +242,7 @@ async def _episode(provider: LocalSandboxProvider, rnd: random.Random) -> None:
         res = await box.exec("sleep 5", timeout_s=0.1 + rnd.random() * 0.1)
         assert res.timed_out
         await _cancel_after(box.exec("sleep 5; echo never"), 0.05 + rnd.random() * 0.1)
+        await _cancel_twice(box.exec("sleep 5; echo never"), 0.05 + rnd.random() * 0.1, rnd.random() * 0.01)
         await box.upload(b"x" * 64, "/tmp/f")
         assert await box.download("/tmp/f") == b"x" * 64
     finally:
