@@ -340,3 +340,39 @@ def test_bwrap_data_fds_reach_no_process_but_the_one_they_are_passed_to():
         assert not os.get_inheritable(fd) and os.read(fd, 100) == b"nameserver 10.0.2.3\n"
     finally:
         os.close(fd)
+
+
+@needs_bwrap
+@pytest.mark.parametrize("loop_factory", LOOPS)
+def test_no_inheritable_fd_of_the_worker_reaches_a_sandboxed_command(loop_factory, tmp_path):
+    """uvloop spawns without close_fds: an inheritable directory fd of the worker (here opened on
+    the host's /) would reach the command inside the sandbox, and `..` from it escapes its root.
+    The sandbox seals such fds before every spawn. What the command may hold: its stdin (/dev/null),
+    its output pipe, the folder `ls` lists, and (uvloop) libuv's own copies of those stdio fds."""
+    host_root = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+    r, w = os.pipe()
+    for fd in (host_root, r, w):
+        os.set_inheritable(fd, True)
+    leaked_pipe = f"pipe:[{os.fstat(r).st_ino}]"
+
+    async def main() -> str:
+        provider = LocalSandboxProvider(SandboxConfig(), run_id=f"fd{uuid.uuid4().hex[:8]}", root_dir=tmp_path / "b")
+        box = await provider.create(SandboxSpec())
+        try:
+            result = await box.exec("ls -l /proc/self/fd", timeout_s=30)
+            assert result.exit_code == 0, result.output
+            return result.output
+        finally:
+            await box.close()
+
+    loop = loop_factory()()
+    try:
+        listing = loop.run_until_complete(main())
+    finally:
+        loop.close()
+        for fd in (host_root, r, w):
+            os.close(fd)
+    targets = dict(line.split()[-3::2] for line in listing.splitlines() if " -> " in line)
+    own = {"/dev/null", targets["1"]}
+    others = {fd: t for fd, t in targets.items() if t not in own and not t.startswith("/proc/")}
+    assert not others and leaked_pipe not in targets.values(), listing

@@ -42,6 +42,7 @@ from agentrl.sandbox.local_procs import (
     read_json,
     run_to_end,
     running,
+    seal_inheritable_fds,
     spawned_with,
     start_time,
     wait_namespace_empty,
@@ -171,6 +172,7 @@ class LocalSandbox:
                     *bwrap_argv(t["bwrap"], t["bash"], self.mountpoint, self.allow_network, w, data_fd)]  # fmt: skip
             log_fd = os.open(self.host_dir / "bwrap.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             bwrap_id = uuid.uuid4().hex
+            seal_inheritable_fds(keep=(w, *data_fds))  # uvloop ignores close_fds (local_procs says why)
             self._bwrap = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -398,6 +400,7 @@ class LocalSandbox:
         init_dir = -1
         try:
             init_dir = os.dup(self._init_dir)  # this exec's own: close() may close the sandbox's meanwhile
+            seal_inheritable_fds(keep=(w,))  # uvloop ignores close_fds: nothing else may reach the command
             proc = await asyncio.create_subprocess_exec(
                 *self._argv(script, args, cwd or self.workdir, init_dir),
                 stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,

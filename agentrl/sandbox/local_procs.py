@@ -353,6 +353,29 @@ async def run_to_end[T](aw: Awaitable[T]) -> T:
     return task.result()
 
 
+def seal_inheritable_fds(keep: tuple[int, ...] = ()) -> int:
+    """Make every fd of this process above 2, but `keep`, non-inheritable; returns how many were.
+
+    Called on the loop's thread right before a sandbox process is spawned. asyncio's loop spawns
+    with close_fds; uvloop ignores close_fds and hands a child every inheritable fd of the worker
+    (measured: a directory fd opened inheritable in the parent, and fds the launching shell passed
+    down, listed in the child's /proc/self/fd). A directory fd inside the sandbox escapes its root
+    (`..` from it is not held to the new root). Python's own fds are never inheritable (PEP 446),
+    so what this finds came from outside Python: the process's parent, or C libraries."""
+    sealed = 0
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd <= 2 or fd in keep:
+            continue
+        try:
+            if os.get_inheritable(fd):
+                os.set_inheritable(fd, False)
+                sealed += 1
+        except OSError:
+            continue  # the listing's own fd, closed by now, or one closed meanwhile
+    return sealed
+
+
 def kill_exec_tree(ns: str, marker: bytes, *, rounds: int = 50, pause_s: float = 0.01) -> int:
     """SIGKILL an exec's tree, rescanning until it is empty (a process may fork while we scan).
     Returns how many processes were signalled. Blocking: call through asyncio.to_thread."""
