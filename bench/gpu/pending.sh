@@ -10,7 +10,8 @@
 #
 #   [V]  async vs sync on the H200 (bench/results/async_vs_sync_gpu.json)
 #   [N]  memory slice with train.dsa_kernels on: peak vs the accounting (parallel_gpu.json part)
-#   [K2] sparse MLA backward, atomic vs key-major (kernels.json sparse_mla_bwd entries)
+#   [K2] sparse MLA backward, atomic vs key-major (kernels.json sparse_mla_bwd entries); the indexer
+#        family, with the fused top-k (indexer_topk_fused) beside the default; `fused`: its GPU test
 set -u
 OUT=${OUT:?set OUT}
 PARTS=${*:-kernels memory async}
@@ -28,6 +29,8 @@ part() { local name=$1 t=$2; shift 2; timeout "$t" "$@" > "$OUT/$name.log" 2>&1;
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 has kernels && part kernels 300 python3 -m bench.kernels --only sparse_mla_bwd,indexer \
   --out "$OUT/kernels_pending.json"
+has fused && part fused_indexer_test 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
+  tests/kernels/test_kernels_indexer_fused.py  # bit-identity of impl="fused" at 16K, every config
 has memory && part memory_slice 150 python3 bench/gpu/parallel_gpu.py --parts memory_slice_dsa_kernels \
   --out "$OUT/parallel_gpu_dsa.json" --offload-dir /tmp/offl
 has async && part async_vs_sync 540 python3 bench/gpu/async_vs_sync_gpu.py ${ASYNC_ARGS:-} --out "$OUT/async_vs_sync_gpu.json"
