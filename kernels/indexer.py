@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels._tuning import Autotuner, KernelConfig
-from kernels.indexer_fused import indexer_topk_fused
+from kernels.indexer_fused import indexer_topk_fused, score_tile
 from kernels.topk import EXPERIMENTAL_TOPK_CONFIGS, TOPK_CONFIGS, TOPK_TUNER, _bucket, topk_rows_chunk
 
 __all__ = ["EXPERIMENTAL_TOPK_CONFIGS", "INDEXER_IMPLS", "TOPK_CONFIGS", "TOPK_TUNER", "indexer_scores_chunk",
@@ -51,15 +51,8 @@ def _indexer_score_kernel(q_ptr, k_ptr, w_ptr, out_ptr, S, rows_in_chunk, row0, 
     if pid_s * BLOCK_S <= last_pos:  # else the whole tile is in the causal future
         cols = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
         col_ok = cols < S
-        d = tl.arange(0, D)
-        kt = tl.load(k_ptr + cols[:, None] * stride_kt + d[None, :], mask=col_ok[:, None], other=0.0)
-        acc = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
-        for h in range(HEADS):
-            q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
-                        mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptr + rows * stride_wt + h, mask=row_ok, other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(kt))
-            acc += tl.maximum(s, 0.0) * w[:, None]
+        kt = tl.load(k_ptr + cols[:, None] * stride_kt + tl.arange(0, D)[None, :], mask=col_ok[:, None], other=0.0)
+        acc = score_tile(q_ptr, w_ptr, kt, rows, row_ok, stride_qt, stride_qh, stride_wt, HEADS, D, BLOCK_T, BLOCK_S)
         causal = cols[None, :] <= (rows + offset)[:, None]
         mask = row_ok[:, None] & col_ok[None, :] & causal
         tl.store(out_ptr + local[:, None] * stride_o + cols[None, :], acc, mask=mask)

@@ -65,9 +65,10 @@ FUSED_SELECT_TUNER = Autotuner("indexer_fused_select", FUSED_SELECT_CONFIGS)
 
 
 @triton.jit
-def _score_tile(q_ptr, w_ptr, kt, rows, row_ok, stride_qt, stride_qh, stride_wt,
+def score_tile(q_ptr, w_ptr, kt, rows, row_ok, stride_qt, stride_qh, stride_wt,
                 HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
-    # the expressions of indexer._indexer_score_kernel, in its order (bit-identical scores)
+    # one [BLOCK_T, BLOCK_S] tile of scores; indexer._indexer_score_kernel computes its tiles with
+    # this same function, so the fused and the default impl see bit-identical scores by construction
     d = tl.arange(0, D)
     acc = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
     for h in range(HEADS):
@@ -94,7 +95,7 @@ def _sample_score_kernel(q_ptr, k_ptr, w_ptr, samp_ptr, S, rows_in_chunk, row0, 
         cols = j * key_stride
         col_ok = (j < SAMPLES) & (cols < S)
         kt = tl.load(k_ptr + cols[:, None] * stride_kt + tl.arange(0, D)[None, :], mask=col_ok[:, None], other=0.0)
-        acc = _score_tile(q_ptr, w_ptr, kt, rows, row_ok, stride_qt, stride_qh, stride_wt, HEADS, D, BLOCK_T, BLOCK_S)
+        acc = score_tile(q_ptr, w_ptr, kt, rows, row_ok, stride_qt, stride_qh, stride_wt, HEADS, D, BLOCK_T, BLOCK_S)
         causal = cols[None, :] <= (rows + offset)[:, None]
         tl.store(samp_ptr + local[:, None] * stride_p + j[None, :], acc,
                  mask=row_ok[:, None] & col_ok[None, :] & causal)
@@ -131,7 +132,7 @@ def _score_compact_kernel(q_ptr, k_ptr, w_ptr, t_ptr, cnt_ptr, ckey_ptr, cidx_pt
         cols = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
         col_ok = cols < S
         kt = tl.load(k_ptr + cols[:, None] * stride_kt + tl.arange(0, D)[None, :], mask=col_ok[:, None], other=0.0)
-        acc = _score_tile(q_ptr, w_ptr, kt, rows, row_ok, stride_qt, stride_qh, stride_wt, HEADS, D, BLOCK_T, BLOCK_S)
+        acc = score_tile(q_ptr, w_ptr, kt, rows, row_ok, stride_qt, stride_qh, stride_wt, HEADS, D, BLOCK_T, BLOCK_S)
         selecting = row_ok & (tl.minimum(rows + offset + 1, S) > K)
         t = tl.load(t_ptr + local, mask=selecting, other=0)
         key = ordered_key(acc)
@@ -183,7 +184,7 @@ def _score_rows_kernel(q_ptr, k_ptr, w_ptr, out_ptr, S, rows_in_chunk, row0, off
         cols = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
         col_ok = cols < S
         kt = tl.load(k_ptr + cols[:, None] * stride_kt + tl.arange(0, D)[None, :], mask=col_ok[:, None], other=0.0)
-        acc = _score_tile(q_ptr, w_ptr, kt, rows, row_ok, stride_qt, stride_qh, stride_wt, HEADS, D, BLOCK_T, BLOCK_S)
+        acc = score_tile(q_ptr, w_ptr, kt, rows, row_ok, stride_qt, stride_qh, stride_wt, HEADS, D, BLOCK_T, BLOCK_S)
         causal = cols[None, :] <= (rows + offset)[:, None]
         tl.store(out_ptr + local[:, None] * stride_o + cols[None, :], acc,
                  mask=row_ok[:, None] & col_ok[None, :] & causal)
