@@ -43,7 +43,7 @@ class Orchestrator:
         self.progress = progress or Progress()
         a = cfg.algorithm
         self.admission = AdmissionPolicy(a.prompts_per_step, a.group_size, cfg.buffer.max_staleness,
-                                         cfg.buffer.max_episodes_in_flight)
+                                         cfg.buffer.max_episodes_in_flight, lead_steps=cfg.rollout.partial_lead_steps)
         self.retry = RetryPolicy()
         self.unplayable = UnplayableTasks()
         self.dynamic = DynamicSampler.from_config(a)

@@ -102,7 +102,9 @@ def partial(out: Path = typer.Option(RESULTS / "partial_rollout.json", help="Whe
             max_staleness: int = typer.Option(1, help="The staleness bound both variants train under."),
             in_flight: int = typer.Option(48, help="Episodes running at once (at most)."),
             sandbox: bool = typer.Option(False, help="Run one real sandbox command per turn."),
-            variant: list[str] = typer.Option(["off", "mask"], help="Variants: off, mask, tis (repeatable)."),
+            partial_lead_steps: int = typer.Option(2, help="The *_lead variants' admission lead in steps "
+                                                           "(rollout.partial_lead_steps)."),
+            variant: list[str] = typer.Option(["off", "mask"], help="Variants: off, mask, tis, mask_lead, tis_lead (repeatable)."),
             repeats: int = typer.Option(2, help="Interleaved rounds of the variants (the shared machine's load "
                                                 "changes; each variant reports its mean).")) -> None:
     """Partial rollout off vs on: the same multi-turn workload through the real run loop, one after the other."""
@@ -110,7 +112,8 @@ def partial(out: Path = typer.Option(RESULTS / "partial_rollout.json", help="Whe
 
     w = PartialWorkload(steps=steps, prompts_per_step=prompts_per_step, group_size=group_size,
                         median_turns=median_turns, sigma=sigma, max_turns=max_turns, tokens_per_turn=tokens_per_turn,
-                        max_staleness=max_staleness, in_flight=in_flight, sandbox=sandbox)
+                        max_staleness=max_staleness, in_flight=in_flight, sandbox=sandbox,
+                        partial_lead_steps=partial_lead_steps)
     r = run_partial_bench(out, w, variants=tuple(variant), repeats=repeats)
     typer.echo(f"wrote {out} (throughput_gain_mask = {r.get('throughput_gain_mask')}, "
                f"throughput_gain_tis = {r.get('throughput_gain_tis')})")

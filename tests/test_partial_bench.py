@@ -27,6 +27,15 @@ def test_each_variant_is_a_valid_run_config(tmp_path, variant, partial, pause, s
     assert cfg.agent.max_turns == w.max_turns and cfg.rollout.max_new_tokens == w.tokens_per_turn
 
 
+def test_only_the_lead_variants_admit_ahead_and_only_partial_rollout_may(tmp_path):
+    w = PartialWorkload(steps=3, partial_lead_steps=3)
+    leads = {v: load_config("local", overrides(w, v, tmp_path / v)).rollout.partial_lead_steps
+             for v in ("off", "mask", "tis", "mask_lead", "tis_lead")}
+    assert leads == {"off": 0, "mask": 0, "tis": 0, "mask_lead": 3, "tis_lead": 3}
+    with pytest.raises(ValueError, match="rollout.partial_lead_steps=2 admits groups beyond"):
+        load_config("local", ["rollout.partial_lead_steps=2"])
+
+
 def test_bad_workloads_and_variants_are_refused_before_anything_starts(tmp_path):
     with pytest.raises(ValueError, match="in_flight"):
         run_partial_bench(tmp_path / "x.json", PartialWorkload(in_flight=2))
@@ -38,7 +47,10 @@ def test_headline_is_the_gain_in_trained_tokens_per_second():
     h = headline({"off": {"trained_tokens_per_s": 100.0}, "mask": {"trained_tokens_per_s": 125.0},
                   "tis": {"trained_tokens_per_s": 110.0}})
     assert h["throughput_gain_mask"] == pytest.approx(0.25) and h["goal_met"]
-    assert h["throughput_gain_tis"] == pytest.approx(0.10)
+    assert h["throughput_gain_tis"] == pytest.approx(0.10) and h["goal_met_by"] == ["mask"]
+    lead = headline({"off": {"trained_tokens_per_s": 100.0}, "tis": {"trained_tokens_per_s": 105.0},
+                     "tis_lead": {"trained_tokens_per_s": 130.0}})
+    assert lead["goal_met"] and lead["goal_met_by"] == ["tis_lead"]
     assert not headline({"off": {"trained_tokens_per_s": 100.0}, "mask": {"trained_tokens_per_s": 110.0}})["goal_met"]
 
 
@@ -101,3 +113,21 @@ def test_a_variant_is_the_mean_of_its_rounds():
     assert m["trained_token_lag_max"] == 1 and m["version_spans_max"] == 3 and len(m["rounds"]) == 2
     with pytest.raises(ValueError, match="repeats"):
         run_partial_bench("x.json", repeats=0)
+
+
+def test_gpu_partial_script_resolves_h200_plans_for_its_variants(capsys):
+    import json
+
+    import torch
+
+    from bench.gpu.partial_gpu import DEFAULT_VARIANTS, main
+
+    rc = main(["--check", "--lead-steps", "3"])
+    report = json.loads(capsys.readouterr().out)
+    assert tuple(report["plans"]) == DEFAULT_VARIANTS
+    for name, plan in report["plans"].items():
+        assert plan["hardware"] == "H200" and plan["colocated"] and plan["backend"] == "megatron", name
+        assert plan["partial"] == (name != "off") and plan["lead_steps"] == (3 if name.endswith("_lead") else 0)
+    if not torch.cuda.is_available():
+        assert rc == 1 and report["missing"]
+    assert rc == (1 if report["missing"] else 0)

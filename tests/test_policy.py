@@ -22,6 +22,23 @@ def test_admission_capacity_formula():
     assert small.running_episodes == 0
 
 
+def test_partial_lead_admits_that_many_more_steps_of_groups_and_no_more():
+    """lead_steps=2 with B=3: (1 + 2 + 0 + 1) * 3 = 12 groups at version 0, against 6 without the
+    lead; the episode budget still caps it, and a negative lead is refused naming the field."""
+    base = AdmissionPolicy(groups_per_step=3, group_size=2, max_staleness=1, max_episodes_in_flight=1000)
+    ahead = AdmissionPolicy(groups_per_step=3, group_size=2, max_staleness=1, max_episodes_in_flight=1000,
+                            lead_steps=2)
+    assert (base.capacity(0), ahead.capacity(0)) == (6, 12)
+    for _ in range(12):
+        ahead.on_start()
+    assert ahead.capacity(0) == 0 and ahead.capacity(1) == 3
+    capped = AdmissionPolicy(groups_per_step=3, group_size=2, max_staleness=1, max_episodes_in_flight=8,
+                             lead_steps=5)
+    assert capped.capacity(0) == 4  # 8 episodes // group of 2
+    with pytest.raises(ValueError, match="rollout.partial_lead_steps=-1"):
+        AdmissionPolicy(groups_per_step=3, group_size=2, max_staleness=1, max_episodes_in_flight=8, lead_steps=-1)
+
+
 def test_after_a_resume_at_step_n_admission_holds_the_staleness_capacity():
     """Without the resume hook a run resumed at version 5 would see (2 + 5 + 1) * 4 = 32 free slots and
     start 32 groups at once; every group beyond (max_staleness + 1) * B of them ends up stale."""

@@ -216,6 +216,10 @@ class RolloutConfig(Section):
         False, description="Partial rollout: a weight update aborts in-flight generations (pause_mode abort, the "
         "default then), each episode keeps their tokens and re-issues the turn on the new weights for the rest of "
         "its token budget; the staleness bound then applies per token (algorithm.stale_tokens).")
+    partial_lead_steps: int = Field(
+        0, ge=0, description="With rollout.partial: optimizer steps of groups admission may start beyond the "
+        "staleness capacity (policy/admission.py). More episodes in flight for an engine whose decode rate grows "
+        "with its batch; more tokens past buffer.max_staleness (masked or TIS-corrected, counted as stale_tokens).")
     request_timeout_s: float = Field(600.0, gt=0)
     engine_start_timeout_s: float = Field(
         1800.0, gt=0, description="How long an engine may take to answer /health_generate after its process "
@@ -394,6 +398,10 @@ class RunConfig(Section):
         if b.max_episodes_in_flight < a.group_size:
             raise ValueError(f"buffer.max_episodes_in_flight={b.max_episodes_in_flight} is below "
                              f"algorithm.group_size={a.group_size}: no group could ever start (the run would hang)")
+        if r.partial_lead_steps and not r.partial:
+            raise ValueError(f"rollout.partial_lead_steps={r.partial_lead_steps} admits groups beyond the staleness "
+                             "capacity, which only partial rollout can train (per-token bound); set rollout.partial="
+                             "true or partial_lead_steps=0")
         if r.partial and a.stale_tokens == "tis" and not a.use_tis:
             raise ValueError("algorithm.stale_tokens=tis corrects stale tokens with their TIS weight, but "
                              "algorithm.use_tis is false; turn use_tis on or use stale_tokens=mask")

@@ -9,6 +9,16 @@ must be trained by version v + max_staleness. So by version v at most
 groups may ever have started (the capacity formula), minus the ones that left untrained (stale,
 infra error, lost worker), whose slots are given back. An episode budget caps concurrency on its own.
 
+With partial rollout the bound holds per token, not per group: an in-flight episode is continued on
+each new version, and the loss masks (or TIS-corrects) only its tokens older than the bound. A group
+started early is then no longer lost whole, so admission may run `lead_steps` further ahead,
+
+    (max_staleness + lead_steps + v + 1) * B,
+
+more episodes in flight for an engine whose decode rate grows with its batch, at the price of more
+tokens past the bound (counted: stale_tokens). lead_steps = 0 is the formula above; the config
+allows lead_steps > 0 only with rollout.partial (without it those groups would be retired stale).
+
 Invariants (tests/test_policy_admission.py): the count never goes negative; capacity is never
 negative; after `on_resume(version, trained, buffered)` the formula holds exactly as if the run
 had never stopped (AReaL's on_version_recovered): without it a run resumed at step N would see
@@ -26,6 +36,7 @@ class AdmissionPolicy:
     group_size: int
     max_staleness: int
     max_episodes_in_flight: int
+    lead_steps: int = 0  # rollout.partial_lead_steps: steps of groups admitted beyond the staleness capacity
     started_groups: int = 0  # ever started (or recovered), minus those retired untrained
     running_episodes: int = 0
 
@@ -34,10 +45,12 @@ class AdmissionPolicy:
             raise ValueError(f"buffer.max_episodes_in_flight={self.max_episodes_in_flight} is below "
                              f"algorithm.group_size={self.group_size}: no group could ever start; raise it to at "
                              f"least {self.group_size}")
+        if self.lead_steps < 0:
+            raise ValueError(f"rollout.partial_lead_steps={self.lead_steps} is negative; use 0 or more")
 
     def capacity(self, version: int) -> int:
         """Groups that may start now at trainer version `version`."""
-        by_staleness = (self.max_staleness + version + 1) * self.groups_per_step - self.started_groups
+        by_staleness = (self.max_staleness + self.lead_steps + version + 1) * self.groups_per_step - self.started_groups
         by_episodes = (self.max_episodes_in_flight - self.running_episodes) // self.group_size
         return max(min(by_staleness, by_episodes), 0)
 

@@ -9,6 +9,7 @@
 # run a call of its own, `bash bench/gpu/pending.sh kernels memory` the rest (neither needs Ray).
 #
 #   [V]  async vs sync on the H200 (bench/results/async_vs_sync_gpu.json)
+#   [V]  partial rollout off / tis / tis_lead on the H200 (`partial`; partial_rollout_gpu.json)
 #   [N]  memory slice with train.dsa_kernels on: peak vs the accounting (parallel_gpu.json part)
 #   [K2] sparse MLA backward, atomic vs key-major (kernels.json sparse_mla_bwd entries); the indexer
 #        family, with the fused top-k (indexer_topk_fused) beside the default; `fused`: its GPU test
@@ -33,5 +34,6 @@ has fused && part fused_indexer_test 240 python3 -m pytest -q -p no:cacheprovide
   tests/kernels/test_kernels_indexer_fused.py  # bit-identity of impl="fused" at 16K, every config
 has memory && part memory_slice 150 python3 bench/gpu/parallel_gpu.py --parts memory_slice_dsa_kernels \
   --out "$OUT/parallel_gpu_dsa.json" --offload-dir /tmp/offl
+has partial && part partial 540 python3 bench/gpu/partial_gpu.py --out "$OUT/partial_rollout_gpu.json"
 has async && part async_vs_sync 540 python3 bench/gpu/async_vs_sync_gpu.py ${ASYNC_ARGS:-} --out "$OUT/async_vs_sync_gpu.json"
 true
