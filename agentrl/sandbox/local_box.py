@@ -173,16 +173,25 @@ class LocalSandbox:
             log_fd = os.open(self.host_dir / "bwrap.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             bwrap_id = uuid.uuid4().hex
             seal_inheritable_fds(keep=(w, *data_fds))  # uvloop ignores close_fds (local_procs says why)
-            self._bwrap = await asyncio.create_subprocess_exec(
+            spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log_fd,
                 pass_fds=(w, *data_fds),
                 env={"PATH": DEFAULT_PATH, BWRAP_MARKER_ENV: bwrap_id},
-            )
-            tag = f"{BWRAP_MARKER_ENV}={bwrap_id}".encode()
-            self._bwrap_ref = ProcessRef(self._bwrap.pid, lambda pid: spawned_with(pid, tag))
+            ))
+            try:
+                # Cancelled inside the spawn, asyncio closes the transport before its stdout pipe is
+                # connected and that pipe stays open (the fd stress found it): let the spawn finish,
+                # keep the process so that the create's cleanup ends it, then re-raise.
+                self._bwrap = await run_to_end(spawn)
+            finally:
+                if self._bwrap is None and spawn.done() and not spawn.cancelled() and spawn.exception() is None:
+                    self._bwrap = spawn.result()
+                if self._bwrap is not None:
+                    tag = f"{BWRAP_MARKER_ENV}={bwrap_id}".encode()
+                    self._bwrap_ref = ProcessRef(self._bwrap.pid, lambda pid: spawned_with(pid, tag))
         except BaseException as err:
             if info_pipe is not None:
                 info_pipe.close()
@@ -284,13 +293,26 @@ class LocalSandbox:
                 self._init_ref.kill()  # pid 1 of the namespace: the kernel kills all the others
             if self._bwrap is not None:
                 # bwrap's monitor reaps the init and exits by itself; kill it only if it lingers
-                # (killing it first would leave the init a zombie for the host's pid 1 to reap).
+                # (killing it first would leave the init a zombie for the host's pid 1 to reap),
+                # or at once when no init is known (cancelled while starting: --die-with-parent
+                # ends the init with it).
+                if self._init_ref is None and self._bwrap_ref is not None:
+                    self._bwrap_ref.kill()
                 try:
                     await asyncio.wait_for(self._bwrap.wait(), 2)
                 except TimeoutError:
                     if self._bwrap_ref is not None:
                         self._bwrap_ref.kill()
                     await asyncio.wait_for(self._bwrap.wait(), 10)
+                # bwrap has exited, but its stdout pipe stays open until every holder of the write end
+                # is gone: a launch script killed while starting leaves children that hold it a while
+                # longer, and a loop closed meanwhile left the pipe to the garbage collector (the fd
+                # stress on asyncio found it). Close the transport (asyncio's Process keeps it as
+                # _transport; no public handle) and give its fd close the one loop turn it takes.
+                transport = getattr(self._bwrap, "_transport", None)
+                if transport is not None:
+                    transport.close()
+                    await asyncio.sleep(0)
             if self._network is not None:
                 await asyncio.to_thread(self._network.stop)
             if self._ns and not await asyncio.to_thread(wait_namespace_empty, self._ns, 10.0):
