@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import select
-import shutil
 import signal
 import subprocess
 import threading
@@ -28,23 +27,13 @@ from agentrl.sandbox.base import SandboxError, SandboxSpec
 from agentrl.sandbox.local import LocalSandboxProvider
 from agentrl.sandbox.local_isolation import _read_with_timeout
 from agentrl.sandbox.local_procs import pids_in_namespace
+from tests.test_sandbox_fd_ownership import LOOPS, needs_bwrap  # the same two loops, the same bwrap check
 
 NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
 needs_pid_control = pytest.mark.skipif(
     not os.access(NS_LAST_PID, os.W_OK), reason=f"{NS_LAST_PID} not writable (needs root)"
 )
 
-
-def _uvloop_factory():
-    uvloop = pytest.importorskip("uvloop", reason="uvloop not installed (Ray uses it where it is)")
-    return uvloop.new_event_loop
-
-
-LOOPS = [
-    pytest.param(lambda: asyncio.new_event_loop, id="asyncio"),
-    pytest.param(_uvloop_factory, id="uvloop"),
-]
 
 
 def _run(loop_factory, main, *args):
