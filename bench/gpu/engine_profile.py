@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Where the embedded engine's time goes under a run's load: the scheduler driven in-process (no HTTP)
+by a closed loop of C clients, each re-submitting as soon as its request ends (prompts of a shared
+prefix plus a unique tail, as GRPO groups send them), for a fixed time; then a cProfile of the
+scheduler loop under the same load. Reports generated tokens/s, decode steps/s, the mean decode batch,
+prefills, and the top functions by own and cumulative time.
+
+Why: on the H200 (session 7) runs generated 100-185 tokens/s with 64-256 episodes in flight, about
+what SmolLM2 does on two CPU cores (61 tokens/s at 32 in bench/results/engine.json).
+
+    python3 bench/gpu/engine_profile.py --model smollm2-135m --device cuda --out "$OUT/engine_profile.json"
+
+Models are random-initialised from the registry's configs (no weights to carry): the timing of a
+forward does not depend on the values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def build(name: str, device: str, dtype: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if name == "tiny":
+        from agentrl.models.tiny import build_tiny_model
+
+        model = build_tiny_model(0)
+    else:
+        from transformers import LlamaConfig
+
+        assert name == "smollm2-135m", name  # SmolLM2-135M-Instruct's config.json
+        model = AutoModelForCausalLM.from_config(LlamaConfig(
+            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+            tie_word_embeddings=True))
+    return model.to(device=device, dtype=getattr(torch, dtype)).eval()
+
+
+class ClosedLoop:
+    """C clients; each submits a new request when its previous one ends, until stopped."""
+
+    def __init__(self, sched, clients: int, prefix: int, tail: int, new_tokens: int, vocab: int) -> None:
+        from agentrl.rollout.embedded.sampling import RowParams
+
+        self.sched, self.new_tokens, self.vocab = sched, new_tokens, vocab
+        self.params = RowParams(temperature=1.0, top_p=1.0, top_k=0)
+        self.prefixes = [[(7 * g + 13 * j) % (vocab - 10) + 5 for j in range(prefix)] for g in range(max(clients // 8, 1))]
+        self.tail, self.n, self.done_tokens, self.stopped = tail, 0, 0, False
+        self.lock = threading.Lock()
+        for c in range(clients):
+            self.submit(c)
+
+    def submit(self, client: int) -> None:
+        from agentrl.rollout.embedded.request import GenRequest
+
+        with self.lock:
+            self.n += 1
+            n = self.n
+        ids = self.prefixes[client // 8 % len(self.prefixes)] + [(n * 31 + j) % (self.vocab - 10) + 5
+                                                                  for j in range(self.tail)]
+        self.sched.submit(GenRequest(rid=f"r{n}", input_ids=ids, max_new_tokens=self.new_tokens, params=self.params,
+                                     on_done=lambda out, c=client: self.on_done(c, out), ignore_eos=True))
+
+    def on_done(self, client: int, out) -> None:
+        with self.lock:
+            self.done_tokens += len(out.output_ids)
+        if not self.stopped:
+            self.submit(client)
+
+
+def measure(args, name: str) -> dict:
+    import torch
+
+    from agentrl.rollout.embedded.scheduler import Scheduler
+
+    model = build(name, args.device, args.dtype)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    out: dict = {"model": name}
+    for clients in args.clients:
+        sched = Scheduler(model, max_batch_size=args.max_batch_size)
+        sched.start()
+        load = ClosedLoop(sched, clients, args.prefix_tokens, args.tail_tokens, args.new_tokens, vocab)
+        time.sleep(args.warmup_s)
+        s0, t0, g0 = sched.stats(), time.perf_counter(), load.done_tokens
+        time.sleep(args.seconds)
+        s1, dt = sched.stats(), time.perf_counter() - t0
+        load.stopped = True
+        sched.stop()
+        steps = s1["decode_steps"] - s0["decode_steps"]
+        gen = s1["generated_tokens"] - s0["generated_tokens"]
+        out[str(clients)] = {"tokens_per_s": gen / dt, "finished_tokens_per_s": (load.done_tokens - g0) / dt,
+                             "decode_steps_per_s": steps / dt, "mean_decode_batch": gen / max(steps, 1),
+                             "prefill_tokens_per_s": (s1["prefill_tokens"] - s0["prefill_tokens"]) / dt,
+                             "requests_per_s": (s1["requests_done"] - s0["requests_done"]) / dt}
+        print(name, clients, json.dumps({k: round(v, 1) for k, v in out[str(clients)].items()}), flush=True)
+    # The profile: the loop run on this thread (cProfile sees one thread), stopped by a timer.
+    clients = max(args.clients)
+    sched = Scheduler(model, max_batch_size=args.max_batch_size)
+    load = ClosedLoop(sched, clients, args.prefix_tokens, args.tail_tokens, args.new_tokens, vocab)
+    timer = threading.Timer(args.seconds, lambda: (setattr(load, "stopped", True), sched.stop(0)))
+    timer.start()
+    prof = cProfile.Profile()
+    prof.enable()
+    sched._loop()
+    prof.disable()
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(28)
+        out[f"profile_{key}"] = buf.getvalue().splitlines()[-34:]
+        print("\n".join(out[f"profile_{key}"]), flush=True)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", action="append", help="repeatable (default: smollm2-135m and tiny)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--clients", type=int, action="append", help="repeatable (default: 8, 32, 64)")
+    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--prefix-tokens", type=int, default=400)
+    ap.add_argument("--tail-tokens", type=int, default=40)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--warmup-s", type=float, default=4.0)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    args.model = args.model or ["smollm2-135m", "tiny"]
+    args.clients = args.clients or [8, 32, 64]
+    import platform
+
+    import torch
+
+    report = {"what": "embedded engine scheduler under a closed-loop load, in-process", "settings": vars(args) | {
+        "out": str(args.out)}, "machine": {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                                           "platform": platform.platform()},
+        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
+        "models": [measure(args, m) for m in args.model]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
