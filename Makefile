@@ -11,7 +11,7 @@ test: setup
 	.venv/bin/python -m pytest
 
 test-slow: setup
-	.venv/bin/python -m pytest -m slow -p no:cacheprovider
+	bash scripts/test_slow.sh
 
 lint: setup
 	.venv/bin/ruff check agentrl envs launchers kernels tests
