@@ -3,7 +3,8 @@
 by a closed loop of C clients, each re-submitting as soon as its request ends (prompts of a shared
 prefix plus a unique tail, as GRPO groups send them), for a fixed time; then a cProfile of the
 scheduler loop under the same load. Reports generated tokens/s, decode steps/s, the mean decode batch,
-prefills, and the top functions by own and cumulative time.
+prefill forwards/s (stats' prefill_forwards, or model calls minus decode steps for a scheduler without
+that counter), prefill tokens, and the top functions by own and cumulative time.
 
 Why: on the H200 (session 7) runs generated 100-185 tokens/s with 64-256 episodes in flight, about
 what SmolLM2 does on two CPU cores (61 tokens/s at 32 in bench/results/engine.json).
@@ -89,23 +90,31 @@ def measure(args, name: str) -> dict:
 
     model = build(name, args.device, args.dtype)
     vocab = model.get_output_embeddings().weight.shape[0]
+    # Every model call, counted outside the scheduler, so a scheduler without the prefill_forwards
+    # counter (an older checkout measured with this script) still reports its prefill forwards.
+    calls = [0]
+    model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     out: dict = {"model": name}
     for clients in args.clients:
         sched = Scheduler(model, max_batch_size=args.max_batch_size)
         sched.start()
         load = ClosedLoop(sched, clients, args.prefix_tokens, args.tail_tokens, args.new_tokens, vocab)
         time.sleep(args.warmup_s)
-        s0, t0, g0 = sched.stats(), time.perf_counter(), load.done_tokens
+        s0, t0, g0, c0 = sched.stats(), time.perf_counter(), load.done_tokens, calls[0]
         time.sleep(args.seconds)
-        s1, dt = sched.stats(), time.perf_counter() - t0
+        s1, dt, c1 = sched.stats(), time.perf_counter() - t0, calls[0]
         load.stopped = True
         sched.stop()
-        steps = s1["decode_steps"] - s0["decode_steps"]
-        gen = s1["generated_tokens"] - s0["generated_tokens"]
+        d = {k: s1[k] - s0[k] for k in s1 if isinstance(s1[k], int | float) and k in s0}
+        steps, gen, requests = d["decode_steps"], d["generated_tokens"], d["requests_done"]
+        prefills = d.get("prefill_forwards", c1 - c0 - steps)
         out[str(clients)] = {"tokens_per_s": gen / dt, "finished_tokens_per_s": (load.done_tokens - g0) / dt,
                              "decode_steps_per_s": steps / dt, "mean_decode_batch": gen / max(steps, 1),
-                             "prefill_tokens_per_s": (s1["prefill_tokens"] - s0["prefill_tokens"]) / dt,
-                             "requests_per_s": (s1["requests_done"] - s0["requests_done"]) / dt}
+                             "prefill_forwards_per_s": prefills / dt, "model_forwards_per_s": (c1 - c0) / dt,
+                             "requests_per_prefill_forward": requests / max(prefills, 1),
+                             "prefill_tokens_per_s": d["prefill_tokens"] / dt,
+                             "prefill_pad_tokens_per_s": d.get("prefill_pad_tokens", 0) / dt,
+                             "requests_per_s": requests / dt}
         print(name, clients, json.dumps({k: round(v, 1) for k, v in out[str(clients)].items()}), flush=True)
     # The profile: the loop run on this thread (cProfile sees one thread), stopped by a timer.
     clients = max(args.clients)

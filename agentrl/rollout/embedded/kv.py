@@ -150,24 +150,31 @@ def crop(kv: SeqKV, length: int) -> SeqKV:
     return [{name: _seq_slice(t, SEQ_DIM[name], 0, length) for name, t in layer.items()} for layer in kv]
 
 
-def stack(config, kvs: list[SeqKV], width: int) -> DynamicCache:
-    """A batch cache whose row i holds kvs[i] right-aligned in `width` columns (zeros on the left)."""
+def stack(config, kvs: list[SeqKV | None], width: int) -> DynamicCache:
+    """A batch cache whose row i holds kvs[i] right-aligned in `width` columns (zeros on the left).
+
+    A row given as None (or with no positions) is all padding: a prefill row with no cached prefix."""
     cache = new_cache(config)
-    if len(kvs) == 1 and seq_len(kvs[0]) == width:  # one unpadded row: share the tensors, no copy
+    if len(kvs) == 1 and kvs[0] is not None and seq_len(kvs[0]) == width:  # one unpadded row: share, no copy
         for layer, tensors in zip(cache.layers, kvs[0]):
             _set_layer(layer, tensors)
+        return cache
+    filled = [kv for kv in kvs if kv is not None and seq_len(kv) > 0]
+    if not filled or width == 0:
         return cache
     capacity = max(width + GROW_MIN, int(width * GROW_FACTOR))  # headroom for the decode steps
     for li, layer in enumerate(cache.layers):
         views, buffers = {}, {}
-        for name in kvs[0][li]:
+        for name in filled[0][li]:
             dim = SEQ_DIM[name]
-            first = kvs[0][li][name]
+            first = filled[0][li][name]
             shape = list(first.shape)
             shape[0] = len(kvs)
             shape[dim % first.dim()] = capacity
             buf = first.new_zeros(shape)
             for row, kv in enumerate(kvs):
+                if kv is None or name not in kv[li]:
+                    continue
                 t = kv[li][name]
                 n = t.shape[dim]
                 _seq_slice(buf[row : row + 1], dim, width - n, width).copy_(t)
@@ -208,14 +215,22 @@ def decode_mask(pads: list[int], width: int, *, additive_dtype: torch.dtype | No
     return _as_additive(mask, additive_dtype)
 
 
-def prefill_mask(batch: int, cached: int, new: int, *, additive_dtype: torch.dtype | None,
+def prefill_mask(pads: list[int], cached: int, new: int, *, additive_dtype: torch.dtype | None,
                  device: torch.device | str = "cpu", window: int | None = None) -> torch.Tensor:
-    """[B, 1, new, cached + new] causal mask for `new` tokens after `cached` unpadded cached ones."""
+    """[B, 1, new, cached + new] causal mask for `new` query columns after `cached` cache columns.
+
+    Row i's real tokens start at column pads[i] (left padding, as in the decode layout) and run
+    contiguously to the last column, so column distance is position distance and `window` can
+    be applied by column. A padding query sees only itself: a query that sees nothing gives NaN
+    under some SDPA kernels (torch 2.11 on CPU gives 0), and a NaN in a padding column's cached
+    K/V would reach every later row through softmax(...) @ V as 0 * NaN."""
     q = torch.arange(new, device=device)[:, None] + cached
     k = torch.arange(cached + new, device=device)[None, :]
     keep = (k <= q) & (k > q - window) if window is not None else (k <= q)
-    mask = keep[None, None].expand(batch, 1, new, cached + new)
-    return _as_additive(mask, additive_dtype)
+    if not any(pads):  # no padding: one [new, cached + new] mask broadcast over the rows, as before
+        return _as_additive(keep[None, None].expand(len(pads), 1, new, cached + new), additive_dtype)
+    keep = (keep[None] & (k[None] >= torch.tensor(pads, device=device)[:, None, None])) | (k == q)[None]
+    return _as_additive(keep[:, None], additive_dtype)
 
 
 def _as_additive(mask: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -6,6 +6,17 @@ prefix when one matches), and (3) runs ONE decode step for every running sequenc
 Requests join and leave between steps; no lock is held across a generation. The HTTP side only
 enqueues work and receives results through a callback.
 
+Prefill grouping (prefill_groups.py): the admitted sequences prefill in as few forwards as the
+padding bound and prefill_tokens_per_step (rows x width per forward) allow, whatever their
+cached-prefix lengths and new-token counts: prefix KVs of different lengths and contents are
+stacked left-padded into one batch cache, each row gets its own position_ids and mask
+(kv.prefill_mask), and a row with fewer new tokens recomputes the tail of its cached prefix. Only
+rows wanting input logprobs prefill alone. Why: on the H200 the engine is host-bound (SmolLM2-135M:
+11.7-15.6 forwards/s at any batch, ~37 ms of Python and launches each, 128/494/768 tokens/s at
+8/32/64 clients), and while every prefix-cache hit (GRPO's later samples of a group, every
+multi-turn continuation) got its own forward, an 8 s profile held 85 prefill forwards against 95
+decode steps (bench/results/engine_profile_h200.json). stats()["prefill_forwards"] counts them.
+
 Pause modes (SGLang's): `abort` ends every request with its partial output; `retract` frees the
 running requests' KV and re-queues them, so after a weight update their KV is recomputed under
 the new weights; `in_place` keeps KV and is the only mode in which old KV meets new weights.
@@ -29,6 +40,7 @@ from concurrent.futures import Future
 import torch
 
 from agentrl.rollout.embedded import kv as kvlib
+from agentrl.rollout.embedded.prefill_groups import PrefillLayout, PrefillRow, group_rows
 from agentrl.rollout.embedded.prefix_cache import PrefixCache
 from agentrl.rollout.embedded.request import GenOutput, GenRequest, SeqState
 from agentrl.rollout.embedded.sampling import sample_rows, scaled_logprobs
@@ -77,8 +89,9 @@ class Scheduler:
         self._admitting: list[SeqState] = []
         self._cache = None
         self._width = 0
-        self._stats = {"decode_steps": 0, "max_decode_batch_size": 0, "last_decode_batch_size": 0,
-                       "generated_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0, "requests_done": 0}
+        self._stats = {"decode_steps": 0, "prefill_forwards": 0, "max_decode_batch_size": 0,
+                       "last_decode_batch_size": 0, "generated_tokens": 0, "prefill_tokens": 0,
+                       "prefill_pad_tokens": 0, "cached_tokens": 0, "requests_done": 0}
         self._thread = threading.Thread(target=self._loop, name="embedded-engine-scheduler", daemon=True)
 
     # ---- thread-safe API -------------------------------------------------------------------
@@ -217,31 +230,24 @@ class Scheduler:
         if not new:
             return
         self._admitting = new  # so a failing prefill still answers every one of them
-        # Sequences without a cached prefix and of equal length prefill together.
-        groups: dict[int, list[tuple[SeqState, kvlib.SeqKV | None, int]]] = {}
-        singles = []
+        rows = []
         for seq in new:
             want_input = not seq.admitted and seq.req.logprob_start_len >= 0
             limit = len(seq.tokens) - 1
             if want_input:
                 limit = min(limit, max(seq.req.logprob_start_len - 1, 0))
             prefix_kv, m = self.prefix.lookup(seq.tokens, self.epoch, limit)
-            if not seq.admitted:
-                seq.cached_tokens = m
-            if m == 0 and not want_input:
-                groups.setdefault(len(seq.tokens), []).append((seq, None, 0))
-            else:
-                singles.append([(seq, prefix_kv, m)])
+            rows.append(PrefillRow(seq, prefix_kv, m, want_input))
         joined = []
-        for group in [*groups.values(), *singles]:
+        for group in group_rows(rows, self.prefill_tokens_per_step):
             try:
-                joined += self._prefill(group)
+                joined += self._prefill(PrefillLayout(group))
             except Exception as exc:  # only this group's requests fail; the running batch decodes on
                 log.exception("embedded engine prefill failed")
                 error = f"engine error in prefill: {type(exc).__name__}: {exc}"
-                for seq, _, _ in group:
-                    seq.kv_len = 0  # its KV (if any) belongs to a failed forward: never cached
-                    self._finish(seq, {"type": "abort", "message": error}, error=error)
+                for row in group:
+                    row.seq.kv_len = 0  # its KV (if any) belongs to a failed forward: never cached
+                    self._finish(row.seq, {"type": "abort", "message": error}, error=error)
         if joined:
             kvs = [kvlib.extract(self._cache, i, self._width - s.kv_len, s.kv_len) for i, s in enumerate(self._running)]
             kvs += [s.kv for s in joined]
@@ -253,42 +259,45 @@ class Scheduler:
                 s.kv = None
         self._admitting = []
 
-    def _prefill(self, group: list[tuple[SeqState, kvlib.SeqKV | None, int]]) -> list[SeqState]:
-        """Prefill a group (one cached-prefix length m, one length); return those that keep running."""
-        seqs = [g[0] for g in group]
-        prefix_kv, m = group[0][1], group[0][2]
-        n_new = len(seqs[0].tokens) - m
-        cache = kvlib.stack(self.model.config, [prefix_kv], m) if prefix_kv else kvlib.new_cache(self.model.config)
-        want_input = not seqs[0].admitted and seqs[0].req.logprob_start_len >= 0
+    def _prefill(self, lay: PrefillLayout) -> list[SeqState]:
+        """One merged prefill (prefill_groups.py has the layout); return the rows that keep running."""
+        seqs = [r.seq for r in lay.rows]
+        cache = lay.cache(self.model.config)
+        want_input = lay.rows[0].want_input  # such a row is always alone
         # Chunks bound the activation memory of long prompts (GLM's indexer scores alone are
         # [S, heads, T] floats); each chunk attends to the cache plus itself.
-        done, kept = m, []
-        while done < m + n_new:
-            c = min(self.prefill_chunk_tokens, m + n_new - done)
+        done, kept = 0, []
+        while done < lay.new:
+            c = min(self.prefill_chunk_tokens, lay.new - done)
+            ids, pos = lay.chunk(lay.cached + done, c, self.device)
             out = self.model(
-                input_ids=torch.tensor([s.tokens[done : done + c] for s in seqs], device=self.device),
-                attention_mask=self._masks(kvlib.prefill_mask, len(seqs), done, c),
-                position_ids=torch.arange(done, done + c, device=self.device).expand(len(seqs), c),
-                cache=cache, use_cache=True, logits_to_keep=c if want_input else 1,
+                input_ids=ids, attention_mask=self._masks(kvlib.prefill_mask, lay.pads, lay.cached + done, c),
+                position_ids=pos, cache=cache, use_cache=True, logits_to_keep=c if want_input else 1,
             )
+            with self._cv:
+                self._stats["prefill_forwards"] += 1
             if want_input:
                 kept.append(out.logits[0])
             done += c
         logits = out.logits[:, -1]
+        for seq, m in zip(seqs, lay.reuse):
+            if not seq.admitted:
+                seq.cached_tokens = m  # KV actually reused (a merged row may recompute part of its hit)
         with self._cv:
-            self._stats["prefill_tokens"] += n_new * len(seqs)
-            self._stats["cached_tokens"] += m * len(seqs)
+            self._stats["prefill_tokens"] += lay.computed
+            self._stats["prefill_pad_tokens"] += lay.padding
+            self._stats["cached_tokens"] += sum(lay.reuse)
         if want_input:
-            self._set_input_logprobs(seqs[0], torch.cat(kept), m)
+            self._set_input_logprobs(seqs[0], torch.cat(kept), lay.reuse[0])
         running = []
         sampling = [s for s in seqs if len(s.out_ids) < s.req.max_new_tokens]
         if sampling:
             rows = [seqs.index(s) for s in sampling]
             toks, lps = sample_rows(logits[rows], [s.req.params for s in sampling], self._gen)
-        for row, seq in enumerate(seqs):
+        for row, (seq, pad) in enumerate(zip(seqs, lay.pads)):
             seq.admitted = True
-            seq.kv_len = m + n_new
-            seq.kv = kvlib.extract(cache, row, 0, seq.kv_len)
+            seq.kv_len = lay.width - pad
+            seq.kv = kvlib.extract(cache, row, pad, seq.kv_len)
             if seq not in sampling:
                 self._finish(seq, {"type": "length", "length": seq.req.max_new_tokens}, keep_kv=seq.kv)
                 continue
