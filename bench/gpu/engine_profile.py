@@ -100,9 +100,9 @@ def measure(args, name: str) -> dict:
         sched.start()
         load = ClosedLoop(sched, clients, args.prefix_tokens, args.tail_tokens, args.new_tokens, vocab)
         time.sleep(args.warmup_s)
-        s0, t0, g0, c0 = sched.stats(), time.perf_counter(), load.done_tokens, calls[0]
+        s0, t0, g0, c0, cpu0 = sched.stats(), time.perf_counter(), load.done_tokens, calls[0], time.process_time()
         time.sleep(args.seconds)
-        s1, dt, c1 = sched.stats(), time.perf_counter() - t0, calls[0]
+        s1, dt, c1, cpu = sched.stats(), time.perf_counter() - t0, calls[0], time.process_time() - cpu0
         load.stopped = True
         sched.stop()
         d = {k: s1[k] - s0[k] for k in s1 if isinstance(s1[k], int | float) and k in s0}
@@ -114,7 +114,10 @@ def measure(args, name: str) -> dict:
                              "requests_per_prefill_forward": requests / max(prefills, 1),
                              "prefill_tokens_per_s": d["prefill_tokens"] / dt,
                              "prefill_pad_tokens_per_s": d.get("prefill_pad_tokens", 0) / dt,
-                             "requests_per_s": requests / dt}
+                             "requests_per_s": requests / dt,
+                             # CPU seconds this process used: on a shared CPU machine tokens per CPU
+                             # second moves less with the neighbours' load than tokens per second.
+                             "cpu_util": cpu / dt, "tokens_per_cpu_s": gen / max(cpu, 1e-9)}
         print(name, clients, json.dumps({k: round(v, 1) for k, v in out[str(clients)].items()}), flush=True)
     # The profile: the loop run on this thread (cProfile sees one thread), stopped by a timer.
     clients = max(args.clients)
