@@ -115,6 +115,9 @@ async def _serve(*, model, port, host, device, max_batch_size, prefix_cache_toke
             await _until(stop, asyncio.sleep(nodes.WATCH_INTERVAL_S))
         return 0
 
+    # Printed once SIGINT/SIGTERM end the process cleanly: a signal before this line (still importing)
+    # meets Python's default disposition instead, which ends the process too, but by the signal.
+    typer.echo(f"embedded engine: loading {model} on {device}", err=True)
     loaded = await _until(stop, in_daemon_thread(_load, model, device, dtype, seed, cache_dir, torch_threads))
     if loaded is None:
         return 0
