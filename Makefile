@@ -1,5 +1,5 @@
 # Two commands a newcomer needs: `make demo` (the main job on the local default) and `make test`.
-.PHONY: setup demo test test-slow lint clean
+.PHONY: setup demo test test-slow test-slow-lanes lint clean
 
 setup:
 	@bash scripts/setup.sh
@@ -11,6 +11,9 @@ test: setup
 	.venv/bin/python -m pytest
 
 test-slow: setup
+	.venv/bin/python -m pytest -m slow -p no:cacheprovider
+
+test-slow-lanes: setup
 	bash scripts/test_slow.sh
 
 lint: setup
