@@ -43,11 +43,15 @@ def build(name: str, device: str, dtype: str):
     else:
         from transformers import LlamaConfig
 
-        assert name == "smollm2-135m", name  # SmolLM2-135M-Instruct's config.json
+        from agentrl.models.arch import SMOLLM2_135M as a
+
+        assert name == a.name, name
+        # The registry's shapes; the rest (which the registry does not hold) from SmolLM2-135M-Instruct's
+        # config.json, since its real config lives in the GGUF this script avoids carrying.
         model = AutoModelForCausalLM.from_config(LlamaConfig(
-            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-            num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
-            tie_word_embeddings=True))
+            vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.dense_intermediate_size,
+            num_hidden_layers=a.num_layers, num_attention_heads=a.num_attention_heads, num_key_value_heads=3,
+            max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True))
     return model.to(device=device, dtype=getattr(torch, dtype)).eval()
 
 
