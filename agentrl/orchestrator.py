@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config.plan import RunPlan
+from agentrl.agent.trajectory import INFRA_ERROR_PREFIX
 from agentrl.config.schema import RunConfig
 from agentrl.loggers import RunLoggers
 from agentrl.policy.admission import AdmissionPolicy
@@ -95,9 +96,14 @@ class Orchestrator:
         await self._sweep_sandboxes(stale_only=True)
 
         lay = self.plan.layout
-        self.progress.note(f"starting {lay.world} trainer rank(s) ({self.plan.backend}, {lay.describe()})")
         self.trainers = TrainerGroup(self.cfg, self.plan, self.run_id, self.run_dir)
-        await self.trainers.start()
+        self.engines = EngineGroup(self.cfg, self.plan, self.run_dir, self.run_id)
+        # Trainer ranks and engines start side by side: neither needs the other until the first
+        # weight push, and each is minutes at scale (Megatron building a 744B model, SGLang loading
+        # it), so start-up costs the slower of the two rather than their sum.
+        self.progress.note(f"starting {lay.world} trainer rank(s) ({self.plan.backend}, {lay.describe()}) and "
+                           f"{len(self.plan.engines)} {self.plan.engine_kind} engine(s)")
+        _, self.urls = await _together(self.trainers.start(), self.engines.start())
         resumed = await self.trainers.resume()
         self.version = await self.trainers.version()
         if resumed:
@@ -113,9 +119,6 @@ class Orchestrator:
             resume_in_flight=self.cfg.buffer.resume_in_flight)
         await self._note_recovery(resumed)
 
-        self.engines = EngineGroup(self.cfg, self.plan, self.run_dir, self.run_id)
-        self.progress.note(f"starting {len(self.plan.engines)} {self.plan.engine_kind} engine(s)")
-        self.urls = await self.engines.start()
         sync = await self.trainers.push_weights(self.urls)
         if sync["failed_engines"]:
             raise RuntimeError(f"engines refused the initial weights: {sync['failed_engines']}")
@@ -254,6 +257,10 @@ class Orchestrator:
             self.generated_tokens += s["generated"]
             if failure_kind(s["outcome"]) == "data" and s.get("error"):
                 self.unplayable.note_error(task_id, s["error"])  # why, should the task be left out
+            if s["outcome"] == INFRA_ERROR_PREFIX + "engine":
+                # An engine that failed an episode may be dead: look now, not at the next interval,
+                # so routers stop sending it new episodes that would fail the same way.
+                self._engines_suspect = True
             if s["outcome"].startswith("infra_error") and s["outcome"] not in self._infra_seen:
                 # The first failure of each kind says why, once (the rest are counted in metrics).
                 self._infra_seen.add(s["outcome"])
@@ -526,3 +533,17 @@ class Orchestrator:
                 self.progress.note(f"could not stop every engine: {e}")
         if self.ray is not None:
             self.ray.shutdown()
+
+
+async def _together(*calls: Any) -> list[Any]:
+    """Await calls concurrently; on the first failure cancel the rest (what they started is
+    stopped by Orchestrator._shutdown) and raise that failure itself, not an ExceptionGroup, so
+    that the launcher's handling of each error type still sees it."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

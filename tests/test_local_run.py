@@ -65,7 +65,10 @@ def test_engine_killed_mid_run_is_restarted_and_never_rewarded(tmp_path):
     run = tmp_path / "kill"
     args = [sys.executable, str(LAUNCHER), "train", "--model-name", "tiny", "--num-nodes", "1", "--run-dir", str(run),
             "--set", "cluster.dashboard=false", "--set", "rollout.max_new_tokens=48", "--set", "agent.max_turns=2",
-            "--set", "algorithm.group_size=2", "--set", "train.max_steps=3"]
+            "--set", "algorithm.group_size=2", "--set", "train.max_steps=5",
+            # Staleness 1: what was generated before the kill can train at most two more steps, so
+            # steps 4-5 need the restarted engine and the run cannot end before it is restarted.
+            "--set", "buffer.max_staleness=1"]
     p = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     seen = []
     killed = None
@@ -90,7 +93,7 @@ def test_engine_killed_mid_run_is_restarted_and_never_rewarded(tmp_path):
     text = "".join(seen)
     assert killed is not None and "engine 0 restarted; re-sending weights" in text
     rows = metrics(run)
-    assert [x["step"] for x in rows] == [1, 2, 3]
+    assert [x["step"] for x in rows] == [1, 2, 3, 4, 5]
     log = (run / "replay.log.jsonl").read_text().splitlines()
     hit = {json.loads(x)["episode_id"] for x in log if '"type":"traj"' in x and '"outcome":"infra_error:engine' in x}
     assert hit, "no episode was on the engine when it died"

@@ -102,6 +102,35 @@ class TrainerWorker:
         self.backend.save_checkpoint(self.run_dir / "checkpoints" / "latest", extra)
 
 
+# After one rank's call fails, how long the others get to report before the group raises. When a
+# rank dies, its peers' collectives fail at once (gloo: "Connection reset by peer"), often before
+# Ray has noticed the death (seen under load in the local_cluster test); the death is the cause
+# worth naming. Seconds, not minutes: a peer stuck in an NCCL collective would never answer.
+RANK_DEATH_GRACE_S = 10.0
+
+
+async def gather_ranks(calls: list[Any]) -> list[Any]:
+    """Every rank's answer, in rank order. If any fails, raise the root cause: a rank that died
+    (RayActorError) rather than a survivor's collective error, waiting up to RANK_DEATH_GRACE_S
+    for the others to report."""
+    from ray.exceptions import RayActorError
+
+    async def answer(call: Any) -> Any:
+        return await call
+
+    futures = [asyncio.ensure_future(answer(c)) for c in calls]
+    _, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+    if pending:
+        await asyncio.wait(pending, timeout=RANK_DEATH_GRACE_S)
+    for f in futures:
+        if not f.done():
+            f.cancel()  # the wrapper only: the rank's task runs on
+    errors = [f.exception() for f in futures if f.done() and not f.cancelled() and f.exception() is not None]
+    if not errors:
+        return [f.result() for f in futures]
+    raise next((e for e in errors if isinstance(e, RayActorError)), errors[0])
+
+
 def _node_ip() -> str:
     try:
         import ray
@@ -140,7 +169,7 @@ class TrainerGroup:
         self.info = list(await asyncio.gather(*(a.setup.remote(addr, port) for a in self.actors)))
 
     async def _all(self, method: str, *args: Any) -> list[Any]:
-        return list(await asyncio.gather(*(getattr(a, method).remote(*args) for a in self.actors)))
+        return await gather_ranks([getattr(a, method).remote(*args) for a in self.actors])
 
     async def version(self) -> int:
         return await self.actors[0].version.remote()
