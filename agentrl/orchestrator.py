@@ -21,8 +21,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from agentrl.config.plan import RunPlan
 from agentrl.agent.trajectory import INFRA_ERROR_PREFIX
+from agentrl.config.plan import RunPlan
 from agentrl.config.schema import RunConfig
 from agentrl.loggers import RunLoggers
 from agentrl.policy.admission import AdmissionPolicy
