@@ -116,13 +116,13 @@ def test_golden_sglang_command():
 
 
 def test_golden_embedded_command_and_placeholders():
-    cfg = load_config("local", ["rollout.embedded.dtype=bfloat16"])
+    cfg = load_config("local", ["rollout.embedded.dtype=bfloat16", "rollout.embedded.static_decode_len=2048"])
     spec = EngineSpec(3, "embedded", [0, 1], 0.5, 0, "tiny")
     assert engine_argv(cfg, spec, node_rank=1, host="<node ip>", port="<port>", dist_init_addr="<ip of node 0>:<free port>") == [
         sys.executable, "-m", "agentrl.cli", "engine", "serve", "--model", "tiny", "--host", "<node ip>",
         "--port", "<port>", "--device", "cuda", "--dtype", "bfloat16", "--max-batch-size", "32",
-        "--prefix-cache-tokens", "262144", "--weight-update-timeout-s", "120", "--torch-threads", "1",
-        "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "<ip of node 0>:<free port>"]
+        "--prefix-cache-tokens", "262144", "--static-decode-len", "2048", "--weight-update-timeout-s", "120",
+        "--torch-threads", "1", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "<ip of node 0>:<free port>"]
 
 
 def test_plan_and_config_disagreeing_on_engine_width_is_refused():

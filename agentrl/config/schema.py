@@ -184,6 +184,11 @@ class EmbeddedEngineConfig(Section):
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Weights and activations of the embedded engine (bfloat16 halves memory on a GPU).")
+    static_decode_len: int = Field(
+        0, ge=0, description="KV columns of the embedded engine's static decode buffers "
+        "(rollout/embedded/graphs.py): its decode steps then replay CUDA graphs on a GPU, where eager decode is "
+        "bound by Python and kernel launches. Memory: max_batch_size x this x the model's KV bytes per token, on top "
+        "of the running cache. 0 decodes eagerly; longer batches fall back to eager steps.")
     weight_update_timeout_s: float = Field(
         120.0, gt=0, description="Bound on every weight-update rendezvous and broadcast of the embedded engine "
         "(/init_weights_update_group to a dead trainer fails after this, instead of hanging).")

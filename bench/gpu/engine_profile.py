@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from agentrl.rollout.embedded.scheduler import Scheduler  # noqa: E402 - after the path set-up
+
 
 def build(name: str, device: str, dtype: str):
     import torch
@@ -87,10 +89,40 @@ class ClosedLoop:
             self.submit(client)
 
 
+def same_greedy(model, args, static: int) -> dict:
+    """Greedy outputs of one batch of requests, eager against static decode (CUDA graphs on a GPU):
+    whether every token matches, and the largest logprob difference."""
+    from concurrent.futures import Future
+
+    from agentrl.rollout.embedded.graphs import unsupported_reason
+    from agentrl.rollout.embedded.request import GenRequest
+    from agentrl.rollout.embedded.sampling import RowParams
+
+    why = unsupported_reason(model)
+    if why:
+        return {"available": False, "why": why}
+    vocab = model.get_output_embeddings().weight.shape[0]
+    greedy = RowParams(temperature=0.0, top_p=1.0, top_k=0)
+    outs = []
+    for length in (0, static):
+        sched = Scheduler(model, max_batch_size=args.max_batch_size, static_decode_len=length)
+        sched.start()
+        futs = []
+        for i in range(min(args.max_batch_size, 24)):
+            fut: Future = Future()
+            prompt = [(11 * i + 3 * j) % (vocab - 10) + 5 for j in range(16 + 9 * i)]
+            sched.submit(GenRequest(rid=f"g{i}", input_ids=prompt, max_new_tokens=8 + 2 * i, params=greedy,
+                                    on_done=fut.set_result, ignore_eos=True))
+            futs.append(fut)
+        outs.append([f.result(timeout=300) for f in futs])
+        sched.stop()
+    tokens = all(a.output_ids == b.output_ids for a, b in zip(*outs))
+    diff = max(abs(x - y) for a, b in zip(*outs) for x, y in zip(a.logprobs, b.logprobs))
+    return {"available": True, "tokens_equal": tokens, "max_logprob_diff": diff}
+
+
 def measure(args, name: str) -> dict:
     import torch
-
-    from agentrl.rollout.embedded.scheduler import Scheduler
 
     model = build(name, args.device, args.dtype)
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -99,8 +131,13 @@ def measure(args, name: str) -> dict:
     calls = [0]
     model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     out: dict = {"model": name}
-    for clients in args.clients:
-        sched = Scheduler(model, max_batch_size=args.max_batch_size)
+    for static in args.static_decode_len:
+        if static:
+            out[f"static{static}_matches_eager"] = same_greedy(model, args, static)
+            print(name, f"static {static} vs eager:", json.dumps(out[f"static{static}_matches_eager"]), flush=True)
+    for static, clients in [(s, c) for s in args.static_decode_len for c in args.clients]:
+        key = f"{clients}_static{static}" if static else str(clients)
+        sched = Scheduler(model, max_batch_size=args.max_batch_size, static_decode_len=static)
         sched.start()
         load = ClosedLoop(sched, clients, args.prefix_tokens, args.tail_tokens, args.new_tokens, vocab)
         time.sleep(args.warmup_s)
@@ -112,7 +149,7 @@ def measure(args, name: str) -> dict:
         d = {k: s1[k] - s0[k] for k in s1 if isinstance(s1[k], int | float) and k in s0}
         steps, gen, requests = d["decode_steps"], d["generated_tokens"], d["requests_done"]
         prefills = d.get("prefill_forwards", c1 - c0 - steps)
-        out[str(clients)] = {"tokens_per_s": gen / dt, "finished_tokens_per_s": (load.done_tokens - g0) / dt,
+        out[key] = {"tokens_per_s": gen / dt, "finished_tokens_per_s": (load.done_tokens - g0) / dt,
                              "decode_steps_per_s": steps / dt, "mean_decode_batch": gen / max(steps, 1),
                              "prefill_forwards_per_s": prefills / dt, "model_forwards_per_s": (c1 - c0) / dt,
                              "requests_per_prefill_forward": requests / max(prefills, 1),
@@ -121,8 +158,10 @@ def measure(args, name: str) -> dict:
                              "requests_per_s": requests / dt,
                              # CPU seconds this process used: on a shared CPU machine tokens per CPU
                              # second moves less with the neighbours' load than tokens per second.
-                             "cpu_util": cpu / dt, "tokens_per_cpu_s": gen / max(cpu, 1e-9)}
-        print(name, clients, json.dumps({k: round(v, 1) for k, v in out[str(clients)].items()}), flush=True)
+                             "cpu_util": cpu / dt, "tokens_per_cpu_s": gen / max(cpu, 1e-9),
+                             "static_steps_per_s": d.get("static_steps", 0) / dt,
+                             "graphs_captured": s1.get("graphs_captured", 0)}
+        print(name, key, json.dumps({k: round(v, 1) for k, v in out[key].items()}), flush=True)
     # The profile: the loop run on this thread (cProfile sees one thread), stopped by a timer.
     clients = max(args.clients)
     sched = Scheduler(model, max_batch_size=args.max_batch_size)
@@ -155,10 +194,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--warmup-s", type=float, default=4.0)
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--static-decode-len", type=int, action="append",
+                    help="repeatable; KV columns of static decode (CUDA graphs on a GPU), 0 = eager (default: 0)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     args.model = args.model or ["smollm2-135m", "tiny"]
     args.clients = args.clients or [8, 32, 64]
+    args.static_decode_len = args.static_decode_len or [0]
     import platform
 
     import torch

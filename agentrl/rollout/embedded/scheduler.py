@@ -40,6 +40,7 @@ from concurrent.futures import Future
 import torch
 
 from agentrl.rollout.embedded import kv as kvlib
+from agentrl.rollout.embedded.graphs import StaticDecoder, unsupported_reason
 from agentrl.rollout.embedded.prefill_groups import PrefillLayout, PrefillRow, group_rows
 from agentrl.rollout.embedded.prefix_cache import PrefixCache
 from agentrl.rollout.embedded.request import GenOutput, GenRequest, SeqState
@@ -57,7 +58,9 @@ class Scheduler:
     def __init__(self, model, *, max_batch_size: int = 32, prefill_tokens_per_step: int = 8192,
                  prefill_chunk_tokens: int = 1024, prefix_cache_tokens: int = 262144, eos_token_ids: tuple[int, ...] = (),
                  decode: Callable[[list[int]], str] | None = None, seed: int = 0,
-                 weight_version: str = "0") -> None:
+                 weight_version: str = "0", static_decode_len: int = 0) -> None:
+        """static_decode_len: KV columns of the static decode buffers (graphs.py; CUDA graphs on a
+        GPU); 0 decodes eagerly. A model that cannot use them decodes eagerly (logged once)."""
         if max_batch_size < 1 or prefill_chunk_tokens < 1:
             raise ValueError(f"max_batch_size ({max_batch_size}) and prefill_chunk_tokens ({prefill_chunk_tokens}) "
                              "must be >= 1")
@@ -92,6 +95,14 @@ class Scheduler:
         self._stats = {"decode_steps": 0, "prefill_forwards": 0, "max_decode_batch_size": 0,
                        "last_decode_batch_size": 0, "generated_tokens": 0, "prefill_tokens": 0,
                        "prefill_pad_tokens": 0, "cached_tokens": 0, "requests_done": 0}
+        self._static = None
+        if static_decode_len:
+            why = unsupported_reason(model)
+            if why:
+                log.warning("embedded engine: decoding eagerly, static decode is not available: %s", why)
+            else:
+                self._static = StaticDecoder(model, max_batch_size, static_decode_len)
+                self._stats.update(self._static.stats)
         self._thread = threading.Thread(target=self._loop, name="embedded-engine-scheduler", daemon=True)
 
     # ---- thread-safe API -------------------------------------------------------------------
@@ -332,14 +343,18 @@ class Scheduler:
     def _decode_step(self) -> None:
         seqs = self._running
         pads = [self._width - s.kv_len for s in seqs]
-        out = self.model(
-            input_ids=torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device),
-            attention_mask=self._masks(kvlib.decode_mask, pads, self._width),
-            position_ids=torch.tensor([[s.kv_len] for s in seqs], device=self.device),
-            cache=self._cache, use_cache=True, logits_to_keep=1,
-        )
+        if self._static is not None and self._static.fits(len(seqs), self._width):
+            logits = self._static.step(self._cache, [s.tokens[-1] for s in seqs], [s.kv_len for s in seqs], pads,
+                                       self._width)
+        else:
+            logits = self.model(
+                input_ids=torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device),
+                attention_mask=self._masks(kvlib.decode_mask, pads, self._width),
+                position_ids=torch.tensor([[s.kv_len] for s in seqs], device=self.device),
+                cache=self._cache, use_cache=True, logits_to_keep=1,
+            ).logits[:, -1]
         self._width += 1
-        toks, lps = sample_rows(out.logits[:, -1], [s.req.params for s in seqs], self._gen)
+        toks, lps = sample_rows(logits, [s.req.params for s in seqs], self._gen)
         done = []
         for i, (seq, tok, lp) in enumerate(zip(seqs, toks, lps)):
             seq.kv_len += 1
@@ -348,6 +363,8 @@ class Scheduler:
                 done.append((i, reason))
         with self._cv:
             st = self._stats
+            if self._static is not None:
+                st.update(self._static.stats)
             st["decode_steps"] += 1
             st["last_decode_batch_size"] = len(seqs)
             st["max_decode_batch_size"] = max(st["max_decode_batch_size"], len(seqs))

@@ -1,0 +1,177 @@
+"""Static-shape decode steps, replayed from CUDA graphs on a GPU: the embedded engine's answer to
+being host-bound.
+
+Why: on the H200 (session 7, bench/results/engine_profile_h200.json) SmolLM2-135M made 11.7-15.6
+forwards per second at any batch (8 to 64 rows): each forward spent ~37 ms launching its ~400
+kernels from Python while the GPU idled. A CUDA graph replays a captured forward's kernels with one
+launch, so a decode step costs its GPU time; SGLang does the same per batch-size bucket.
+
+How (everything a graph needs is static):
+- KV storage per layer, keys and values [max_rows, kv_heads, capacity, head_dim], allocated once.
+  The scheduler's batch cache (kv.py: rows right-aligned in `width` columns) is *backed* by it:
+  its layers are views of rows [0, B) and columns [0, width). When the batch changes (admission,
+  a finish, a retraction) kv.py builds new tensors and `adopt` copies them in, one copy per
+  layer tensor; while the batch stays the same nothing is copied.
+- A step at width W writes column W of every row in place (index_copy_ with a device index) and
+  attends over all `capacity` columns; the mask, computed inside the graph from the rows' left
+  pads and W, hides every column outside [pad, W]. Masked columns contribute exact zeros.
+- One graph per batch bucket (1, 2, 4, ... max_rows), captured at first use. Rows between the
+  batch and its bucket are padding: token 0 at position 0, seeing only their own column.
+- Weights are loaded by copy_ into the same parameter tensors (weights.py), so graphs stay valid
+  across weight updates.
+- Models: all layers full attention (Llama, Qwen, SmolLM2). DSA (GLM) and sliding-window layers
+  (Gemma 3) decode eagerly, as does a batch past max_rows or a width past capacity.
+On CPU the same static step runs without capture; the tests compare it with the eager path.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from agentrl.rollout.embedded import kv as kvlib
+
+
+class _StaticLayer(DynamicLayer):
+    """A cache layer over fixed buffers: update writes the step's column and returns all of them."""
+
+    _layer_type = None  # never register in transformers' layer-type mapping
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor) -> None:
+        super().__init__()
+        self.keys, self.values, self.column = keys, values, column
+        self.device, self.is_initialized = keys.device, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys.index_copy_(2, self.column, key_states)
+        self.values.index_copy_(2, self.column, value_states)
+        return self.keys, self.values
+
+
+def unsupported_reason(model) -> str | None:
+    """Why `model` cannot decode on static buffers, or None if it can."""
+    cfg = model.config
+    probe = kvlib.new_cache(cfg)
+    if any(type(layer) is not kvlib._GrowingLayer for layer in probe.layers):
+        return "its cache has DSA layers"
+    if getattr(cfg, "sliding_window", None) and "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        return "it has sliding-window layers"
+    if cfg._attn_implementation != "sdpa":
+        return f"attention is {cfg._attn_implementation}, not sdpa"
+    return None
+
+
+def buckets(max_rows: int) -> list[int]:
+    out, b = [], 1
+    while b < max_rows:
+        out.append(b)
+        b *= 2
+    return [*out, max_rows]
+
+
+class StaticDecoder:
+    """Decode steps of up to `max_rows` rows and `capacity` KV columns on static buffers."""
+
+    def __init__(self, model, max_rows: int, capacity: int, use_graphs: bool | None = None) -> None:
+        why = unsupported_reason(model)
+        if why:
+            raise ValueError(f"embedded engine: static decode is not available for this model: {why}")
+        cfg, p = model.config, next(model.parameters())
+        self.model, self.max_rows, self.capacity = model, max_rows, capacity
+        self.device = p.device
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        heads = cfg.num_key_value_heads
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (max_rows, heads, capacity, dim)
+        self.k = [torch.zeros(shape, dtype=p.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=p.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        self.rows_in = torch.zeros(max_rows, 3, dtype=torch.long, device=self.device)  # token, position, pad
+        self.column = torch.zeros(1, dtype=torch.long, device=self.device)  # W: where this step writes
+        self.cols = torch.arange(capacity, device=self.device)
+        self.buckets = buckets(max_rows)
+        self._caches: dict[int, DynamicCache] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.stats = {"static_steps": 0, "adopts": 0, "graphs_captured": 0}
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def fits(self, rows: int, width: int) -> bool:
+        return rows <= self.max_rows and width + 1 <= self.capacity
+
+    def backs(self, cache: DynamicCache, rows: int) -> bool:
+        buf = getattr(cache.layers[0], "_kbuf", None)
+        return buf is not None and _same_storage(buf, self.k[0]) and buf.shape[0] == rows \
+            and buf.shape[2] == self.capacity
+
+    def adopt(self, cache: DynamicCache, rows: int, width: int) -> None:
+        """Copy the batch cache into the static buffers and make its layers views of them."""
+        for layer, k, v in zip(cache.layers, self.k, self.v):
+            src_k, src_v = layer.keys, layer.values
+            if _same_storage(src_k, k):  # already inside (other rows): copy out first
+                src_k, src_v = src_k.clone(), src_v.clone()
+            k[:rows, :, :width].copy_(src_k)
+            v[:rows, :, :width].copy_(src_v)
+            kvlib._set_layer(layer, {"keys": k[:rows, :, :width], "values": v[:rows, :, :width]},
+                             {"keys": k[:rows], "values": v[:rows]})
+        self.stats["adopts"] += 1
+
+    def step(self, cache: DynamicCache, tokens: list[int], positions: list[int], pads: list[int],
+             width: int) -> torch.Tensor:
+        """One decode step of the batch held in `cache` (right-aligned in `width` columns): returns
+        the next-token logits [rows, vocab] and leaves `cache` holding `width + 1` columns."""
+        rows = len(tokens)
+        bucket = next(b for b in self.buckets if b >= rows)
+        if not self.backs(cache, rows):
+            self.adopt(cache, rows, width)
+        extra = bucket - rows  # padding rows: token 0 at position 0, seeing only column `width`
+        staged = torch.tensor([*zip(tokens, positions, pads), *[(0, 0, width)] * extra], dtype=torch.long)
+        self.rows_in[:bucket].copy_(staged, non_blocking=True)
+        self.column.fill_(width)
+        if self.use_graphs:
+            graph, logits = self._graph(bucket)
+            graph.replay()
+        else:
+            logits = self._forward(bucket)
+        for layer, k, v in zip(cache.layers, self.k, self.v):
+            layer.keys, layer.values = k[:rows, :, : width + 1], v[:rows, :, : width + 1]
+        self.stats["static_steps"] += 1
+        return logits[:rows, -1]
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        cache = self._caches.get(bucket)
+        if cache is None:
+            cache = DynamicCache(config=self.model.config)
+            cache.layers = [_StaticLayer(k[:bucket], v[:bucket], self.column) for k, v in zip(self.k, self.v)]
+            self._caches[bucket] = cache
+        inp = self.rows_in[:bucket]
+        seen = (self.cols[None, :] >= inp[:, 2:3]) & (self.cols[None, :] <= self.column)
+        out = self.model(input_ids=inp[:, 0:1], attention_mask=seen[:, None, None, :], position_ids=inp[:, 1:2],
+                         cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits
+
+    def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        if bucket in self._graphs:
+            return self._graphs[bucket]
+        # Warm-up on a side stream (as torch.cuda.graphs asks) with this step's own inputs: it
+        # writes the same column the replay writes.
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(bucket)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a weight update's receive on another thread must not break the capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            logits = self._forward(bucket)
+        self._graphs[bucket] = (graph, logits)
+        self.stats["graphs_captured"] += 1
+        return self._graphs[bucket]
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -1,0 +1,61 @@
+"""Static-shape decode (graphs.py; CUDA graphs on a GPU, the same steps uncaptured here): the same
+greedy tokens and logprobs as eager decode through admissions, finishes, padded buckets and a
+width past the static capacity; models it cannot serve decode eagerly."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from agentrl.rollout.embedded.graphs import StaticDecoder, buckets, unsupported_reason
+from tests.engine_models import gemma3_model, glm_model, llama_model
+from tests.test_embedded_prefill_groups import Harness, assert_same, ids
+
+CAPACITY = 40  # small, so that the longest request below decodes past it
+
+
+def run(static_len: int) -> tuple[dict, dict]:
+    h = Harness(llama_model(), max_batch_size=8, static_decode_len=static_len)
+    try:
+        h.alone({"prime": ids(12, 1)}, max_new=3)  # a prefix-cache entry the wave partly hits
+        futs = {}
+        for i in range(7):  # 7 rows: bucket 8, one padding row; different lengths finish at different steps
+            prompt = (ids(12, 1) + ids(3 + 2 * i, 10 + i)) if i % 2 else ids(4 + 3 * i, 20 + i)
+            futs[f"r{i}"] = h.submit(f"r{i}", prompt, max_new=4 + 3 * i)
+        time.sleep(0.05)
+        for i in range(7, 10):  # admitted into a running batch
+            futs[f"r{i}"] = h.submit(f"r{i}", ids(6 + i, 30 + i), max_new=5)
+        out = {rid: f.result(timeout=60) for rid, f in futs.items()}
+        return out, h.sched.stats()
+    finally:
+        h.close()
+
+
+def test_static_decode_gives_the_eager_tokens_and_logprobs():
+    eager, _ = run(0)
+    static, stats = run(CAPACITY)
+    assert_same(static, eager)
+    assert stats["static_steps"] > 0 and stats["adopts"] >= 2  # the batch changed and was copied in again
+    # r6: 22 prompt tokens + 22 new run past 40 columns, so some of its steps decoded eagerly.
+    assert stats["decode_steps"] > stats["static_steps"]
+
+
+def test_models_without_static_support_decode_eagerly():
+    assert unsupported_reason(llama_model()) is None
+    assert "DSA" in unsupported_reason(glm_model())
+    assert "sliding" in unsupported_reason(gemma3_model())
+    with pytest.raises(ValueError, match="sliding"):
+        StaticDecoder(gemma3_model(), 4, 32)
+    h = Harness(glm_model(), static_decode_len=64)
+    try:
+        assert h.sched._static is None
+        assert h.alone({"a": ids(9, 3)})["a"].error is None
+    finally:
+        h.close()
+
+
+def test_buckets_cover_every_batch_size():
+    assert buckets(1) == [1]
+    assert buckets(6) == [1, 2, 4, 6]
+    assert buckets(64) == [1, 2, 4, 8, 16, 32, 64]
