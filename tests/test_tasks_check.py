@@ -57,10 +57,28 @@ async def provider(tmp_path):
     await p.aclose()
 
 
+async def settled_processes(markers: list[bytes], within_s: float) -> set[int]:
+    """The matching processes once none has ended for a moment (up to `within_s`): a sandbox that an
+    earlier test closed may still be tearing down (seen under load: 1 run in 3)."""
+    import asyncio
+
+    found = set(host_processes_matching(markers))
+    for _ in range(int(within_s / 0.25)):
+        if not found:
+            break
+        await asyncio.sleep(0.25)
+        now = set(host_processes_matching(markers))
+        if now == found:
+            break
+        found = now
+    return found
+
+
 async def test_adversarial_fixtures_end_right_and_leave_nothing(provider):
     host_paths = [Path(p) for p in ("/app", "/logs/verifier", "/solution", "/tests")]
     before = {p: p.exists() for p in host_paths}
-    assert host_processes_matching(LEAK_MARKERS) == []
+    # Another test's processes (the other slow lane runs these fixtures too) are not this test's.
+    others = await settled_processes(LEAK_MARKERS, 10.0)
     results = await check_tasks(provider, task_dirs_of(DEFAULT_TASKS_DIR, ADVERSARIAL), jobs=4)
     by_name = {r.task: r for r in results}
     assert all(r.ok for r in results), [(r.task, r.error) for r in results if not r.ok]
@@ -80,7 +98,7 @@ async def test_adversarial_fixtures_end_right_and_leave_nothing(provider):
         and "[verifier].timeout_sec" in by_name["malformed-toml"].error
     )
     # Nothing outlives its sandbox: no process, no sandbox folder, no file on the host's paths.
-    assert host_processes_matching(LEAK_MARKERS) == []
+    assert set(host_processes_matching(LEAK_MARKERS)) - others == set()
     assert list(provider.base_dir.iterdir()) == []
     assert {p: p.exists() for p in host_paths} == before
 
