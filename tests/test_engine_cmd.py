@@ -121,8 +121,8 @@ def test_golden_embedded_command_and_placeholders():
     assert engine_argv(cfg, spec, node_rank=1, host="<node ip>", port="<port>", dist_init_addr="<ip of node 0>:<free port>") == [
         sys.executable, "-m", "agentrl.cli", "engine", "serve", "--model", "tiny", "--host", "<node ip>",
         "--port", "<port>", "--device", "cuda", "--dtype", "bfloat16", "--max-batch-size", "32",
-        "--prefix-cache-tokens", "262144", "--static-decode-len", "2048", "--weight-update-timeout-s", "120",
-        "--torch-threads", "1", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "<ip of node 0>:<free port>"]
+        "--prefix-cache-tokens", "262144", "--static-decode-len", "2048", "--admit-wait-steps", "0",
+        "--weight-update-timeout-s", "120", "--torch-threads", "1", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "<ip of node 0>:<free port>"]
 
 
 def test_plan_and_config_disagreeing_on_engine_width_is_refused():

@@ -189,6 +189,10 @@ class EmbeddedEngineConfig(Section):
         "(rollout/embedded/graphs.py): its decode steps then replay CUDA graphs on a GPU, where eager decode is "
         "bound by Python and kernel launches. Memory: max_batch_size x this x the model's KV bytes per token, on top "
         "of the running cache. 0 decodes eagerly; longer batches fall back to eager steps.")
+    admit_wait_steps: int = Field(
+        0, ge=0, description="Decode steps that requests arriving while a batch runs may gather, so that their "
+        "prefills share one forward (rollout/embedded/admission.py): a prefill forward costs about the same "
+        "whatever its rows on a host-bound GPU engine. 0 admits at once.")
     weight_update_timeout_s: float = Field(
         120.0, gt=0, description="Bound on every weight-update rendezvous and broadcast of the embedded engine "
         "(/init_weights_update_group to a dead trainer fails after this, instead of hanging).")

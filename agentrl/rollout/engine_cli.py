@@ -33,6 +33,8 @@ def serve(
     prefix_cache_tokens: Annotated[int, typer.Option(min=0, help="Tokens of finished KV kept for reuse.")] = 262144,
     static_decode_len: Annotated[int, typer.Option(min=0, help="KV columns of static decode buffers, whose "
                                                    "steps replay CUDA graphs on a GPU; 0 decodes eagerly.")] = 0,
+    admit_wait_steps: Annotated[int, typer.Option(min=0, help="Decode steps arriving requests may gather for "
+                                                  "one prefill forward while a batch runs; 0 admits at once.")] = 0,
     torch_threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads; default: torch's.")] = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
     seed: Annotated[int, typer.Option(help="Sampling seed (and the tiny model's init seed).")] = 0,
@@ -59,6 +61,7 @@ def serve(
         code = loop.run_until_complete(_serve(
             model=model, port=port, host=host, device=device, max_batch_size=max_batch_size,
             prefix_cache_tokens=prefix_cache_tokens, static_decode_len=static_decode_len,
+            admit_wait_steps=admit_wait_steps,
             torch_threads=torch_threads, dtype=dtype, seed=seed, cache_dir=cache_dir, weight_update_timeout_s=weight_update_timeout_s, nnodes=nnodes,
             node_rank=node_rank, dist_init_addr=dist_init_addr, nodes_timeout_s=nodes_timeout_s))
     except Exception as exc:  # noqa: BLE001 - one line naming the cause, then a non-zero exit
@@ -94,8 +97,8 @@ async def _until(stop: asyncio.Event, awaitable):
     return None
 
 
-async def _serve(*, model, port, host, device, max_batch_size, prefix_cache_tokens, static_decode_len, torch_threads,
-                 dtype, seed, cache_dir, weight_update_timeout_s, nnodes, node_rank, dist_init_addr, nodes_timeout_s) -> int:
+async def _serve(*, model, port, host, device, max_batch_size, prefix_cache_tokens, static_decode_len,
+                 admit_wait_steps, torch_threads, dtype, seed, cache_dir, weight_update_timeout_s, nnodes, node_rank, dist_init_addr, nodes_timeout_s) -> int:
     from agentrl.rollout.embedded import nodes
     from agentrl.rollout.embedded.http_util import in_daemon_thread
 
@@ -133,7 +136,8 @@ async def _serve(*, model, port, host, device, max_batch_size, prefix_cache_toke
     from agentrl.rollout.embedded.server import EmbeddedEngineServer
 
     server = EmbeddedEngineServer(policy, tokenizer, model_path=model, max_batch_size=max_batch_size,
-                                  prefix_cache_tokens=prefix_cache_tokens, static_decode_len=static_decode_len, seed=seed,
+                                  prefix_cache_tokens=prefix_cache_tokens, static_decode_len=static_decode_len,
+                                  admit_wait_steps=admit_wait_steps, seed=seed,
                                   weight_update_timeout_s=weight_update_timeout_s, join_threads_on_stop=False)
     url = await server.start(host, port)
     typer.echo(f"embedded engine: {model} on {device} (max batch {max_batch_size}, {nnodes} node(s)) at {url}")

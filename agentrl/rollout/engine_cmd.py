@@ -57,6 +57,7 @@ def _embedded_argv(cfg: RunConfig, spec, *, node_rank: int, host: str, port: int
             "--host", host, "--port", str(port), "--device", "cuda" if spec.gpus_per_node > 0 else "cpu",
             "--dtype", e.dtype, "--max-batch-size", str(e.max_batch_size),
             "--prefix-cache-tokens", str(e.prefix_cache_tokens), "--static-decode-len", str(e.static_decode_len),
+            "--admit-wait-steps", str(e.admit_wait_steps),
             "--weight-update-timeout-s", f"{e.weight_update_timeout_s:g}"]
     if e.torch_threads:
         argv += ["--torch-threads", str(e.torch_threads)]

@@ -131,13 +131,12 @@ def measure(args, name: str) -> dict:
     calls = [0]
     model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     out: dict = {"model": name}
-    for static in args.static_decode_len:
-        if static:
-            out[f"static{static}_matches_eager"] = same_greedy(model, args, static)
-            print(name, f"static {static} vs eager:", json.dumps(out[f"static{static}_matches_eager"]), flush=True)
-    for static, clients in [(s, c) for s in args.static_decode_len for c in args.clients]:
-        key = f"{clients}_static{static}" if static else str(clients)
-        sched = Scheduler(model, max_batch_size=args.max_batch_size, static_decode_len=static)
+    for static in sorted({s for s, _ in args.variant} - {0}):
+        out[f"static{static}_matches_eager"] = same_greedy(model, args, static)
+        print(name, f"static {static} vs eager:", json.dumps(out[f"static{static}_matches_eager"]), flush=True)
+    for (static, wait), clients in [(v, c) for v in args.variant for c in args.clients]:
+        key = str(clients) + (f"_static{static}" if static else "") + (f"_wait{wait}" if wait else "")
+        sched = Scheduler(model, max_batch_size=args.max_batch_size, static_decode_len=static, admit_wait_steps=wait)
         sched.start()
         load = ClosedLoop(sched, clients, args.prefix_tokens, args.tail_tokens, args.new_tokens, vocab)
         time.sleep(args.warmup_s)
@@ -182,6 +181,14 @@ def measure(args, name: str) -> dict:
     return out
 
 
+def variant(text: str) -> tuple[int, int]:
+    try:
+        static, wait = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: want STATIC:WAIT, two integers, e.g. 1024:8") from None
+    return static, wait
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", help="repeatable (default: smollm2-135m and tiny)")
@@ -194,13 +201,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--warmup-s", type=float, default=4.0)
     ap.add_argument("--seconds", type=float, default=10.0)
-    ap.add_argument("--static-decode-len", type=int, action="append",
-                    help="repeatable; KV columns of static decode (CUDA graphs on a GPU), 0 = eager (default: 0)")
+    ap.add_argument("--variant", action="append", type=variant, metavar="STATIC:WAIT",
+                    help="repeatable: a scheduler setting, rollout.embedded.static_decode_len (KV columns of static "
+                         "decode, CUDA graphs on a GPU; 0 = eager) and admit_wait_steps; default 0:0")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     args.model = args.model or ["smollm2-135m", "tiny"]
     args.clients = args.clients or [8, 32, 64]
-    args.static_decode_len = args.static_decode_len or [0]
+    args.variant = args.variant or [(0, 0)]
     import platform
 
     import torch

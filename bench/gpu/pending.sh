@@ -19,9 +19,10 @@
 #   [K2] sparse MLA backward, atomic vs key-major (kernels.json sparse_mla_bwd entries); the indexer
 #        family, with the fused top-k (indexer_topk_fused) beside the default (KERNELS= picks the
 #        families); `fused`: its GPU test
-#   [V]  `engine`: the embedded engine eager vs static decode (CUDA graphs, rollout.embedded.
-#        static_decode_len), SmolLM2 shapes, 8/32/64 clients, with the greedy-equality check
-#        (engine_static_h200.json); needs transformers 5.24 from .carry/wheels
+#   [V]  `engine`: the embedded engine eager, static decode (CUDA graphs, rollout.embedded.
+#        static_decode_len) and static with gathered admission (admit_wait_steps), SmolLM2 shapes,
+#        8/32/64 clients, with the greedy-equality check (engine_static_h200.json); needs
+#        transformers 5.24 from .carry/wheels
 #   [G]  `learning`: configs/gpu_smollm2.yaml through the launcher for LEARN_TRAIN_S seconds, stopped by
 #        SIGTERM (the launcher's clean stop); called again on the same warm machine it resumes from
 #        runs/gpu_smollm2's last checkpoint (every 10 steps), so back-to-back calls add up to a long
@@ -60,7 +61,8 @@ has fused && part fused_indexer_test 240 python3 -m pytest -q -p no:cacheprovide
 has memory && part memory_slice 150 python3 bench/gpu/parallel_gpu.py --parts memory_slice_dsa_kernels \
   --out "$OUT/parallel_gpu_dsa.json" --offload-dir /tmp/offl
 has engine && part engine 420 python3 bench/gpu/engine_profile.py --device cuda --model smollm2-135m \
-  --static-decode-len 0 --static-decode-len "${STATIC_LEN:-1024}" --seconds 8 --warmup-s 3 \
+  --variant 0:0 --variant "${STATIC_LEN:-1024}:0" --variant "${STATIC_LEN:-1024}:${ADMIT_WAIT:-8}" \
+  --seconds 8 --warmup-s 3 \
   --out "$OUT/engine_static_h200.json"
 has partial && part partial "${PARTIAL_S:-540}" python3 bench/gpu/partial_gpu.py --out "$OUT/partial_rollout_gpu.json"
 has async && part async_vs_sync 540 python3 bench/gpu/async_vs_sync_gpu.py ${ASYNC_ARGS:-} --out "$OUT/async_vs_sync_gpu.json"

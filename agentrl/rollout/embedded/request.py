@@ -48,4 +48,5 @@ class SeqState:
     cached_tokens: int = 0
     admitted: bool = False
     done: bool = False
+    queued_step: int = 0  # the scheduler's decode-step count when it last entered the waiting queue
     input_lps: list[float | None] | None = None

@@ -40,6 +40,7 @@ from concurrent.futures import Future
 import torch
 
 from agentrl.rollout.embedded import kv as kvlib
+from agentrl.rollout.embedded.admission import AdmissionGate
 from agentrl.rollout.embedded.graphs import StaticDecoder, unsupported_reason
 from agentrl.rollout.embedded.prefill_groups import PrefillLayout, PrefillRow, group_rows
 from agentrl.rollout.embedded.prefix_cache import PrefixCache
@@ -58,9 +59,11 @@ class Scheduler:
     def __init__(self, model, *, max_batch_size: int = 32, prefill_tokens_per_step: int = 8192,
                  prefill_chunk_tokens: int = 1024, prefix_cache_tokens: int = 262144, eos_token_ids: tuple[int, ...] = (),
                  decode: Callable[[list[int]], str] | None = None, seed: int = 0,
-                 weight_version: str = "0", static_decode_len: int = 0) -> None:
+                 weight_version: str = "0", static_decode_len: int = 0, admit_wait_steps: int = 0) -> None:
         """static_decode_len: KV columns of the static decode buffers (graphs.py; CUDA graphs on a
-        GPU); 0 decodes eagerly. A model that cannot use them decodes eagerly (logged once)."""
+        GPU); 0 decodes eagerly. A model that cannot use them decodes eagerly (logged once).
+        admit_wait_steps: how many decode steps waiting requests may gather before they are
+        admitted together (admission.py); 0 admits at once."""
         if max_batch_size < 1 or prefill_chunk_tokens < 1:
             raise ValueError(f"max_batch_size ({max_batch_size}) and prefill_chunk_tokens ({prefill_chunk_tokens}) "
                              "must be >= 1")
@@ -73,6 +76,7 @@ class Scheduler:
         # Positions beyond this are outside what the model was built for: generation stops there.
         self.context_len = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self.prefill_tokens_per_step = prefill_tokens_per_step
+        self._gate = AdmissionGate(admit_wait_steps)
         self.eos = frozenset(eos_token_ids)
         self.decode = decode
         self.prefix = PrefixCache(prefix_cache_tokens)
@@ -204,6 +208,8 @@ class Scheduler:
                         self._cv.wait()
                     if self._stopping:
                         break
+                    for seq in self._inbox:
+                        seq.queued_step = self._stats["decode_steps"]
                     self._waiting.extend(self._inbox)
                     self._inbox.clear()
                     commands = list(self._commands)
@@ -232,6 +238,9 @@ class Scheduler:
                 fut.set_exception(RuntimeError("engine shutting down"))
 
     def _admit(self) -> None:
+        if not self._waiting or not self._gate.admit_now(len(self._waiting), len(self._running), self.max_batch_size,
+                                                         self._stats["decode_steps"] - self._waiting[0].queued_step):
+            return
         room, budget, new = self.max_batch_size - len(self._running), self.prefill_tokens_per_step, []
         while self._waiting and room > 0 and (not new or budget >= len(self._waiting[0].tokens)):
             seq = self._waiting.popleft()

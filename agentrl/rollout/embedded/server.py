@@ -57,7 +57,7 @@ class EmbeddedEngineServer:
     def __init__(self, model, tokenizer=None, *, model_path: str = "", max_batch_size: int = 32,
                  prefix_cache_tokens: int = 262144, prefill_chunk_tokens: int = 1024, seed: int = 0,
                  weight_version: str = "0", weight_update_timeout_s: float = 120.0,
-                 join_threads_on_stop: bool = True, static_decode_len: int = 0) -> None:
+                 join_threads_on_stop: bool = True, static_decode_len: int = 0, admit_wait_steps: int = 0) -> None:
         """join_threads_on_stop: stop() waits (bounded) for rendezvous threads still running, which an
         in-process server needs (a thread left in torch's store client aborts the interpreter at
         exit); a process that leaves with os._exit (agentrl engine serve) passes False."""
@@ -68,7 +68,8 @@ class EmbeddedEngineServer:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.scheduler = Scheduler(model, max_batch_size=max_batch_size, prefix_cache_tokens=prefix_cache_tokens,
                                    prefill_chunk_tokens=prefill_chunk_tokens, eos_token_ids=eos_ids, decode=decode,
-                                   seed=seed, weight_version=weight_version, static_decode_len=static_decode_len)
+                                   seed=seed, weight_version=weight_version, static_decode_len=static_decode_len,
+                                   admit_wait_steps=admit_wait_steps)
         self.weights = WeightAPI(self, weight_update_timeout_s)
         self._join_threads = join_threads_on_stop
         self._inflight: set[str] = set()
