@@ -60,6 +60,8 @@ has fused && part fused_indexer_test 240 python3 -m pytest -q -p no:cacheprovide
   tests/kernels/test_kernels_indexer_fused.py  # bit-identity of impl="fused" at 16K, every config
 has memory && part memory_slice 150 python3 bench/gpu/parallel_gpu.py --parts memory_slice_dsa_kernels \
   --out "$OUT/parallel_gpu_dsa.json" --offload-dir /tmp/offl
+has engine && part engine_graphs_test 120 python3 -m pytest -q -p no:cacheprovider -m gpu \
+  tests/test_embedded_static_decode.py
 has engine && part engine 420 python3 bench/gpu/engine_profile.py --device cuda --model smollm2-135m \
   --variant 0:0 --variant "${STATIC_LEN:-1024}:0" --variant "${STATIC_LEN:-1024}:${ADMIT_WAIT:-8}" \
   --seconds 8 --warmup-s 3 \
