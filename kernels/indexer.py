@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels._tuning import Autotuner, KernelConfig
-from kernels.indexer_fused import indexer_topk_fused, score_tile
+from kernels.indexer_fused import SCORE_CONFIGS, indexer_topk_fused, score_tile
 from kernels.topk import EXPERIMENTAL_TOPK_CONFIGS, TOPK_CONFIGS, TOPK_TUNER, _bucket, topk_rows_chunk
 
 __all__ = ["EXPERIMENTAL_TOPK_CONFIGS", "INDEXER_IMPLS", "TOPK_CONFIGS", "TOPK_TUNER", "indexer_scores_chunk",
@@ -28,12 +28,6 @@ __all__ = ["EXPERIMENTAL_TOPK_CONFIGS", "INDEXER_IMPLS", "TOPK_CONFIGS", "TOPK_T
 # "fused": never write them (kernels/indexer_fused.py; not yet timed on the GPU).
 INDEXER_IMPLS = ("scores", "fused")
 
-SCORE_CONFIGS = [
-    KernelConfig.make(BLOCK_T=64, BLOCK_S=128, num_warps=4, num_stages=3),
-    KernelConfig.make(BLOCK_T=128, BLOCK_S=128, num_warps=8, num_stages=3),
-    KernelConfig.make(BLOCK_T=128, BLOCK_S=64, num_warps=4, num_stages=4),
-    KernelConfig.make(BLOCK_T=64, BLOCK_S=256, num_warps=8, num_stages=3),
-]
 SCORE_TUNER = Autotuner("indexer_score", SCORE_CONFIGS)
 
 

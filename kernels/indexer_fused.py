@@ -47,13 +47,15 @@ FALLBACK_MERGE_GAP = 64
 # Tile of the sampled-score kernel (its work is SAMPLES / S of the scoring: 3% at 64K).
 SAMPLE_BLOCK_T, SAMPLE_BLOCK_S, SAMPLE_WARPS = 64, 64, 4
 
-# Same tile shapes as indexer.SCORE_CONFIGS: the candidate writes add a row scan per tile.
-FUSED_SCORE_CONFIGS = [
+# The tile shapes of score_tile, for the default indexer's scoring kernel (indexer.py) and this
+# one alike: the candidate writes add a row scan per tile, not a different tile.
+SCORE_CONFIGS = [
     KernelConfig.make(BLOCK_T=64, BLOCK_S=128, num_warps=4, num_stages=3),
     KernelConfig.make(BLOCK_T=128, BLOCK_S=128, num_warps=8, num_stages=3),
     KernelConfig.make(BLOCK_T=128, BLOCK_S=64, num_warps=4, num_stages=4),
     KernelConfig.make(BLOCK_T=64, BLOCK_S=256, num_warps=8, num_stages=3),
 ]
+FUSED_SCORE_CONFIGS = SCORE_CONFIGS
 FUSED_SCORE_TUNER = Autotuner("indexer_fused_score", FUSED_SCORE_CONFIGS)
 # The select over ~1.5 k candidates: topk_sample.py's two best shapes (2.46 / 2.34 ms there). The
 # 8-bit one first: what the CPU interpreter runs, one radix pass fewer.

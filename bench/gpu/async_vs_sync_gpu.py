@@ -131,15 +131,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def main(argv: list[str]) -> int:
-    args = parse(argv)
-    report = check(args)
-    if args.check:
+def stop_code(report: dict, check_only: bool) -> int | None:
+    """With --check: print the report and return its exit code (1 when something is missing).
+    Otherwise return 1 (after saying what) when something is missing, None to go on."""
+    if check_only:
         print(json.dumps(report, indent=2))
         return 1 if report["missing"] else 0
     if report["missing"]:
         print("cannot run:\n  " + "\n  ".join(report["missing"]), file=sys.stderr)
         return 1
+    return None
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    stop = stop_code(check(args), args.check)
+    if stop is not None:
+        return stop
     from bench.async_sync import run_async_vs_sync
 
     r = run_async_vs_sync(args.out, workload(args), recipe=RECIPE, extra=GPU_SETS, what=WHAT)

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.gpu.async_vs_sync_gpu import GPU_SETS, RECIPE  # after the path fix above
+from bench.gpu.async_vs_sync_gpu import GPU_SETS, RECIPE, stop_code  # after the path fix above
 from bench.partial import VARIANTS
 
 WHAT = ("partial rollout on one H200: Megatron trainer rank + embedded engine sharing the GPU (gpu_smoke), "
@@ -102,13 +102,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    report = check(args)
-    if args.check:
-        print(json.dumps(report, indent=2))
-        return 1 if report["missing"] else 0
-    if report["missing"]:
-        print("cannot run:\n  " + "\n  ".join(report["missing"]), file=sys.stderr)
-        return 1
+    stop = stop_code(check(args), args.check)
+    if stop is not None:
+        return stop
     from bench.partial import run_partial_bench
 
     r = run_partial_bench(args.out, workload(args), variants=tuple(args.variant), repeats=args.repeats,
