@@ -49,8 +49,8 @@ class TrainerWorker:
 
     def setup(self, master_addr: str, master_port: int) -> dict:
         """Join the trainer's world and build this rank's backend from the plan."""
+        from agentrl.train.dist_init import DistInit
         from agentrl.train.factory import make_backend
-        from agentrl.train.megatron_parallel import DistInit
 
         world = self.plan.layout.world
         local = self.rank % self.plan.ranks_per_train_node

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from agentrl.agent.trajectory import Trajectory
+
+if TYPE_CHECKING:  # the rehearsal's dry ranks import this seam without torch
+    import torch
 
 
 @runtime_checkable

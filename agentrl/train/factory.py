@@ -12,22 +12,22 @@ from pathlib import Path
 from agentrl.config.plan import RunPlan
 from agentrl.config.schema import RunConfig
 from agentrl.train.backend import TrainerBackend
-from agentrl.train.megatron_parallel import DistInit
+from agentrl.train.dist_init import DistInit
 
 
 def make_backend(cfg: RunConfig, plan: RunPlan, dist_init: DistInit, run_dir: str | Path) -> TrainerBackend:
     """The backend of trainer rank `dist_init.rank` of `plan` (it joins the trainer's world here)."""
-    import torch
-
     run_dir = Path(run_dir)
     if dist_init.world != plan.layout.world:
         raise ValueError(f"rank {dist_init.rank} was started in a world of {dist_init.world}, the plan has "
                          f"{plan.layout.world} trainer ranks")
-    torch.manual_seed(cfg.seed)
-    if plan.backend == "dry":  # train --rehearse: placement and actors only
+    if plan.backend == "dry":  # train --rehearse: placement and actors only, no torch in the process
         from agentrl.train.dry import DryBackend
 
         return DryBackend(plan.layout, plan.layout.coords(dist_init.rank))
+    import torch
+
+    torch.manual_seed(cfg.seed)
     if plan.backend == "megatron":
         return _megatron(cfg, plan, dist_init, run_dir)
     if plan.backend != "torch":
