@@ -1,7 +1,7 @@
 """What a taken batch trains on, and the facts about its tokens that the run's metrics report.
 
 Under partial rollout (per-token staleness rule) the trajectories go through the loss's stale-token
-policy first (agentrl/train/loss.py: `mask` leaves tokens older than the bound out of the loss
+policy first (agentrl/train/stale_tokens.py: `mask` leaves tokens older than the bound out of the loss
 mask, `tis` keeps them for their TIS weight). The facts, in both modes:
   trajectories_interrupted   trajectories whose generation a weight update interrupted (and that went on)
   tokens_carried_over        sampled tokens produced before such an interruption and kept
@@ -13,7 +13,7 @@ mask, `tis` keeps them for their TIS weight). The facts, in both modes:
 
 from __future__ import annotations
 
-from agentrl.train.loss import apply_stale_tokens
+from agentrl.train.stale_tokens import apply_stale_tokens
 
 
 def version_spans(loss_mask: list[int], versions: list[int]) -> int:

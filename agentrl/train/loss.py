@@ -15,20 +15,21 @@
 - Stale tokens under partial rollout (algorithm.stale_tokens): a trajectory continued across weight
   updates holds tokens of several versions. `mask` leaves the ones older than the staleness bound
   out of the loss (the bound then holds per trained token); `tis` keeps them, each weighted by its
-  own truncated importance weight above (the correction for their version lag).
+  own truncated importance weight above (the correction for their version lag); stale_tokens.py.
 Token-level mean over every loss token of the step (not per sequence), so long episodes are
 not down-weighted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
+from agentrl.train.stale_tokens import STALE_TOKEN_POLICIES, apply_stale_tokens, stale_token_positions  # noqa: F401
+
 ADV_EPS = 1e-6
 ADVANTAGE_NORMS = ("std", "none")
-STALE_TOKEN_POLICIES = ("mask", "tis")
 
 
 @dataclass
@@ -125,23 +126,3 @@ def grpo_tis_loss(x: LossInputs, cfg: LossConfig, num_loss_tokens: int) -> tuple
         metrics["mismatch_kl_sum"] = float(((x.rollout_logp - x.old_logp) * mask).sum())
         metrics["loss_tokens"] = float(mask.sum())
     return loss, metrics
-
-
-def stale_token_positions(loss_mask: list[int], versions: list[int], current_version: int,
-                          max_staleness: int) -> list[int]:
-    """Positions of sampled tokens whose version lags `current_version` by more than `max_staleness`."""
-    return [i for i, (m, v) in enumerate(zip(loss_mask, versions)) if m and current_version - v > max_staleness]
-
-
-def apply_stale_tokens(trajectory, current_version: int, max_staleness: int, policy: str):
-    """(the trajectory the loss trains on, its stale token count): with `mask` a copy whose loss mask
-    leaves the stale tokens out; with `tis` the trajectory itself (the TIS weight corrects them)."""
-    if policy not in STALE_TOKEN_POLICIES:
-        raise ValueError(f"algorithm.stale_tokens {policy!r} is unknown; use one of {STALE_TOKEN_POLICIES}")
-    stale = stale_token_positions(trajectory.loss_mask, trajectory.weight_versions, current_version, max_staleness)
-    if policy == "tis" or not stale:
-        return trajectory, len(stale)
-    mask = list(trajectory.loss_mask)
-    for i in stale:
-        mask[i] = 0
-    return replace(trajectory, loss_mask=mask), len(stale)
