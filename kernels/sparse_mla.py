@@ -48,7 +48,7 @@ def _sparse_mla_fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2,
     q_nope = tl.load(q_row + dv[None, :], mask=head_ok[:, None], other=0.0)
     q_rope = tl.load(q_row + D_V + dr[None, :], mask=head_ok[:, None], other=0.0)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_V], tl.float32)
     for start in tl.range(0, n_idx, BLOCK_N, warp_specialize=WS):
         j = start + tl.arange(0, BLOCK_N)
@@ -64,14 +64,14 @@ def _sparse_mla_fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2,
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no valid key yet
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(kv_nope.dtype), kv_nope)
         m = m_new
-    l_safe = tl.where(l > 0, l, 1.0)
+    l_safe = tl.where(denom > 0, denom, 1.0)
     out = acc / l_safe[:, None]
     tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dv[None, :],
              out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-    lse = tl.where(l > 0, (m + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    lse = tl.where(denom > 0, (m + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
     tl.store(lse_ptr + t * stride_lt + heads, lse, mask=head_ok)
 
 

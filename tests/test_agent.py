@@ -534,9 +534,8 @@ async def test_deltas_follow_the_template_and_skip_what_the_model_already_closed
     traj = await play(env, gen, tok)
     out1, out2, out3 = gen.outputs
     assert out1[-1] == eos and out2[-1] != eos
-    delta = lambda obs: tok.encode(
-        f"\n<|user|>\n{obs}<|endoftext|>\n<|assistant|>\n", add_special_tokens=False
-    )
+    def delta(obs):
+        return tok.encode(f"\n<|user|>\n{obs}<|endoftext|>\n<|assistant|>\n", add_special_tokens=False)
     prompt = traj.token_ids[: traj.prompt_len]
     # Turn 1 ended with eos: the delta continues after it. Turn 2 was cut (no eos): the delta closes it.
     assert traj.token_ids == prompt + out1 + delta("(no output)") + out2 + [eos] + delta("42") + out3

@@ -17,11 +17,11 @@ import pytest
 pytest.importorskip("openenv")
 uvicorn = pytest.importorskip("uvicorn")
 
-from agentrl_countdown import CountdownEnv
+from agentrl_countdown import CountdownEnv  # noqa: E402 - after the importorskip lines
 
-from agentrl.envs.base import Action, Observation
-from agentrl.envs.openenv_adapter import OpenEnvRemote, create_openenv_app
-from agentrl.sandbox.base import SandboxError
+from agentrl.envs.base import Action, Observation  # noqa: E402 - after the importorskip lines
+from agentrl.envs.openenv_adapter import OpenEnvRemote, create_openenv_app  # noqa: E402 - after the importorskip lines
+from agentrl.sandbox.base import SandboxError  # noqa: E402 - after the importorskip lines
 
 
 @contextmanager

@@ -424,7 +424,9 @@ class Scheduler:
         self._running, self._cache, self._width = [], None, 0
 
     def _abort(self, rids: set[str], abort_all: bool) -> None:
-        hit = lambda s: abort_all or s.req.rid in rids
+        def hit(s: SeqState) -> bool:
+            return abort_all or s.req.rid in rids
+
         for seq in [s for s in self._waiting if hit(s)]:
             self._waiting.remove(seq)
             self._finish(seq, {"type": "abort", "message": "aborted by request"})
