@@ -1,5 +1,6 @@
-"""TrainerGroup's calls to all ranks: a rank's death is the error raised, even when a survivor's
-collective error arrives first; answers come back in rank order."""
+"""Concurrent start-up and the trainer ranks' calls: a rank's death is the error raised, even when
+a survivor's collective error arrives first; answers come back in rank order; trainers and engines
+start side by side and a failure of either surfaces as itself."""
 
 import asyncio
 
@@ -40,3 +41,33 @@ def test_a_rank_that_never_answers_does_not_hold_the_error(monkeypatch):
         return asyncio.get_running_loop().time() - t0
 
     assert asyncio.run(run()) < 2.0
+
+
+def test_start_together_cancels_the_other_and_raises_the_failure_itself():
+    """Orchestrator start-up: trainers and engines start side by side; the first failure cancels
+    the other start and surfaces as its own type (the launcher handles each type), not a group."""
+    from agentrl.orchestrator import _together
+
+    cancelled = []
+
+    async def slow_engines():
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append("engines")
+            raise
+
+    class TrainerStartError(RuntimeError):
+        pass
+
+    async def failing_trainers():
+        await asyncio.sleep(0.01)
+        raise TrainerStartError("rank 1 could not build its model")
+
+    async def run():
+        with pytest.raises(TrainerStartError, match="rank 1"):
+            await _together(failing_trainers(), slow_engines())
+        return await _together(_after(0.02, "trainers"), _after(0.0, ["http://e0"]))
+
+    assert asyncio.run(run()) == ["trainers", ["http://e0"]]
+    assert cancelled == ["engines"]
