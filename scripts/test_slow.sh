@@ -4,8 +4,8 @@
 # slow (task forgeries, Harbor, Megatron layouts on gloo, interpreted Triton, sandbox stress) in a
 # second. Why: one lane after the other took 44 min on 2 cores (session 7, fresh clone) at about a
 # third of the CPU (27 min user + 6 min sys over 54 min wall for all of .ci/run): most of a run
-# test is waiting on process start-ups, polls and timeouts. Two lanes: 40 min for the Ray lane
-# beside 25 min for the other (session 8, before the rehearsal's dry ranks stopped importing torch). Two Ray clusters at once are never
+# test is waiting on process start-ups, polls and timeouts. Two lanes (session 8, fresh clone): the
+# Ray lane 29.4 min beside the other's 21.8, all of .ci/run 38.5 min. Two Ray clusters at once are never
 # started (each run test assumes the machine to itself), so only the Ray lane starts them.
 # Exit status: non-zero when either lane fails; the second lane's output is printed after the first's.
 set -uo pipefail
