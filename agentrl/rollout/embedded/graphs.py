@@ -72,10 +72,8 @@ def buckets(max_rows: int) -> list[int]:
 class StaticDecoder:
     """Decode steps of up to `max_rows` rows and `capacity` KV columns on static buffers."""
 
-    def __init__(self, model, max_rows: int, capacity: int, use_graphs: bool | None = None,
-                 checked: bool = False) -> None:
-        """checked: the caller has already asked unsupported_reason (which builds a probe cache)."""
-        why = None if checked else unsupported_reason(model)
+    def __init__(self, model, max_rows: int, capacity: int, use_graphs: bool | None = None) -> None:
+        why = unsupported_reason(model)
         if why:
             raise ValueError(f"embedded engine: static decode is not available for this model: {why}")
         cfg, p = model.config, next(model.parameters())

@@ -101,11 +101,11 @@ class Scheduler:
                        "prefill_pad_tokens": 0, "cached_tokens": 0, "requests_done": 0}
         self._static = None
         if static_decode_len:
-            why = unsupported_reason(model)  # asked once here; StaticDecoder trusts the caller
+            why = unsupported_reason(model)
             if why:
                 log.warning("embedded engine: decoding eagerly, static decode is not available: %s", why)
             else:
-                self._static = StaticDecoder(model, max_batch_size, static_decode_len, checked=True)
+                self._static = StaticDecoder(model, max_batch_size, static_decode_len)
                 self._stats.update(self._static.stats)
         self._thread = threading.Thread(target=self._loop, name="embedded-engine-scheduler", daemon=True)
 
