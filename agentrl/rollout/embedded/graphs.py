@@ -32,6 +32,10 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from agentrl.rollout.embedded import kv as kvlib
 
 
+class UnsupportedModel(ValueError):
+    """The model cannot decode on static buffers (the message says why); it decodes eagerly."""
+
+
 class _StaticLayer(DynamicLayer):
     """A cache layer over fixed buffers: update writes the step's column and returns all of them."""
 
@@ -75,7 +79,7 @@ class StaticDecoder:
     def __init__(self, model, max_rows: int, capacity: int, use_graphs: bool | None = None) -> None:
         why = unsupported_reason(model)
         if why:
-            raise ValueError(f"embedded engine: static decode is not available for this model: {why}")
+            raise UnsupportedModel(f"static decode is not available for this model: {why}")
         cfg, p = model.config, next(model.parameters())
         self.model, self.max_rows, self.capacity = model, max_rows, capacity
         self.device = p.device

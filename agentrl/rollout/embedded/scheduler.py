@@ -41,7 +41,7 @@ import torch
 
 from agentrl.rollout.embedded import kv as kvlib
 from agentrl.rollout.embedded.admission import AdmissionGate
-from agentrl.rollout.embedded.graphs import StaticDecoder, unsupported_reason
+from agentrl.rollout.embedded.graphs import StaticDecoder, UnsupportedModel
 from agentrl.rollout.embedded.prefill_groups import PrefillLayout, PrefillRow, group_rows
 from agentrl.rollout.embedded.prefix_cache import PrefixCache
 from agentrl.rollout.embedded.request import GenOutput, GenRequest, SeqState
@@ -101,12 +101,11 @@ class Scheduler:
                        "prefill_pad_tokens": 0, "cached_tokens": 0, "requests_done": 0}
         self._static = None
         if static_decode_len:
-            why = unsupported_reason(model)
-            if why:
-                log.warning("embedded engine: decoding eagerly, static decode is not available: %s", why)
-            else:
+            try:  # StaticDecoder says why a model cannot use it (DSA, sliding windows, eager attention)
                 self._static = StaticDecoder(model, max_batch_size, static_decode_len)
                 self._stats.update(self._static.stats)
+            except UnsupportedModel as exc:
+                log.warning("embedded engine: decoding eagerly: %s", exc)
         self._thread = threading.Thread(target=self._loop, name="embedded-engine-scheduler", daemon=True)
 
     # ---- thread-safe API -------------------------------------------------------------------
