@@ -8,15 +8,17 @@ import time
 
 import pytest
 
-from agentrl.rollout.embedded.graphs import StaticDecoder, buckets, unsupported_reason
+from agentrl.rollout.embedded.graphs import GraphCaptureFailed, StaticDecoder, buckets, unsupported_reason
 from tests.engine_models import gemma3_model, glm_model, llama_model
 from tests.test_embedded_prefill_groups import Harness, assert_same, ids
 
 CAPACITY = 40  # small, so that the longest request below decodes past it
 
 
-def run(static_len: int) -> tuple[dict, dict]:
+def run(static_len: int, prepare=None) -> tuple[dict, dict]:
     h = Harness(llama_model(), max_batch_size=8, static_decode_len=static_len)
+    if prepare is not None:
+        prepare(h.sched)
     try:
         h.alone({"prime": ids(12, 1)}, max_new=3)  # a prefix-cache entry the wave partly hits
         futs = {}
@@ -39,6 +41,19 @@ def test_static_decode_gives_the_eager_tokens_and_logprobs():
     assert stats["static_steps"] > 0 and stats["adopts"] >= 2  # the batch changed and was copied in again
     # r6: 22 prompt tokens + 22 new run past 40 columns, so some of its steps decoded eagerly.
     assert stats["decode_steps"] > stats["static_steps"]
+
+
+def test_a_failed_graph_capture_turns_static_decode_off_and_loses_no_request():
+    def capture_fails(sched):  # as on a GPU whose capture refuses an op of the model
+        def refuse(bucket):
+            raise GraphCaptureFailed(f"capturing the {bucket}-row decode step failed: test")
+        sched._static.use_graphs = True
+        sched._static._graph = refuse
+
+    eager, _ = run(0)
+    static, stats = run(CAPACITY, capture_fails)
+    assert_same(static, eager)
+    assert stats["static_decode_failed"] == 1 and stats["static_steps"] == 0
 
 
 def test_models_without_static_support_decode_eagerly():

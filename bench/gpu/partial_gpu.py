@@ -35,9 +35,26 @@ if str(ROOT) not in sys.path:
 from bench.gpu.async_vs_sync_gpu import GPU_SETS, RECIPE, stop_code  # after the path fix above
 from bench.partial import VARIANTS
 
-WHAT = ("partial rollout on one H200: Megatron trainer rank + embedded engine sharing the GPU (gpu_smoke), "
+WHAT = ("partial rollout on one H200: one trainer rank + embedded engine sharing the GPU (gpu_smoke), "
         "the multi-turn turns env (no sandbox)")
 DEFAULT_VARIANTS = ("off", "tis", "tis_lead")
+# What each --model changes in the gpu_smoke recipe. tiny: its Megatron GLM (MLA + DSA), which the
+# engine decodes eagerly (static decode refuses DSA caches); in session 7 its 48-token turns at 24
+# decode steps/s left `off` at step 6 of 16 after 510 s. smollm2-135m: full attention, so the
+# engine can decode on CUDA graphs (--static-decode-len); the torch trainer, fp32 as gpu_smollm2.
+MODEL_SETS = {
+    "tiny": (),
+    "smollm2-135m": ("model.name=smollm2-135m", "train.backend=torch", "train.dtype=float32",
+                     "rollout.embedded.dtype=float32"),
+}
+
+
+def extra_sets(args: argparse.Namespace) -> list[str]:
+    """The overrides on top of the workload's: host placement, the model, the engine's decode."""
+    sets = [*GPU_SETS, *MODEL_SETS[args.model]]
+    if args.static_decode_len:
+        sets.append(f"rollout.embedded.static_decode_len={args.static_decode_len}")
+    return sets + list(args.set)
 
 
 def missing() -> list[str]:
@@ -70,9 +87,10 @@ def check(args: argparse.Namespace) -> dict:
     w.check()
     plans = {}
     for name in args.variant:
-        cfg = load_config(RECIPE, overrides(w, name, Path("/tmp/agentrl-partial-gpu") / name) + list(GPU_SETS))
+        cfg = load_config(RECIPE, overrides(w, name, Path("/tmp/agentrl-partial-gpu") / name) + extra_sets(args))
         plan = resolve_plan(cfg)
-        plans[name] = {"backend": plan.backend, "engine": plan.engine_kind, "colocated": plan.colocated,
+        plans[name] = {"model": cfg.model.name, "backend": plan.backend, "engine": plan.engine_kind,
+                       "colocated": plan.colocated, "static_decode_len": cfg.rollout.embedded.static_decode_len,
                        "hardware": cfg.cluster.hardware, "partial": cfg.rollout.partial,
                        "stale_tokens": cfg.algorithm.stale_tokens, "lead_steps": cfg.rollout.partial_lead_steps}
     return {"plans": plans, "missing": missing()}
@@ -94,6 +112,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--in-flight", type=int, default=256)
     ap.add_argument("--lead-steps", type=int, default=4, help="the *_lead variants' rollout.partial_lead_steps")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--model", choices=sorted(MODEL_SETS), default="tiny", help="what trainer and engine run")
+    ap.add_argument("--static-decode-len", type=int, default=0,
+                    help="rollout.embedded.static_decode_len (full-attention models; 0: eager decode)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides")
     ap.add_argument("--check", action="store_true", help="resolve the plans, list what is missing, run nothing")
     args = ap.parse_args(argv)
     args.variant = args.variant or list(DEFAULT_VARIANTS)
@@ -108,7 +130,7 @@ def main(argv: list[str]) -> int:
     from bench.partial import run_partial_bench
 
     r = run_partial_bench(args.out, workload(args), variants=tuple(args.variant), repeats=args.repeats,
-                          recipe=RECIPE, extra=GPU_SETS, what=WHAT)
+                          recipe=RECIPE, extra=tuple(extra_sets(args)), what=WHAT)
     print(json.dumps({k: r.get(k) for k in r if k.startswith(("throughput_gain_", "efficiency_gain_", "goal_met"))},
                      indent=2))
     return 0

@@ -10,7 +10,8 @@
 # annotated-types, typing-inspection, jsonschema and deps, megatron-core 0.19.2, transformers
 # 5.24.0, gguf), .carry/debs (bubblewrap .deb). Each part writes its JSON under $OUT and is bounded
 # by its own timeout so that one slow part cannot take the others' results with it.
-# Arguments name the parts to run (default: all); `bash bench/gpu/pending.sh async` gives the async
+# PARTIAL_ARGS, ASYNC_ARGS and LEARN_ARGS pass more arguments to those parts' commands (LEARN_ARGS:
+# `--set KEY=VALUE` for the launcher). Arguments name the parts to run (default: all); `bash bench/gpu/pending.sh async` gives the async
 # run a call of its own, `bash bench/gpu/pending.sh kernels memory` the rest (neither needs Ray).
 #
 #   [V]  async vs sync on the H200 (bench/results/async_vs_sync_gpu.json)
@@ -66,10 +67,12 @@ has engine && part engine 420 python3 bench/gpu/engine_profile.py --device cuda 
   --variant 0:0 --variant "${STATIC_LEN:-1024}:0" --variant "${STATIC_LEN:-1024}:${ADMIT_WAIT:-8}" \
   --seconds 8 --warmup-s 3 \
   --out "$OUT/engine_static_h200.json"
-has partial && part partial "${PARTIAL_S:-540}" python3 bench/gpu/partial_gpu.py --out "$OUT/partial_rollout_gpu.json"
+has partial && part partial "${PARTIAL_S:-540}" python3 bench/gpu/partial_gpu.py ${PARTIAL_ARGS:-} \
+  --out "$OUT/partial_rollout_gpu.json"
 has async && part async_vs_sync 540 python3 bench/gpu/async_vs_sync_gpu.py ${ASYNC_ARGS:-} --out "$OUT/async_vs_sync_gpu.json"
 if has learning; then
-  part learning_train "${LEARN_TRAIN_S:-540}" python3 launchers/run_glm5_2_daytona.py train --config gpu_smollm2
+  part learning_train "${LEARN_TRAIN_S:-540}" python3 launchers/run_glm5_2_daytona.py train --config gpu_smollm2 \
+    ${LEARN_ARGS:-}
   cp runs/gpu_smollm2/metrics.jsonl "$OUT/learning_gpu_metrics.jsonl" 2>/dev/null
 fi
 if has learning_eval; then

@@ -32,6 +32,10 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from agentrl.rollout.embedded import kv as kvlib
 
 
+class GraphCaptureFailed(RuntimeError):
+    """A CUDA graph could not be captured (the scheduler then decodes eagerly for good)."""
+
+
 class UnsupportedModel(ValueError):
     """The model cannot decode on static buffers (the message says why); it decodes eagerly."""
 
@@ -169,9 +173,12 @@ class StaticDecoder:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a weight update's receive on another thread must not break the capture.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self._forward(bucket)
+        try:
+            # thread_local: a weight update's receive on another thread must not break the capture.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                logits = self._forward(bucket)
+        except RuntimeError as exc:  # an op the model runs that capture refuses (a host sync, say)
+            raise GraphCaptureFailed(f"capturing the {bucket}-row decode step failed: {exc}") from exc
         self._graphs[bucket] = (graph, logits)
         self.stats["graphs_captured"] += 1
         return self._graphs[bucket]

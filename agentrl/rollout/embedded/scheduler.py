@@ -41,7 +41,7 @@ import torch
 
 from agentrl.rollout.embedded import kv as kvlib
 from agentrl.rollout.embedded.admission import AdmissionGate
-from agentrl.rollout.embedded.graphs import StaticDecoder, UnsupportedModel
+from agentrl.rollout.embedded.graphs import GraphCaptureFailed, StaticDecoder, UnsupportedModel
 from agentrl.rollout.embedded.prefill_groups import PrefillLayout, PrefillRow, group_rows
 from agentrl.rollout.embedded.prefix_cache import PrefixCache
 from agentrl.rollout.embedded.request import GenOutput, GenRequest, SeqState
@@ -351,10 +351,19 @@ class Scheduler:
     def _decode_step(self) -> None:
         seqs = self._running
         pads = [self._width - s.kv_len for s in seqs]
+        logits = None
         if self._static is not None and self._static.fits(len(seqs), self._width):
-            logits = self._static.step(self._cache, [s.tokens[-1] for s in seqs], [s.kv_len for s in seqs], pads,
-                                       self._width)
-        else:
+            try:
+                logits = self._static.step(self._cache, [s.tokens[-1] for s in seqs], [s.kv_len for s in seqs],
+                                           pads, self._width)
+            except GraphCaptureFailed as exc:
+                # The batch cache is untouched (capture writes only column `width`, past its view):
+                # this step and all later ones decode eagerly instead of failing their requests.
+                log.warning("embedded engine: static decode off, decoding eagerly: %s", exc)
+                self._static = None
+                with self._cv:
+                    self._stats["static_decode_failed"] = 1
+        if logits is None:
             logits = self.model(
                 input_ids=torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device),
                 attention_mask=self._masks(kvlib.decode_mask, pads, self._width),
