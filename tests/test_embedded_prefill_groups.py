@@ -9,7 +9,14 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from agentrl.rollout.embedded.prefill_groups import MAX_PAD_RATIO, PAD_SLACK_TOKENS, PrefillRow, group_rows
+from agentrl.rollout.embedded import kv as kvlib
+from agentrl.rollout.embedded.prefill_groups import (
+    MAX_CELLS_PER_BUDGET,
+    MAX_PAD_RATIO,
+    PAD_SLACK_TOKENS,
+    PrefillRow,
+    group_rows,
+)
 from agentrl.rollout.embedded.request import GenOutput, GenRequest, SeqState
 from agentrl.rollout.embedded.sampling import RowParams
 from agentrl.rollout.embedded.scheduler import Scheduler
@@ -90,6 +97,17 @@ def test_requests_sharing_a_cached_prefix_prefill_in_one_forward_and_match_solo(
     assert all(o.cached_tokens == len(shared) for o in grouped.values())
 
 
+def test_the_prefill_budget_counts_computed_tokens_not_cached_ones():
+    """Turns of multi-turn episodes: each re-sends a context longer than the whole per-step budget
+    and computes only its last few tokens; all of them are admitted and prefilled in one forward."""
+    contexts = {f"c{i}": ids(40, 20 + i) for i in range(4)}
+    specs = {rid: ctx + ids(3, 30 + i) for i, (rid, ctx) in enumerate(contexts.items())}
+    grouped, n_grouped, solo, _ = both(llama_model, contexts, specs, prefill_tokens_per_step=32)
+    assert n_grouped == 1
+    assert_same(grouped, solo)
+    assert all(o.cached_tokens == 40 for o in grouped.values())
+
+
 @pytest.mark.parametrize("model_fn", [llama_model, glm_model, gemma3_model], ids=["llama", "glm", "gemma3"])
 def test_rows_with_different_cached_prefixes_share_a_chunked_forward_and_match_solo(model_fn):
     a, b = ids(10, 3), ids(24, 4)
@@ -168,6 +186,41 @@ def test_grouping_merges_within_the_padding_bound_and_keeps_input_logprob_rows_a
     grpo = [_row(440) for _ in range(8)]
     assert sorted(len(g) for g in group_rows([*grpo, _row(5, 2000)], max_tokens=8192)) == [1, 8]
     assert len(group_rows([*grpo, _row(5, 400)], max_tokens=8192)) == 1
+    # Continuations of similar long contexts merge (their cached columns are read, not computed),
+    # up to MAX_CELLS_PER_BUDGET x the budget of rows x width.
+    turns = [_row(40 + i, 2000 + 10 * i) for i in range(40)]
+    sizes = [len(g) for g in group_rows(turns, max_tokens=8192)]
+    cap, first = MAX_CELLS_PER_BUDGET * 8192, sizes[0]
+    assert sum(sizes) == 40 and len(sizes) == 2
+    assert first * len(turns[first - 1].seq.tokens) <= cap < (first + 1) * len(turns[first].seq.tokens)
+    # ... but not a continuation with fresh prompts far shorter than it: they would all span its width.
+    assert sorted(len(g) for g in group_rows([*turns[:4], *[_row(300) for _ in range(4)]], 8192)) == [4, 4]
+
+
+def test_joining_rows_to_a_batch_cache_gives_the_stacked_cache():
+    """kv.join (the running rows moved with one copy per tensor) equals stacking every row again."""
+    model = glm_model()  # DSA layers: keys, values and indexer keys, with their own sequence dims
+    caches = []
+    for n in (5, 9, 3):
+        cache = kvlib.new_cache(model.config)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids(n, n)]), cache=cache, use_cache=True)
+        caches.append(kvlib.extract(cache, 0, 0, n))
+    running = kvlib.stack(model.config, caches[:2], 9)
+    new_rows = caches[2:] + [kvlib.extract(running, 0, 4, 5)]
+    names = set()
+    for width in (9, 12):
+        joined = kvlib.join(model.config, running, 9, new_rows, width)
+        want = kvlib.stack(model.config, caches[:2] + new_rows, width)
+        for got_layer, want_layer in zip(joined.layers, want.layers):
+            got, exp = kvlib._layer_tensors(got_layer), kvlib._layer_tensors(want_layer)
+            assert got.keys() == exp.keys()
+            names |= set(got)
+            for name in got:
+                assert torch.equal(got[name], exp[name]), (width, name)
+    assert names == {"keys", "values", "indexer_keys"}
+    with pytest.raises(ValueError, match="never cut"):
+        kvlib.join(model.config, running, 9, new_rows, 8)
 
 
 def test_layout_right_aligns_rows_and_recomputes_the_tail_of_shorter_hits():

@@ -58,35 +58,46 @@ def build(name: str, device: str, dtype: str):
 
 
 class ClosedLoop:
-    """C clients; each submits a new request when its previous one ends, until stopped."""
+    """C clients; each submits a new request when its previous one ends, until stopped. With
+    turns > 1 a client holds a conversation, as a multi-turn agent does: the next request is the
+    last one's prompt, its output and a new observation of `tail` tokens, for `turns` turns; then a
+    new conversation starts from the shared prefix."""
 
-    def __init__(self, sched, clients: int, prefix: int, tail: int, new_tokens: int, vocab: int) -> None:
+    def __init__(self, sched, clients: int, prefix: int, tail: int, new_tokens: int, vocab: int,
+                 turns: int = 1) -> None:
         from agentrl.rollout.embedded.sampling import RowParams
 
-        self.sched, self.new_tokens, self.vocab = sched, new_tokens, vocab
+        self.sched, self.new_tokens, self.vocab, self.turns = sched, new_tokens, vocab, turns
         self.params = RowParams(temperature=1.0, top_p=1.0, top_k=0)
         self.prefixes = [[(7 * g + 13 * j) % (vocab - 10) + 5 for j in range(prefix)] for g in range(max(clients // 8, 1))]
         self.tail, self.n, self.done_tokens, self.stopped = tail, 0, 0, False
+        self.prompt_tokens = 0
         self.lock = threading.Lock()
         for c in range(clients):
-            self.submit(c)
+            self.submit(c, self.prefixes[c // 8 % len(self.prefixes)], 1)
 
-    def submit(self, client: int) -> None:
+    def submit(self, client: int, context: list[int], turn: int) -> None:
         from agentrl.rollout.embedded.request import GenRequest
 
         with self.lock:
             self.n += 1
             n = self.n
-        ids = self.prefixes[client // 8 % len(self.prefixes)] + [(n * 31 + j) % (self.vocab - 10) + 5
-                                                                  for j in range(self.tail)]
+        ids = context + [(n * 31 + j) % (self.vocab - 10) + 5 for j in range(self.tail)]
+        with self.lock:
+            self.prompt_tokens += len(ids)
         self.sched.submit(GenRequest(rid=f"r{n}", input_ids=ids, max_new_tokens=self.new_tokens, params=self.params,
-                                     on_done=lambda out, c=client: self.on_done(c, out), ignore_eos=True))
+                                     on_done=lambda out, c=client, t=turn, p=ids: self.on_done(c, t, p, out),
+                                     ignore_eos=True))
 
-    def on_done(self, client: int, out) -> None:
+    def on_done(self, client: int, turn: int, prompt: list[int], out) -> None:
         with self.lock:
             self.done_tokens += len(out.output_ids)
-        if not self.stopped:
-            self.submit(client)
+        if self.stopped:
+            return
+        if turn < self.turns and not out.error:
+            self.submit(client, prompt + list(out.output_ids), turn + 1)
+        else:
+            self.submit(client, self.prefixes[client // 8 % len(self.prefixes)], 1)
 
 
 def same_greedy(model, args, static: int) -> dict:
@@ -138,11 +149,13 @@ def measure(args, name: str) -> dict:
         key = str(clients) + (f"_static{static}" if static else "") + (f"_wait{wait}" if wait else "")
         sched = Scheduler(model, max_batch_size=args.max_batch_size, static_decode_len=static, admit_wait_steps=wait)
         sched.start()
-        load = ClosedLoop(sched, clients, args.prefix_tokens, args.tail_tokens, args.new_tokens, vocab)
+        load = ClosedLoop(sched, clients, args.prefix_tokens, args.tail_tokens, args.new_tokens, vocab, args.turns)
         time.sleep(args.warmup_s)
         s0, t0, g0, c0, cpu0 = sched.stats(), time.perf_counter(), load.done_tokens, calls[0], time.process_time()
+        n0, p0 = load.n, load.prompt_tokens
         time.sleep(args.seconds)
         s1, dt, c1, cpu = sched.stats(), time.perf_counter() - t0, calls[0], time.process_time() - cpu0
+        n1, p1 = load.n, load.prompt_tokens
         load.stopped = True
         sched.stop()
         d = {k: s1[k] - s0[k] for k in s1 if isinstance(s1[k], int | float) and k in s0}
@@ -159,12 +172,15 @@ def measure(args, name: str) -> dict:
                              # second moves less with the neighbours' load than tokens per second.
                              "cpu_util": cpu / dt, "tokens_per_cpu_s": gen / max(cpu, 1e-9),
                              "static_steps_per_s": d.get("static_steps", 0) / dt,
-                             "graphs_captured": s1.get("graphs_captured", 0)}
+                             "graphs_captured": s1.get("graphs_captured", 0),
+                             "mean_prompt_tokens": (p1 - p0) / max(n1 - n0, 1),
+                             "cached_tokens_per_s": d.get("cached_tokens", 0) / dt}
         print(name, key, json.dumps({k: round(v, 1) for k, v in out[key].items()}), flush=True)
-    # The profile: the loop run on this thread (cProfile sees one thread), stopped by a timer.
-    clients = max(args.clients)
-    sched = Scheduler(model, max_batch_size=args.max_batch_size)
-    load = ClosedLoop(sched, clients, args.prefix_tokens, args.tail_tokens, args.new_tokens, vocab)
+    # The profile: the loop run on this thread (cProfile sees one thread), stopped by a timer; the
+    # last variant's settings, at the most clients.
+    clients, (static, wait) = max(args.clients), args.variant[-1]
+    sched = Scheduler(model, max_batch_size=args.max_batch_size, static_decode_len=static, admit_wait_steps=wait)
+    load = ClosedLoop(sched, clients, args.prefix_tokens, args.tail_tokens, args.new_tokens, vocab, args.turns)
     timer = threading.Timer(args.seconds, lambda: (setattr(load, "stopped", True), sched.stop(0)))
     timer.start()
     prof = cProfile.Profile()
@@ -199,6 +215,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--prefix-tokens", type=int, default=400)
     ap.add_argument("--tail-tokens", type=int, default=40)
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--turns", type=int, default=1,
+                    help="turns per client conversation (each re-sends its context: prefix-cache hits)")
     ap.add_argument("--warmup-s", type=float, default=4.0)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--variant", action="append", type=variant, metavar="STATIC:WAIT",

@@ -35,6 +35,14 @@ MAX_PAD_RATIO = 2.0
 # ... or this many columns more than the real tokens, whichever is larger: short continuations
 # (an agent's observation of a few dozen tokens) always merge.
 PAD_SLACK_TOKENS = 64
+# The same bound for the key columns: rows x width (every row's KV, padded to the longest row, and
+# the span every row's attention masks its way over) within MAX_PAD_RATIO of the rows' real columns
+# (or PAD_SLACK_TOKENS more per row). Fresh prompts do not merge with a continuation of a long
+# context, whose width they would all span; continuations of similar contexts do, whatever their
+# length: their cached columns are read, not computed.
+# And the memory: rows x width within MAX_CELLS_PER_BUDGET x the step's prefill budget (65,536 columns
+# at the default 8,192: 32 continuations of a 2K context, 3 GB of SmolLM2 fp32 KV).
+MAX_CELLS_PER_BUDGET = 8
 PAD_TOKEN_ID = 0  # what padding query columns feed the model; their outputs are never read
 
 
@@ -52,25 +60,28 @@ class PrefillRow:
 
 def group_rows(rows: list[PrefillRow], max_tokens: int) -> list[list[PrefillRow]]:
     """Partition rows into prefill forwards. Rows wanting input logprobs are alone; the others, in
-    order of length, are merged while (1) the layout's rows x width cells (the batch cache, and the
-    key length every row's attention spans) stay within `max_tokens`, the per-step prefill budget,
-    which an equal-length group of fresh prompts has always been held to, and (2) the padded query
-    columns stay within MAX_PAD_RATIO (or PAD_SLACK_TOKENS) of the real new tokens. A row over the
-    budget on its own still prefills (alone), as before."""
+    order of length, are merged while (1) the query columns computed, rows x the most new tokens of
+    a row, stay within `max_tokens`, the per-step prefill budget (for fresh prompts: rows x width,
+    as before), (2) those query columns and the key columns, rows x width, each stay within
+    MAX_PAD_RATIO (or PAD_SLACK_TOKENS per row) of the real ones, and (3) rows x width stays within
+    MAX_CELLS_PER_BUDGET x `max_tokens`. A row over the budget on its own still prefills (alone)."""
     groups = [[r] for r in rows if r.want_input]
     current: list[PrefillRow] = []
-    real = most_new = 0
+    real = most_new = columns = 0
     for row in sorted((r for r in rows if not r.want_input), key=lambda r: (len(r.seq.tokens), r.new)):
         n = len(current) + 1
         cells = n * len(row.seq.tokens)  # sorted: this row is the longest, so the layout's width
         queries = n * max(most_new, row.new)
-        if current and (cells > max_tokens
-                        or queries > max(MAX_PAD_RATIO * (real + row.new), real + row.new + PAD_SLACK_TOKENS)):
+        wasteful = (queries > max(MAX_PAD_RATIO * (real + row.new), real + row.new + PAD_SLACK_TOKENS)
+                    or cells > max(MAX_PAD_RATIO * (columns + len(row.seq.tokens)),
+                                   columns + len(row.seq.tokens) + n * PAD_SLACK_TOKENS))
+        if current and (queries > max_tokens or cells > MAX_CELLS_PER_BUDGET * max_tokens or wasteful):
             groups.append(current)
-            current, real, most_new = [], 0, 0
+            current, real, most_new, columns = [], 0, 0, 0
         current.append(row)
         real += row.new
         most_new = max(most_new, row.new)
+        columns += len(row.seq.tokens)
     if current:
         groups.append(current)
     return groups

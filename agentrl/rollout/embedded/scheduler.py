@@ -240,23 +240,21 @@ class Scheduler:
         if not self._waiting or not self._gate.admit_now(len(self._waiting), len(self._running), self.max_batch_size,
                                                          self._stats["decode_steps"] - self._waiting[0].queued_step):
             return
-        room, budget, new = self.max_batch_size - len(self._running), self.prefill_tokens_per_step, []
-        while self._waiting and room > 0 and (not new or budget >= len(self._waiting[0].tokens)):
-            seq = self._waiting.popleft()
-            budget -= len(seq.tokens)
+        # The budget counts the tokens a prefill computes, not those the prefix cache holds: a turn
+        # of a multi-turn episode re-sends its whole context (thousands of tokens) and computes only
+        # the last observation. Counting the context admitted about one such turn per 2K of budget.
+        room, budget, rows = self.max_batch_size - len(self._running), self.prefill_tokens_per_step, []
+        while self._waiting and room > 0:
+            row = self._prefill_row(self._waiting[0])
+            if rows and budget < row.new:
+                break
+            self._waiting.popleft()
+            budget -= row.new
             room -= 1
-            new.append(seq)
-        if not new:
+            rows.append(row)
+        if not rows:
             return
-        self._admitting = new  # so a failing prefill still answers every one of them
-        rows = []
-        for seq in new:
-            want_input = not seq.admitted and seq.req.logprob_start_len >= 0
-            limit = len(seq.tokens) - 1
-            if want_input:
-                limit = min(limit, max(seq.req.logprob_start_len - 1, 0))
-            prefix_kv, m = self.prefix.lookup(seq.tokens, self.epoch, limit)
-            rows.append(PrefillRow(seq, prefix_kv, m, want_input))
+        self._admitting = [r.seq for r in rows]  # so a failing prefill still answers every one of them
         joined = []
         for group in group_rows(rows, self.prefill_tokens_per_step):
             try:
@@ -268,15 +266,22 @@ class Scheduler:
                     row.seq.kv_len = 0  # its KV (if any) belongs to a failed forward: never cached
                     self._finish(row.seq, {"type": "abort", "message": error}, error=error)
         if joined:
-            kvs = [kvlib.extract(self._cache, i, self._width - s.kv_len, s.kv_len) for i, s in enumerate(self._running)]
-            kvs += [s.kv for s in joined]
-            everyone = self._running + joined
-            self._width = max(s.kv_len for s in everyone)
-            self._cache = kvlib.stack(self.model.config, kvs, self._width)
-            self._running = everyone
+            width = max(self._width, *(s.kv_len for s in joined))
+            self._cache = kvlib.join(self.model.config, self._cache if self._running else None, self._width,
+                                     [s.kv for s in joined], width)
+            self._running, self._width = self._running + joined, width
             for s in joined:
                 s.kv = None
         self._admitting = []
+
+    def _prefill_row(self, seq: SeqState) -> PrefillRow:
+        """The sequence with its prefix-cache hit (never the tokens whose input logprobs it wants)."""
+        want_input = not seq.admitted and seq.req.logprob_start_len >= 0
+        limit = len(seq.tokens) - 1
+        if want_input:
+            limit = min(limit, max(seq.req.logprob_start_len - 1, 0))
+        prefix_kv, m = self.prefix.lookup(seq.tokens, self.epoch, limit)
+        return PrefillRow(seq, prefix_kv, m, want_input)
 
     def _prefill(self, lay: PrefillLayout) -> list[SeqState]:
         """One merged prefill (prefill_groups.py has the layout); return the rows that keep running."""
