@@ -34,10 +34,17 @@ def run(static_len: int, prepare=None) -> tuple[dict, dict]:
         h.close()
 
 
+def small_column_buckets(sched):  # 8, 16, 32, 40: the widths below cross every bucket
+    sched._static.column_buckets = buckets(CAPACITY, 8)
+    sched._seen_keys = sched._static._caches  # what the steps ran on (CPU: uncaptured, one cache per key)
+
+
 def test_static_decode_gives_the_eager_tokens_and_logprobs():
     eager, _ = run(0)
-    static, stats = run(CAPACITY)
+    seen = {}
+    static, stats = run(CAPACITY, lambda sched: (small_column_buckets(sched), seen.update(keys=sched._seen_keys)))
     assert_same(static, eager)
+    assert {16, 32, 40} <= {columns for _, columns in seen["keys"]}  # the steps crossed the column buckets
     assert stats["static_steps"] > 0 and stats["adopts"] >= 2  # the batch changed and was copied in again
     # r6: 22 prompt tokens + 22 new run past 40 columns, so some of its steps decoded eagerly.
     assert stats["decode_steps"] > stats["static_steps"]
@@ -45,8 +52,8 @@ def test_static_decode_gives_the_eager_tokens_and_logprobs():
 
 def test_a_failed_graph_capture_turns_static_decode_off_and_loses_no_request():
     def capture_fails(sched):  # as on a GPU whose capture refuses an op of the model
-        def refuse(bucket):
-            raise GraphCaptureFailed(f"capturing the {bucket}-row decode step failed: test")
+        def refuse(key):
+            raise GraphCaptureFailed(f"capturing the decode step of {key} failed: test")
         sched._static.use_graphs = True
         sched._static._graph = refuse
 

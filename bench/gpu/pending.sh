@@ -67,6 +67,15 @@ has engine && part engine 420 python3 bench/gpu/engine_profile.py --device cuda 
   --variant 0:0 --variant "${STATIC_LEN:-1024}:0" --variant "${STATIC_LEN:-1024}:${ADMIT_WAIT:-8}" \
   --seconds 8 --warmup-s 3 \
   --out "$OUT/engine_static_h200.json"
+# engine_turns: multi-turn conversations (every turn re-sends its context: prefix-cache hits, the
+# admission path); BASELINE=DIR (an earlier checkout's agentrl/ beside this bench/, carried) runs the
+# same from there, side by side.
+ENGINE_TURNS=(--device cuda --model smollm2-135m --turns 16 --clients 32 --clients 64 --variant 0:0 \
+  --variant "${STATIC_LEN:-4096}:0" --variant "${STATIC_LEN:-4096}:${ADMIT_WAIT:-8}" --seconds 8 --warmup-s 3)
+has engine_turns && [ -n "${BASELINE:-}" ] && (cd "$BASELINE" && part engine_turns_baseline 280 \
+  python3 bench/gpu/engine_profile.py "${ENGINE_TURNS[@]}" --out "$OUT/engine_turns_baseline_h200.json")
+has engine_turns && part engine_turns 280 python3 bench/gpu/engine_profile.py "${ENGINE_TURNS[@]}" \
+  --out "$OUT/engine_turns_h200.json"
 has partial && part partial "${PARTIAL_S:-540}" python3 bench/gpu/partial_gpu.py ${PARTIAL_ARGS:-} \
   --out "$OUT/partial_rollout_gpu.json"
 has async && part async_vs_sync 540 python3 bench/gpu/async_vs_sync_gpu.py ${ASYNC_ARGS:-} --out "$OUT/async_vs_sync_gpu.json"

@@ -13,10 +13,14 @@ How (everything a graph needs is static):
   a finish, a retraction) kv.py builds new tensors and `adopt` copies them in, one copy per
   layer tensor; while the batch stays the same nothing is copied.
 - A step at width W writes column W of every row in place (index_copy_ with a device index) and
-  attends over all `capacity` columns; the mask, computed inside the graph from the rows' left
-  pads and W, hides every column outside [pad, W]. Masked columns contribute exact zeros.
-- One graph per batch bucket (1, 2, 4, ... max_rows), captured at first use. Rows between the
-  batch and its bucket are padding: token 0 at position 0, seeing only their own column.
+  attends over the columns of its column bucket (256, 512, ... capacity: the smallest holding
+  W + 1); the mask, computed inside the graph from the rows' left pads and W, hides every column
+  outside [pad, W]. Masked columns contribute exact zeros. Why buckets: attending over all 4,096
+  columns of a 64-row SmolLM2 batch at widths of ~800 made the GPU the bottleneck (11 ms per
+  step waiting on it, 28 steps/s; bench/results/engine_turns_h200.json).
+- One graph per (batch bucket, column bucket), batch buckets 1, 2, 4, ... max_rows, captured at
+  first use. Rows between the batch and its bucket are padding: token 0 at position 0, seeing
+  only their own column.
 - Weights are loaded by copy_ into the same parameter tensors (weights.py), so graphs stay valid
   across weight updates.
 - Models: all layers full attention (Llama, Qwen, SmolLM2). DSA (GLM) and sliding-window layers
@@ -69,8 +73,12 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def buckets(max_rows: int) -> list[int]:
-    out, b = [], 1
+COLUMN_BUCKET_MIN = 256  # the smallest column bucket; each one above doubles it, up to capacity
+
+
+def buckets(max_rows: int, first: int = 1) -> list[int]:
+    """first, 2 first, 4 first, ... below max_rows, then max_rows."""
+    out, b = [], first
     while b < max_rows:
         out.append(b)
         b *= 2
@@ -80,7 +88,8 @@ def buckets(max_rows: int) -> list[int]:
 class StaticDecoder:
     """Decode steps of up to `max_rows` rows and `capacity` KV columns on static buffers."""
 
-    def __init__(self, model, max_rows: int, capacity: int, use_graphs: bool | None = None) -> None:
+    def __init__(self, model, max_rows: int, capacity: int, use_graphs: bool | None = None,
+                 min_columns: int = COLUMN_BUCKET_MIN) -> None:
         why = unsupported_reason(model)
         if why:
             raise UnsupportedModel(f"static decode is not available for this model: {why}")
@@ -97,8 +106,9 @@ class StaticDecoder:
         self.column = torch.zeros(1, dtype=torch.long, device=self.device)  # W: where this step writes
         self.cols = torch.arange(capacity, device=self.device)
         self.buckets = buckets(max_rows)
-        self._caches: dict[int, DynamicCache] = {}
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.column_buckets = buckets(capacity, min(min_columns, capacity))
+        self._caches: dict[tuple[int, int], DynamicCache] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.stats = {"static_steps": 0, "adopts": 0, "graphs_captured": 0}
 
@@ -131,6 +141,7 @@ class StaticDecoder:
         the next-token logits [rows, vocab] and leaves `cache` holding `width + 1` columns."""
         rows = len(tokens)
         bucket = next(b for b in self.buckets if b >= rows)
+        key = (bucket, next(c for c in self.column_buckets if c > width))  # fits() keeps width < capacity
         if not self.backs(cache, rows):
             self.adopt(cache, rows, width)
         extra = bucket - rows  # padding rows: token 0 at position 0, seeing only column `width`
@@ -138,37 +149,39 @@ class StaticDecoder:
         self.rows_in[:bucket].copy_(staged, non_blocking=True)
         self.column.fill_(width)
         if self.use_graphs:
-            graph, logits = self._graph(bucket)
+            graph, logits = self._graph(key)
             graph.replay()
         else:
-            logits = self._forward(bucket)
+            logits = self._forward(key)
         for layer, k, v in zip(cache.layers, self.k, self.v):
             layer.keys, layer.values = k[:rows, :, : width + 1], v[:rows, :, : width + 1]
         self.stats["static_steps"] += 1
         return logits[:rows, -1]
 
-    def _forward(self, bucket: int) -> torch.Tensor:
-        cache = self._caches.get(bucket)
+    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
+        bucket, columns = key
+        cache = self._caches.get(key)
         if cache is None:
             cache = DynamicCache(config=self.model.config)
-            cache.layers = [_StaticLayer(k[:bucket], v[:bucket], self.column) for k, v in zip(self.k, self.v)]
-            self._caches[bucket] = cache
-        inp = self.rows_in[:bucket]
-        seen = (self.cols[None, :] >= inp[:, 2:3]) & (self.cols[None, :] <= self.column)
+            cache.layers = [_StaticLayer(k[:bucket, :, :columns], v[:bucket, :, :columns], self.column)
+                            for k, v in zip(self.k, self.v)]
+            self._caches[key] = cache
+        inp, cols = self.rows_in[:bucket], self.cols[None, :columns]
+        seen = (cols >= inp[:, 2:3]) & (cols <= self.column)
         out = self.model(input_ids=inp[:, 0:1], attention_mask=seen[:, None, None, :], position_ids=inp[:, 1:2],
                          cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits
 
-    def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        if bucket in self._graphs:
-            return self._graphs[bucket]
+    def _graph(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        if key in self._graphs:
+            return self._graphs[key]
         # Warm-up on a side stream (as torch.cuda.graphs asks) with this step's own inputs: it
         # writes the same column the replay writes.
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward(bucket)
+                self._forward(key)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -176,12 +189,13 @@ class StaticDecoder:
         try:
             # thread_local: a weight update's receive on another thread must not break the capture.
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                logits = self._forward(bucket)
+                logits = self._forward(key)
         except RuntimeError as exc:  # an op the model runs that capture refuses (a host sync, say)
-            raise GraphCaptureFailed(f"capturing the {bucket}-row decode step failed: {exc}") from exc
-        self._graphs[bucket] = (graph, logits)
+            raise GraphCaptureFailed(f"capturing the decode step of {key[0]} rows x {key[1]} columns "
+                                     f"failed: {exc}") from exc
+        self._graphs[key] = (graph, logits)
         self.stats["graphs_captured"] += 1
-        return self._graphs[bucket]
+        return self._graphs[key]
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
