@@ -34,17 +34,18 @@ def run(static_len: int, prepare=None) -> tuple[dict, dict]:
         h.close()
 
 
-def small_column_buckets(sched):  # 8, 16, 32, 40: the widths below cross every bucket
-    sched._static.column_buckets = buckets(CAPACITY, 8)
-    sched._seen_keys = sched._static._caches  # what the steps ran on (CPU: uncaptured, one cache per key)
-
-
 def test_static_decode_gives_the_eager_tokens_and_logprobs():
     eager, _ = run(0)
-    seen = {}
-    static, stats = run(CAPACITY, lambda sched: (small_column_buckets(sched), seen.update(keys=sched._seen_keys)))
+    decoders = []
+
+    def small_column_buckets(sched):  # 8, 16, 32, 40: the widths below cross every bucket
+        sched._static.column_buckets = buckets(CAPACITY, 8)
+        decoders.append(sched._static)
+
+    static, stats = run(CAPACITY, small_column_buckets)
     assert_same(static, eager)
-    assert {16, 32, 40} <= {columns for _, columns in seen["keys"]}  # the steps crossed the column buckets
+    # What the steps ran on (CPU: uncaptured, one cache per (rows, columns) bucket).
+    assert {16, 32, 40} <= {columns for _, columns in decoders[0]._caches}
     assert stats["static_steps"] > 0 and stats["adopts"] >= 2  # the batch changed and was copied in again
     # r6: 22 prompt tokens + 22 new run past 40 columns, so some of its steps decoded eagerly.
     assert stats["decode_steps"] > stats["static_steps"]

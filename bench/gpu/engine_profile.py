@@ -74,7 +74,10 @@ class ClosedLoop:
         self.prompt_tokens = 0
         self.lock = threading.Lock()
         for c in range(clients):
-            self.submit(c, self.prefixes[c // 8 % len(self.prefixes)], 1)
+            self.submit(c, self.prefix_of(c), 1)
+
+    def prefix_of(self, client: int) -> list[int]:
+        return self.prefixes[client // 8 % len(self.prefixes)]
 
     def submit(self, client: int, context: list[int], turn: int) -> None:
         from agentrl.rollout.embedded.request import GenRequest
@@ -82,9 +85,8 @@ class ClosedLoop:
         with self.lock:
             self.n += 1
             n = self.n
+            self.prompt_tokens += len(context) + self.tail
         ids = context + [(n * 31 + j) % (self.vocab - 10) + 5 for j in range(self.tail)]
-        with self.lock:
-            self.prompt_tokens += len(ids)
         self.sched.submit(GenRequest(rid=f"r{n}", input_ids=ids, max_new_tokens=self.new_tokens, params=self.params,
                                      on_done=lambda out, c=client, t=turn, p=ids: self.on_done(c, t, p, out),
                                      ignore_eos=True))
@@ -97,7 +99,7 @@ class ClosedLoop:
         if turn < self.turns and not out.error:
             self.submit(client, prompt + list(out.output_ids), turn + 1)
         else:
-            self.submit(client, self.prefixes[client // 8 % len(self.prefixes)], 1)
+            self.submit(client, self.prefix_of(client), 1)
 
 
 def same_greedy(model, args, static: int) -> dict:

@@ -11,8 +11,8 @@
 # 5.24.0, gguf), .carry/debs (bubblewrap .deb). Each part writes its JSON under $OUT and is bounded
 # by its own timeout so that one slow part cannot take the others' results with it.
 # PARTIAL_ARGS, ASYNC_ARGS and LEARN_ARGS pass more arguments to those parts' commands (LEARN_ARGS:
-# `--set KEY=VALUE` for the launcher). Arguments name the parts to run (default: all); `bash bench/gpu/pending.sh async` gives the async
-# run a call of its own, `bash bench/gpu/pending.sh kernels memory` the rest (neither needs Ray).
+# `--set KEY=VALUE` for the launcher). Arguments name the parts to run (default: all);
+# `bash bench/gpu/pending.sh async` gives the async run a call of its own, `bash bench/gpu/pending.sh kernels memory` the rest (neither needs Ray).
 #
 #   [V]  async vs sync on the H200 (bench/results/async_vs_sync_gpu.json)
 #   [V]  partial rollout off / tis / tis_lead on the H200 (`partial`; partial_rollout_gpu.json)

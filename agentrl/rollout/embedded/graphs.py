@@ -88,8 +88,7 @@ def buckets(max_rows: int, first: int = 1) -> list[int]:
 class StaticDecoder:
     """Decode steps of up to `max_rows` rows and `capacity` KV columns on static buffers."""
 
-    def __init__(self, model, max_rows: int, capacity: int, use_graphs: bool | None = None,
-                 min_columns: int = COLUMN_BUCKET_MIN) -> None:
+    def __init__(self, model, max_rows: int, capacity: int, use_graphs: bool | None = None) -> None:
         why = unsupported_reason(model)
         if why:
             raise UnsupportedModel(f"static decode is not available for this model: {why}")
@@ -106,7 +105,7 @@ class StaticDecoder:
         self.column = torch.zeros(1, dtype=torch.long, device=self.device)  # W: where this step writes
         self.cols = torch.arange(capacity, device=self.device)
         self.buckets = buckets(max_rows)
-        self.column_buckets = buckets(capacity, min(min_columns, capacity))
+        self.column_buckets = buckets(capacity, min(COLUMN_BUCKET_MIN, capacity))
         self._caches: dict[tuple[int, int], DynamicCache] = {}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None

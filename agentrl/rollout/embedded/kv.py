@@ -184,8 +184,8 @@ def stack(config, kvs: list[SeqKV | None], width: int) -> DynamicCache:
 
 
 def join(config, cache: DynamicCache | None, width: int, kvs: list[SeqKV], new_width: int) -> DynamicCache:
-    """The batch cache `cache` (rows right-aligned in `width` columns; None: no rows) with the rows
-    `kvs` appended below, every row right-aligned in `new_width` >= width columns.
+    """The batch cache `cache` (rows right-aligned in `width` columns; None or width 0: no rows) with
+    the rows `kvs` appended below, every row right-aligned in `new_width` >= width columns.
 
     The rows already there move with one copy per cache tensor, the new rows with one each. Taking
     every running row out (`extract`) and stacking them again costs a Python slice and a copy per

@@ -242,7 +242,8 @@ class Scheduler:
             return
         # The budget counts the tokens a prefill computes, not those the prefix cache holds: a turn
         # of a multi-turn episode re-sends its whole context (thousands of tokens) and computes only
-        # the last observation. Counting the context admitted about one such turn per 2K of budget.
+        # the last observation. Counting the context would admit four 2K-token turns per step at the
+        # default budget of 8,192, and prefill them in four forwards.
         room, budget, rows = self.max_batch_size - len(self._running), self.prefill_tokens_per_step, []
         while self._waiting and room > 0:
             row = self._prefill_row(self._waiting[0])
@@ -267,8 +268,7 @@ class Scheduler:
                     self._finish(row.seq, {"type": "abort", "message": error}, error=error)
         if joined:
             width = max(self._width, *(s.kv_len for s in joined))
-            self._cache = kvlib.join(self.model.config, self._cache if self._running else None, self._width,
-                                     [s.kv for s in joined], width)
+            self._cache = kvlib.join(self.model.config, self._cache, self._width, [s.kv for s in joined], width)
             self._running, self._width = self._running + joined, width
             for s in joined:
                 s.kv = None
