@@ -17,7 +17,8 @@ How (everything a graph needs is static):
   W + 1); the mask, computed inside the graph from the rows' left pads and W, hides every column
   outside [pad, W]. Masked columns contribute exact zeros. Why buckets: attending over all 4,096
   columns of a 64-row SmolLM2 batch at widths of ~800 made the GPU the bottleneck (11 ms per
-  step waiting on it, 28 steps/s; bench/results/engine_turns_h200.json).
+  step waiting on it, 28 steps/s; bench/results/engine_turns_h200.json); with buckets 4.2 ms and
+  45 steps/s (bench/results/engine_column_buckets_h200.json).
 - One graph per (batch bucket, column bucket), batch buckets 1, 2, 4, ... max_rows, captured at
   first use. Rows between the batch and its bucket are padding: token 0 at position 0, seeing
   only their own column.
