@@ -46,9 +46,38 @@ def test_static_decode_gives_the_eager_tokens_and_logprobs():
     assert_same(static, eager)
     # What the steps ran on (CPU: uncaptured, one cache per (rows, columns) bucket).
     assert {16, 32, 40} <= {columns for _, columns in decoders[0]._caches}
-    assert stats["static_steps"] > 0 and stats["adopts"] >= 2  # the batch changed and was copied in again
+    assert stats["static_steps"] > 0 and stats["joins_in_place"] >= 2  # admissions written in place
     # r6: 22 prompt tokens + 22 new run past 40 columns, so some of its steps decoded eagerly.
     assert stats["decode_steps"] > stats["static_steps"]
+
+
+def test_a_batch_changing_at_every_step_in_place_gives_the_eager_tokens(monkeypatch):
+    """Requests arriving one by one and stopping at different lengths, as an agent's do: the static
+    buffers take each admission in place (running rows shifted right when a longer prompt joins),
+    fill finished rows' slots with the last rows and shift left over common padding."""
+    import agentrl.rollout.embedded.graphs as graphs
+
+    monkeypatch.setattr(graphs, "DROP_MIN_COLUMNS", 3)
+
+    def play(static_len: int):
+        # At most 3 rows: each finish lets a waiting request into the running batch.
+        h = Harness(llama_model(), max_batch_size=3, static_decode_len=static_len)
+        try:
+            futs = {}
+            for i in range(14):
+                prompt = ids(3 + (7 * i) % 11 + (14 if i in (5, 9) else 0), 60 + i)  # 5 and 9: longer prompts
+                futs[f"s{i}"] = h.submit(f"s{i}", prompt, max_new=2 + (5 * i) % 9)
+            return {rid: f.result(timeout=60) for rid, f in futs.items()}, h.sched.stats()
+        finally:
+            h.close()
+
+    eager, _ = play(0)
+    static, stats = play(64)
+    assert_same(static, eager)
+    assert stats["adopts"] == 0  # never rebuilt by copy
+    assert stats["joins_in_place"] >= 5 and stats["removes_in_place"] >= 5, stats
+    assert stats["right_shifts"] >= 1 and stats["left_shifts"] >= 1, stats
+    assert stats["static_steps"] == stats["decode_steps"]
 
 
 def test_a_failed_graph_capture_turns_static_decode_off_and_loses_no_request():

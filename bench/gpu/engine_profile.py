@@ -47,11 +47,16 @@ def build(name: str, device: str, dtype: str):
 
         from agentrl.models.arch import SMOLLM2_135M as a
 
-        assert name == a.name, name
+        narrow = name == a.name + "-narrow"
+        assert name == a.name or narrow, name
+        # narrow: SmolLM2's 30 layers and head layout at 1/8 of the width and a 4K vocabulary, so that
+        # on a CPU, as on the H200, a step costs its ~400 op launches more than its arithmetic: the
+        # scheduler's host costs can be measured and compared there.
         # The registry's shapes; the rest (which the registry does not hold) from SmolLM2-135M-Instruct's
         # config.json, since its real config lives in the GGUF this script avoids carrying.
         model = AutoModelForCausalLM.from_config(LlamaConfig(
-            vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.dense_intermediate_size,
+            vocab_size=4096 if narrow else a.vocab_size, hidden_size=a.hidden_size // (8 if narrow else 1),
+            intermediate_size=a.dense_intermediate_size // (8 if narrow else 1),
             num_hidden_layers=a.num_layers, num_attention_heads=a.num_attention_heads, num_key_value_heads=3,
             max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True))
     return model.to(device=device, dtype=getattr(torch, dtype)).eval()
@@ -64,20 +69,37 @@ class ClosedLoop:
     new conversation starts from the shared prefix."""
 
     def __init__(self, sched, clients: int, prefix: int, tail: int, new_tokens: int, vocab: int,
-                 turns: int = 1) -> None:
+                 turns: int = 1, think_s: float = 0.0, min_new_tokens: int | None = None) -> None:
+        import random
+
         from agentrl.rollout.embedded.sampling import RowParams
 
         self.sched, self.new_tokens, self.vocab, self.turns = sched, new_tokens, vocab, turns
+        # An agent's episodes do not answer at once nor stop together: a client waits an exponential
+        # time of mean think_s (the sandbox: create, run the command, score) before each request, and
+        # each request stops after a length drawn in [min_new_tokens, new_tokens] (an EOS).
+        self.think_s, self.min_new = think_s, new_tokens if min_new_tokens is None else min_new_tokens
+        self.rng = random.Random(0)
         self.params = RowParams(temperature=1.0, top_p=1.0, top_k=0)
         self.prefixes = [[(7 * g + 13 * j) % (vocab - 10) + 5 for j in range(prefix)] for g in range(max(clients // 8, 1))]
         self.tail, self.n, self.done_tokens, self.stopped = tail, 0, 0, False
         self.prompt_tokens = 0
         self.lock = threading.Lock()
         for c in range(clients):
-            self.submit(c, self.prefix_of(c), 1)
+            self.later(c, self.prefix_of(c), 1)
 
     def prefix_of(self, client: int) -> list[int]:
         return self.prefixes[client // 8 % len(self.prefixes)]
+
+    def later(self, client: int, context: list[int], turn: int) -> None:
+        """Submit now, or after a think time when think_s is set."""
+        if self.think_s <= 0:
+            return self.submit(client, context, turn)
+        with self.lock:
+            delay = self.rng.expovariate(1.0 / self.think_s)
+        t = threading.Timer(delay, lambda: None if self.stopped else self.submit(client, context, turn))
+        t.daemon = True
+        t.start()
 
     def submit(self, client: int, context: list[int], turn: int) -> None:
         from agentrl.rollout.embedded.request import GenRequest
@@ -86,8 +108,9 @@ class ClosedLoop:
             self.n += 1
             n = self.n
             self.prompt_tokens += len(context) + self.tail
+            new = self.rng.randint(self.min_new, self.new_tokens)
         ids = context + [(n * 31 + j) % (self.vocab - 10) + 5 for j in range(self.tail)]
-        self.sched.submit(GenRequest(rid=f"r{n}", input_ids=ids, max_new_tokens=self.new_tokens, params=self.params,
+        self.sched.submit(GenRequest(rid=f"r{n}", input_ids=ids, max_new_tokens=new, params=self.params,
                                      on_done=lambda out, c=client, t=turn, p=ids: self.on_done(c, t, p, out),
                                      ignore_eos=True))
 
@@ -97,14 +120,16 @@ class ClosedLoop:
         if self.stopped:
             return
         if turn < self.turns and not out.error:
-            self.submit(client, prompt + list(out.output_ids), turn + 1)
+            self.later(client, prompt + list(out.output_ids), turn + 1)
         else:
-            self.submit(client, self.prefix_of(client), 1)
+            self.later(client, self.prefix_of(client), 1)
 
 
 def same_greedy(model, args, static: int) -> dict:
-    """Greedy outputs of one batch of requests, eager against static decode (CUDA graphs on a GPU):
-    whether every token matches, and the largest logprob difference."""
+    """Greedy outputs of 24 requests of different lengths through a batch of at most 8 rows (so that
+    requests join a running batch and leave it out of order), eager against static decode (CUDA
+    graphs on a GPU): whether every token matches, the largest logprob difference, and the static
+    decoder's counters (in-place joins and removes, shifts)."""
     from concurrent.futures import Future
 
     from agentrl.rollout.embedded.graphs import unsupported_reason
@@ -118,7 +143,7 @@ def same_greedy(model, args, static: int) -> dict:
     greedy = RowParams(temperature=0.0, top_p=1.0, top_k=0)
     outs = []
     for length in (0, static):
-        sched = Scheduler(model, max_batch_size=args.max_batch_size, static_decode_len=length)
+        sched = Scheduler(model, max_batch_size=8, static_decode_len=length)
         sched.start()
         futs = []
         for i in range(min(args.max_batch_size, 24)):
@@ -128,10 +153,12 @@ def same_greedy(model, args, static: int) -> dict:
                                     on_done=fut.set_result, ignore_eos=True))
             futs.append(fut)
         outs.append([f.result(timeout=300) for f in futs])
+        counters = {k: v for k, v in sched.stats().items() if k in ("adopts", "joins_in_place", "removes_in_place",
+                                                                    "left_shifts", "right_shifts", "static_steps")}
         sched.stop()
     tokens = all(a.output_ids == b.output_ids for a, b in zip(*outs))
     diff = max(abs(x - y) for a, b in zip(*outs) for x, y in zip(a.logprobs, b.logprobs))
-    return {"available": True, "tokens_equal": tokens, "max_logprob_diff": diff}
+    return {"available": True, "tokens_equal": tokens, "max_logprob_diff": diff, "static_counters": counters}
 
 
 def measure(args, name: str) -> dict:
@@ -151,7 +178,8 @@ def measure(args, name: str) -> dict:
         key = str(clients) + (f"_static{static}" if static else "") + (f"_wait{wait}" if wait else "")
         sched = Scheduler(model, max_batch_size=args.max_batch_size, static_decode_len=static, admit_wait_steps=wait)
         sched.start()
-        load = ClosedLoop(sched, clients, args.prefix_tokens, args.tail_tokens, args.new_tokens, vocab, args.turns)
+        load = ClosedLoop(sched, clients, args.prefix_tokens, args.tail_tokens, args.new_tokens, vocab, args.turns,
+                          args.think_s, args.min_new_tokens)
         time.sleep(args.warmup_s)
         s0, t0, g0, c0, cpu0 = sched.stats(), time.perf_counter(), load.done_tokens, calls[0], time.process_time()
         n0, p0 = load.n, load.prompt_tokens
@@ -182,7 +210,8 @@ def measure(args, name: str) -> dict:
     # last variant's settings, at the most clients.
     clients, (static, wait) = max(args.clients), args.variant[-1]
     sched = Scheduler(model, max_batch_size=args.max_batch_size, static_decode_len=static, admit_wait_steps=wait)
-    load = ClosedLoop(sched, clients, args.prefix_tokens, args.tail_tokens, args.new_tokens, vocab, args.turns)
+    load = ClosedLoop(sched, clients, args.prefix_tokens, args.tail_tokens, args.new_tokens, vocab, args.turns,
+                          args.think_s, args.min_new_tokens)
     timer = threading.Timer(args.seconds, lambda: (setattr(load, "stopped", True), sched.stop(0)))
     timer.start()
     prof = cProfile.Profile()
@@ -209,7 +238,7 @@ def variant(text: str) -> tuple[int, int]:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", action="append", help="repeatable (default: smollm2-135m and tiny)")
+    ap.add_argument("--model", action="append", help="repeatable: smollm2-135m, smollm2-135m-narrow (host-bound on a CPU), tiny (default: smollm2-135m and tiny)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--clients", type=int, action="append", help="repeatable (default: 8, 32, 64)")
@@ -219,6 +248,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--turns", type=int, default=1,
                     help="turns per client conversation (each re-sends its context: prefix-cache hits)")
+    ap.add_argument("--think-s", type=float, default=0.0,
+                    help="mean time (exponential) a client waits before each request, as an episode waits on its "
+                         "sandbox; 0: at once (the clients stay in step)")
+    ap.add_argument("--min-new-tokens", type=int, default=None,
+                    help="each request stops after a length drawn in [this, --new-tokens] (an EOS); default: "
+                         "--new-tokens")
     ap.add_argument("--warmup-s", type=float, default=4.0)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--variant", action="append", type=variant, metavar="STATIC:WAIT",

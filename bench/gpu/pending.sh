@@ -23,7 +23,8 @@
 #   [V]  `engine`: the embedded engine eager, static decode (CUDA graphs, rollout.embedded.
 #        static_decode_len) and static with gathered admission (admit_wait_steps), SmolLM2 shapes,
 #        8/32/64 clients, with the greedy-equality check (engine_static_h200.json); needs
-#        transformers 5.24 from .carry/wheels
+#        transformers 5.24 from .carry/wheels. `engine_agent`: the same under an agent's load (clients
+#        that think ~THINK_S s between one-turn requests of 8-48 tokens), BASELINE beside it
 #   [G]  `learning`: configs/gpu_smollm2.yaml through the launcher for LEARN_TRAIN_S seconds, stopped by
 #        SIGTERM (the launcher's clean stop); called again on the same warm machine it resumes from
 #        runs/gpu_smollm2's last checkpoint (every 10 steps), so back-to-back calls add up to a long
@@ -76,6 +77,14 @@ has engine_turns && [ -n "${BASELINE:-}" ] && (cd "$BASELINE" && part engine_tur
   python3 bench/gpu/engine_profile.py "${ENGINE_TURNS[@]}" --out "$OUT/engine_turns_baseline_h200.json")
 has engine_turns && part engine_turns 280 python3 bench/gpu/engine_profile.py "${ENGINE_TURNS[@]}" \
   --out "$OUT/engine_turns_h200.json"
+# engine_agent: an agent's load: 64 clients each waiting ~THINK_S (exponential; the sandbox) before a
+# one-turn request that stops after 8-48 tokens, so the batch changes at most steps; BASELINE as above.
+ENGINE_AGENT=(--device cuda --model smollm2-135m --clients 64 --think-s "${THINK_S:-1.0}" --min-new-tokens 8 \
+  --new-tokens 48 --variant "${STATIC_LEN:-2048}:0" --variant "${STATIC_LEN:-2048}:8" --seconds 8 --warmup-s 3)
+has engine_agent && [ -n "${BASELINE:-}" ] && (cd "$BASELINE" && part engine_agent_baseline 200 \
+  python3 bench/gpu/engine_profile.py "${ENGINE_AGENT[@]}" --out "$OUT/engine_agent_baseline_h200.json")
+has engine_agent && part engine_agent 200 python3 bench/gpu/engine_profile.py "${ENGINE_AGENT[@]}" \
+  --out "$OUT/engine_agent_h200.json"
 has partial && part partial "${PARTIAL_S:-540}" python3 bench/gpu/partial_gpu.py ${PARTIAL_ARGS:-} \
   --out "$OUT/partial_rollout_gpu.json"
 has async && part async_vs_sync 540 python3 bench/gpu/async_vs_sync_gpu.py ${ASYNC_ARGS:-} --out "$OUT/async_vs_sync_gpu.json"

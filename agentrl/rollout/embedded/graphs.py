@@ -9,9 +9,13 @@ launch, so a decode step costs its GPU time; SGLang does the same per batch-size
 How (everything a graph needs is static):
 - KV storage per layer, keys and values [max_rows, kv_heads, capacity, head_dim], allocated once.
   The scheduler's batch cache (kv.py: rows right-aligned in `width` columns) is *backed* by it:
-  its layers are views of rows [0, B) and columns [0, width). When the batch changes (admission,
-  a finish, a retraction) kv.py builds new tensors and `adopt` copies them in, one copy per
-  layer tensor; while the batch stays the same nothing is copied.
+  its layers are views of rows [0, B) and columns [0, width). The batch changes in place: `join`
+  writes only the admitted rows (the running ones move only when the new width is larger), and
+  `remove` fills the finished rows' slots with the last rows and drops common left padding only
+  when that saves a column bucket or DROP_MIN_COLUMNS columns. Why: an agent's requests arrive
+  and stop one by one, so the batch changes at most steps; rebuilding it by copy (kv.py's join /
+  select_rows over the whole capacity, then `adopt` copying it back in) moved every running row
+  twice per change. A batch that kv.py built (after an eager stretch) is copied in by `adopt`.
 - A step at width W writes column W of every row in place (index_copy_ with a device index) and
   attends over the columns of its column bucket (256, 512, ... capacity: the smallest holding
   W + 1); the mask, computed inside the graph from the rows' left pads and W, hides every column
@@ -75,6 +79,10 @@ def unsupported_reason(model) -> str | None:
 
 
 COLUMN_BUCKET_MIN = 256  # the smallest column bucket; each one above doubles it, up to capacity
+# `remove` shifts the rows left over their common padding (a copy of the whole batch) only when
+# that many columns or more are padding everywhere, or when it moves the batch to a smaller column
+# bucket, or when the batch nears capacity: one shift per ~64 decode steps at most, not one per finish.
+DROP_MIN_COLUMNS = 64
 
 
 def buckets(max_rows: int, first: int = 1) -> list[int]:
@@ -110,7 +118,8 @@ class StaticDecoder:
         self._caches: dict[tuple[int, int], DynamicCache] = {}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
-        self.stats = {"static_steps": 0, "adopts": 0, "graphs_captured": 0}
+        self.stats = {"static_steps": 0, "adopts": 0, "graphs_captured": 0, "joins_in_place": 0,
+                      "removes_in_place": 0, "left_shifts": 0, "right_shifts": 0}
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -134,6 +143,70 @@ class StaticDecoder:
             kvlib._set_layer(layer, {"keys": k[:rows, :, :width], "values": v[:rows, :, :width]},
                              {"keys": k[:rows], "values": v[:rows]})
         self.stats["adopts"] += 1
+
+    def _view(self, cache: DynamicCache, rows: int, width: int) -> None:
+        for layer, k, v in zip(cache.layers, self.k, self.v):
+            kvlib._set_layer(layer, {"keys": k[:rows, :, :width], "values": v[:rows, :, :width]},
+                             {"keys": k[:rows], "values": v[:rows]})
+
+    def _column_bucket(self, width: int) -> int:
+        return next((c for c in self.column_buckets if c > width), self.capacity + 1)
+
+    def join(self, cache: DynamicCache | None, rows: int, width: int, kvs: list[kvlib.SeqKV],
+             new_width: int) -> DynamicCache | None:
+        """kv.join in place: the batch `cache` (`rows` rows right-aligned in `width` columns, held in
+        these buffers; None or no rows: empty) with `kvs` appended below, every row right-aligned in
+        `new_width` >= width columns. Only the new rows are written, plus the running ones shifted
+        right when new_width > width. None when the batch is not held here or would not fit (the
+        caller then joins by copy). Columns left of a row's start keep whatever finite K/V they held:
+        the masks hide them and nothing there is NaN (every write is a computed K/V)."""
+        total = rows + len(kvs)
+        if total > self.max_rows or not self.fits(total, new_width) or (rows and not self.backs(cache, rows)):
+            return None
+        if not rows:
+            cache, width = kvlib.new_cache(self.model.config), new_width
+        shift = new_width - width
+        for li, (k, v) in enumerate(zip(self.k, self.v)):
+            for name, buf in (("keys", k), ("values", v)):
+                if shift:
+                    buf[:rows, :, shift:new_width].copy_(buf[:rows, :, :width].clone())
+                for j, kv in enumerate(kvs):
+                    src = kv[li][name]
+                    buf[rows + j, :, new_width - src.shape[2]:new_width].copy_(src[0])
+        self._view(cache, total, new_width)
+        self.stats["joins_in_place"] += 1
+        self.stats["right_shifts"] += bool(shift and rows)
+        return cache
+
+    def remove(self, cache: DynamicCache, rows: int, width: int, keep: list[int],
+               drop_left: int) -> tuple[list[int], int] | None:
+        """Keep rows `keep` (ascending) of the batch held here, in place: the slots of finished rows
+        below len(keep) take the last kept rows (one row copy each); the common left padding
+        `drop_left` is dropped only as DROP_MIN_COLUMNS says. Returns (order, width): the old row of
+        each new row, and the new width. None when the batch is not held here."""
+        if not self.backs(cache, rows):
+            return None
+        n, kept = len(keep), set(keep)
+        holes = [i for i in range(n) if i not in kept]
+        movers = [i for i in keep if i >= n]
+        order = [i if i in kept else 0 for i in range(n)]
+        for hole, mover in zip(holes, movers):
+            order[hole] = mover
+        if holes:
+            src = torch.tensor(movers, dtype=torch.long, device=self.device)
+            dst = torch.tensor(holes, dtype=torch.long, device=self.device)
+            for buf in self.k + self.v:
+                cols = buf.narrow(2, 0, width)
+                cols.index_copy_(0, dst, cols.index_select(0, src))
+        if drop_left and (drop_left >= DROP_MIN_COLUMNS or width + DROP_MIN_COLUMNS >= self.capacity
+                          or self._column_bucket(width - drop_left) < self._column_bucket(width)):
+            for buf in self.k + self.v:
+                buf[:n, :, : width - drop_left].copy_(buf[:n, :, drop_left:width].clone())
+            width -= drop_left
+            self.stats["left_shifts"] += 1
+        self._view(cache, n, width)
+        self.stats["removes_in_place"] += 1
+        return order, width
 
     def step(self, cache: DynamicCache, tokens: list[int], positions: list[int], pads: list[int],
              width: int) -> torch.Tensor:

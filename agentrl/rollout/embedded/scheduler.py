@@ -268,7 +268,10 @@ class Scheduler:
                     self._finish(row.seq, {"type": "abort", "message": error}, error=error)
         if joined:
             width = max(self._width, *(s.kv_len for s in joined))
-            self._cache = kvlib.join(self.model.config, self._cache, self._width, [s.kv for s in joined], width)
+            kvs, cache = [s.kv for s in joined], None
+            if self._static is not None:  # in place when the batch lives in the static buffers
+                cache = self._static.join(self._cache, len(self._running), self._width, kvs, width)
+            self._cache = cache or kvlib.join(self.model.config, self._cache, self._width, kvs, width)
             self._running, self._width = self._running + joined, width
             for s in joined:
                 s.kv = None
@@ -419,11 +422,18 @@ class Scheduler:
             seq = self._running[i]
             self._finish(seq, reason, keep_kv=kvlib.extract(self._cache, i, self._width - seq.kv_len, seq.kv_len))
         keep = [i for i in range(len(self._running)) if i not in gone]
-        self._running = [self._running[i] for i in keep]
         if not keep:
-            self._cache, self._width = None, 0
+            self._running, self._cache, self._width = [], None, 0
             return
-        drop = min(self._width - s.kv_len for s in self._running)
+        drop = min(self._width - self._running[i].kv_len for i in keep)
+        placed = None
+        if self._static is not None:  # in place when the batch lives in the static buffers
+            placed = self._static.remove(self._cache, len(self._running), self._width, keep, drop)
+        if placed is not None:
+            order, self._width = placed
+            self._running = [self._running[i] for i in order]
+            return
+        self._running = [self._running[i] for i in keep]
         kvlib.select_rows(self._cache, keep, drop)
         self._width -= drop
 
