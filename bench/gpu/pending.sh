@@ -92,6 +92,8 @@ if has learning; then
   part learning_train "${LEARN_TRAIN_S:-540}" python3 launchers/run_glm5_2_daytona.py train --config gpu_smollm2 \
     ${LEARN_ARGS:-}
   cp runs/gpu_smollm2/metrics.jsonl "$OUT/learning_gpu_metrics.jsonl" 2>/dev/null
+  # the last episodes' transcripts: their timings say where an episode's time went (engine or sandbox)
+  tail -n 300 runs/gpu_smollm2/transcripts/worker_0.jsonl > "$OUT/learning_gpu_transcripts_tail.jsonl" 2>/dev/null
 fi
 if has learning_eval; then
   part learning_eval "${LEARN_EVAL_S:-540}" python3 -m agentrl.cli bench learning runs/gpu_smollm2 \
