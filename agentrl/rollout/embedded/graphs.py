@@ -107,9 +107,12 @@ class StaticDecoder:
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         heads = cfg.num_key_value_heads
         dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (max_rows, heads, capacity, dim)
-        self.k = [torch.zeros(shape, dtype=p.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=p.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        # One tensor [2 (keys, values), layers, rows, heads, capacity, dim]; self.k[i] / self.v[i] are
+        # its layer views. Why one: moving, shifting or copying out a row is then one kernel for every
+        # layer at once, not one per layer tensor (60 for SmolLM2); on a GPU each is a launch.
+        self.layers = cfg.num_hidden_layers
+        self.kv = torch.zeros((2, self.layers, max_rows, heads, capacity, dim), dtype=p.dtype, device=self.device)
+        self.k, self.v = list(self.kv[0].unbind(0)), list(self.kv[1].unbind(0))
         self.rows_in = torch.zeros(max_rows, 3, dtype=torch.long, device=self.device)  # token, position, pad
         self.column = torch.zeros(1, dtype=torch.long, device=self.device)  # W: where this step writes
         self.cols = torch.arange(capacity, device=self.device)
@@ -122,7 +125,7 @@ class StaticDecoder:
                       "removes_in_place": 0, "left_shifts": 0, "right_shifts": 0}
 
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return self.kv.numel() * self.kv.element_size()
 
     def fits(self, rows: int, width: int) -> bool:
         return rows <= self.max_rows and width + 1 <= self.capacity
@@ -166,13 +169,13 @@ class StaticDecoder:
         if not rows:
             cache, width = kvlib.new_cache(self.model.config), new_width
         shift = new_width - width
-        for li, (k, v) in enumerate(zip(self.k, self.v)):
-            for name, buf in (("keys", k), ("values", v)):
-                if shift:
-                    buf[:rows, :, shift:new_width].copy_(buf[:rows, :, :width].clone())
-                for j, kv in enumerate(kvs):
-                    src = kv[li][name]
-                    buf[rows + j, :, new_width - src.shape[2]:new_width].copy_(src[0])
+        if shift and rows:
+            live = self.kv[:, :, :rows]
+            live.narrow(4, shift, width).copy_(live.narrow(4, 0, width).clone())
+        for j, kv in enumerate(kvs):
+            n = kvlib.seq_len(kv)
+            src = torch.stack([layer[name][0] for name in ("keys", "values") for layer in kv])  # [2L, H, n, D]
+            self.kv[:, :, rows + j].narrow(3, new_width - n, n).copy_(src.view(2, self.layers, *src.shape[1:]))
         self._view(cache, total, new_width)
         self.stats["joins_in_place"] += 1
         self.stats["right_shifts"] += bool(shift and rows)
@@ -195,18 +198,25 @@ class StaticDecoder:
         if holes:
             src = torch.tensor(movers, dtype=torch.long, device=self.device)
             dst = torch.tensor(holes, dtype=torch.long, device=self.device)
-            for buf in self.k + self.v:
-                cols = buf.narrow(2, 0, width)
-                cols.index_copy_(0, dst, cols.index_select(0, src))
+            cols = self.kv.narrow(4, 0, width)
+            cols.index_copy_(2, dst, cols.index_select(2, src))
         if drop_left and (drop_left >= DROP_MIN_COLUMNS or width + DROP_MIN_COLUMNS >= self.capacity
                           or self._column_bucket(width - drop_left) < self._column_bucket(width)):
-            for buf in self.k + self.v:
-                buf[:n, :, : width - drop_left].copy_(buf[:n, :, drop_left:width].clone())
+            live = self.kv[:, :, :n]
+            live.narrow(4, 0, width - drop_left).copy_(live.narrow(4, drop_left, width - drop_left).clone())
             width -= drop_left
             self.stats["left_shifts"] += 1
         self._view(cache, n, width)
         self.stats["removes_in_place"] += 1
         return order, width
+
+    def copy_row(self, cache: DynamicCache, rows: int, row: int, start: int, length: int) -> kvlib.SeqKV | None:
+        """A copy of row `row`, columns [start, start + length), of the batch held here, made with one
+        kernel (its layers are views of that copy); None when the batch is not held here."""
+        if not self.backs(cache, rows):
+            return None
+        c = self.kv[:, :, row : row + 1].narrow(4, start, length).clone()
+        return [{"keys": c[0, i], "values": c[1, i]} for i in range(self.layers)]
 
     def step(self, cache: DynamicCache, tokens: list[int], positions: list[int], pads: list[int],
              width: int) -> torch.Tensor:

@@ -418,9 +418,13 @@ class Scheduler:
     def _remove_rows(self, done: list[tuple[int, dict]]) -> None:
         """Finish the given rows of the running batch and shrink the batch cache."""
         gone = {i for i, _ in done}
+        rows = len(self._running)
         for i, reason in done:
             seq = self._running[i]
-            self._finish(seq, reason, keep_kv=kvlib.extract(self._cache, i, self._width - seq.kv_len, seq.kv_len))
+            start = self._width - seq.kv_len
+            owned = self._static.copy_row(self._cache, rows, i, start, seq.kv_len) if self._static else None
+            kv = owned if owned is not None else kvlib.extract(self._cache, i, start, seq.kv_len)
+            self._finish(seq, reason, keep_kv=kv, kv_owned=owned is not None)
         keep = [i for i in range(len(self._running)) if i not in gone]
         if not keep:
             self._running, self._cache, self._width = [], None, 0
@@ -469,13 +473,15 @@ class Scheduler:
             self._finish(seq, {"type": "abort", "message": error}, error=error)
         self._running, self._admitting, self._cache, self._width = [], [], None, 0
 
-    def _finish(self, seq: SeqState, reason: dict, keep_kv: kvlib.SeqKV | None = None, error: str | None = None) -> None:
+    def _finish(self, seq: SeqState, reason: dict, keep_kv: kvlib.SeqKV | None = None, error: str | None = None,
+                kv_owned: bool = False) -> None:
+        """`kv_owned`: keep_kv is already a copy of its own (else views, cloned here)."""
         if seq.done:
             return
         seq.done = True
         if keep_kv is not None and seq.kv_len > 0:
             # Cloned so the entry does not pin the whole batch tensor it was sliced from.
-            self.prefix.insert(seq.tokens[: seq.kv_len], _clone(keep_kv), self.epoch)
+            self.prefix.insert(seq.tokens[: seq.kv_len], keep_kv if kv_owned else _clone(keep_kv), self.epoch)
         with self._cv:
             self._stats["requests_done"] += 1
         out = GenOutput(
