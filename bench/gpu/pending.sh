@@ -81,10 +81,14 @@ has engine_turns && part engine_turns 280 python3 bench/gpu/engine_profile.py "$
 # one-turn request that stops after 8-48 tokens, so the batch changes at most steps; BASELINE as above.
 ENGINE_AGENT=(--device cuda --model smollm2-135m --clients 64 --think-s "${THINK_S:-1.0}" --min-new-tokens 8 \
   --new-tokens 48 --variant "${STATIC_LEN:-2048}:0" --variant "${STATIC_LEN:-2048}:8" --seconds 8 --warmup-s 3)
-has engine_agent && [ -n "${BASELINE:-}" ] && (cd "$BASELINE" && part engine_agent_baseline 200 \
-  python3 bench/gpu/engine_profile.py "${ENGINE_AGENT[@]}" --out "$OUT/engine_agent_baseline_h200.json")
-has engine_agent && part engine_agent 200 python3 bench/gpu/engine_profile.py "${ENGINE_AGENT[@]}" \
-  --out "$OUT/engine_agent_h200.json"
+# Order baseline, this checkout, this checkout, baseline: a drift of the machine shows as a gap
+# between the two runs of one side.
+agent() { (cd "$1" && part "$2" 150 python3 bench/gpu/engine_profile.py "${ENGINE_AGENT[@]}" --out "$OUT/$2.json"); }
+if has engine_agent && [ -n "${BASELINE:-}" ]; then
+  agent "$BASELINE" engine_agent_baseline1; agent . engine_agent1; agent . engine_agent2; agent "$BASELINE" engine_agent_baseline2
+elif has engine_agent; then
+  agent . engine_agent1
+fi
 has partial && part partial "${PARTIAL_S:-540}" python3 bench/gpu/partial_gpu.py ${PARTIAL_ARGS:-} \
   --out "$OUT/partial_rollout_gpu.json"
 has async && part async_vs_sync 540 python3 bench/gpu/async_vs_sync_gpu.py ${ASYNC_ARGS:-} --out "$OUT/async_vs_sync_gpu.json"
