@@ -86,3 +86,20 @@ def test_weight_sync_bench_updates_the_engine(tmp_path):
     assert m["gbps_median"] == pytest.approx(m["bytes"] / m["sync_s_median"] / 1e9)
     assert m["gbps_best"] >= m["gbps_median"] and m["sync_s_min"] <= m["sync_s_median"]
     assert m["sync_paused_s_median"] <= m["sync_s_median"]  # the engine pauses only within the update
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (the local sandbox)")
+def test_episode_host_bench_plays_real_episodes_and_reports_their_phases(tmp_path):
+    from bench.episode_host import main
+
+    out = tmp_path / "episode_host.json"
+    assert main(["--config", "gpu_smollm2", "--set", "model.name=tiny", "--episodes", "3", "--concurrency", "2",
+                 "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["outcomes"] == {"scored": 3}  # played to the tests' verdict: real sandboxes, real scoring
+    assert r["tasks"] == 272  # gpu_smollm2's whole training pool
+    assert r["episodes_per_s"] == pytest.approx(3 / r["wall_s"], rel=0.02)
+    for phase in ("env_s", "score_s", "close_s", "total_s"):
+        q = r["phase_s"][phase]
+        assert 0 < q["median"] <= q["p90"] <= r["phase_s"]["total_s"]["p90"]
+    assert r["children_cpu_ms_per_episode"] > 0  # the sandboxes ran as child processes

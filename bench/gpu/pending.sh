@@ -25,6 +25,8 @@
 #        8/32/64 clients, with the greedy-equality check (engine_static_h200.json); needs
 #        transformers 5.24 from .carry/wheels. `engine_agent`: the same under an agent's load (clients
 #        that think ~THINK_S s between one-turn requests of 8-48 tokens), BASELINE beside it
+#   [G]  `episode_host`: the loop's sandbox side alone (bench/episode_host.py); needs .carry/wheels
+#        and .carry/debs only
 #   [G]  `learning`: configs/gpu_smollm2.yaml through the launcher for LEARN_TRAIN_S seconds, stopped by
 #        SIGTERM (the launcher's clean stop); called again on the same warm machine it resumes from
 #        runs/gpu_smollm2's last checkpoint (every 10 steps), so back-to-back calls add up to a long
@@ -92,9 +94,17 @@ fi
 has partial && part partial "${PARTIAL_S:-540}" python3 bench/gpu/partial_gpu.py ${PARTIAL_ARGS:-} \
   --out "$OUT/partial_rollout_gpu.json"
 has async && part async_vs_sync 540 python3 bench/gpu/async_vs_sync_gpu.py ${ASYNC_ARGS:-} --out "$OUT/async_vs_sync_gpu.json"
+# episode_host: the episode loop's host side alone (real sandboxes and tests, generation answered at
+# once; bench/episode_host.py): is this machine's sandbox path slow by itself? Needs no Ray, no model.
+has episode_host && part episode_host 240 python3 bench/episode_host.py --config gpu_smollm2 --set model.name=tiny \
+  --episodes "${HOST_EPISODES:-256}" --concurrency 64 --out "$OUT/episode_host_gpu_machine.json"
 if has learning; then
+  # what the machine's cores do during the run (every 30 s): which processes hold the CPU
+  (while sleep 30; do date +%T; top -b -n 1 -w 200 | head -25; done) > "$OUT/learning_top.txt" 2>&1 &
+  topper=$!
   part learning_train "${LEARN_TRAIN_S:-540}" python3 launchers/run_glm5_2_daytona.py train --config gpu_smollm2 \
     ${LEARN_ARGS:-}
+  kill "$topper" 2>/dev/null
   cp runs/gpu_smollm2/metrics.jsonl "$OUT/learning_gpu_metrics.jsonl" 2>/dev/null
   # the last episodes' transcripts: their timings say where an episode's time went (engine or sandbox)
   tail -n 300 runs/gpu_smollm2/transcripts/worker_0.jsonl > "$OUT/learning_gpu_transcripts_tail.jsonl" 2>/dev/null
