@@ -96,8 +96,13 @@ has partial && part partial "${PARTIAL_S:-540}" python3 bench/gpu/partial_gpu.py
 has async && part async_vs_sync 540 python3 bench/gpu/async_vs_sync_gpu.py ${ASYNC_ARGS:-} --out "$OUT/async_vs_sync_gpu.json"
 # episode_host: the episode loop's host side alone (real sandboxes and tests, generation answered at
 # once; bench/episode_host.py): is this machine's sandbox path slow by itself? Needs no Ray, no model.
-has episode_host && part episode_host 240 python3 bench/episode_host.py --config gpu_smollm2 --set model.name=tiny \
-  --episodes "${HOST_EPISODES:-256}" --concurrency 64 --out "$OUT/episode_host_gpu_machine.json"
+# Twice: the default 8 concurrent sandbox creates (sandbox.max_concurrent_creates, a semaphore in the
+# local provider too), then 32: on the 2-core CPU machine 32 halves env_s and moves the wait to the tests.
+for creates in 8 32; do
+  has episode_host && part "episode_host_creates$creates" 240 python3 bench/episode_host.py --config gpu_smollm2 \
+    --set model.name=tiny --set sandbox.max_concurrent_creates=$creates --episodes "${HOST_EPISODES:-256}" \
+    --concurrency 64 --out "$OUT/episode_host_creates${creates}_gpu_machine.json"
+done
 if has learning; then
   # what the machine's cores do during the run (every 30 s): which processes hold the CPU
   (while sleep 30; do date +%T; top -b -n 1 -w 200 | head -25; done) > "$OUT/learning_top.txt" 2>&1 &
