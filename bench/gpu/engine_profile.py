@@ -211,7 +211,7 @@ def measure(args, name: str) -> dict:
     clients, (static, wait) = max(args.clients), args.variant[-1]
     sched = Scheduler(model, max_batch_size=args.max_batch_size, static_decode_len=static, admit_wait_steps=wait)
     load = ClosedLoop(sched, clients, args.prefix_tokens, args.tail_tokens, args.new_tokens, vocab, args.turns,
-                          args.think_s, args.min_new_tokens)
+                      args.think_s, args.min_new_tokens)
     timer = threading.Timer(args.seconds, lambda: (setattr(load, "stopped", True), sched.stop(0)))
     timer.start()
     prof = cProfile.Profile()
@@ -238,7 +238,8 @@ def variant(text: str) -> tuple[int, int]:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", action="append", help="repeatable: smollm2-135m, smollm2-135m-narrow (host-bound on a CPU), tiny (default: smollm2-135m and tiny)")
+    ap.add_argument("--model", action="append", help="repeatable: smollm2-135m, smollm2-135m-narrow (host-bound "
+                    "on a CPU), tiny (default: smollm2-135m and tiny)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--clients", type=int, action="append", help="repeatable (default: 8, 32, 64)")
