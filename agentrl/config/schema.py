@@ -327,7 +327,11 @@ class EnvConfig(Section):
 
 class SandboxConfig(Section):
     backend: Literal["local", "daytona"] = "local"
-    max_concurrent_creates: int = Field(8, ge=1)
+    max_concurrent_creates: int = Field(
+        8, ge=1, description="Sandbox creates in flight at once, per episode worker: Daytona's API quota, and for "
+        "local sandboxes a bound on concurrent mkfs + mount + bwrap start-ups. An episode waiting for a slot counts "
+        "in its env time (at 64 episodes on 2 cores, 8 -> 64 halved env_s but moved the wait to the tests: "
+        "bench/episode_host.py).")
     creates_per_minute: int = Field(120, ge=1)
     retry_backoff_min_s: float = Field(2.0, ge=0)
     retry_backoff_max_s: float = Field(30.0, ge=0)
