@@ -145,8 +145,7 @@ class StaticDecoder:
                 src_k, src_v = src_k.clone(), src_v.clone()
             k[:rows, :, :width].copy_(src_k)
             v[:rows, :, :width].copy_(src_v)
-            kvlib._set_layer(layer, {"keys": k[:rows, :, :width], "values": v[:rows, :, :width]},
-                             {"keys": k[:rows], "values": v[:rows]})
+        self._view(cache, rows, width)
         self.stats["adopts"] += 1
 
     def _view(self, cache: DynamicCache, rows: int, width: int) -> None:

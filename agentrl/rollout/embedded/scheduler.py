@@ -425,14 +425,14 @@ class Scheduler:
             owned = self._static.copy_row(self._cache, rows, i, start, seq.kv_len) if self._static else None
             kv = owned if owned is not None else kvlib.extract(self._cache, i, start, seq.kv_len)
             self._finish(seq, reason, keep_kv=kv, kv_owned=owned is not None)
-        keep = [i for i in range(len(self._running)) if i not in gone]
+        keep = [i for i in range(rows) if i not in gone]
         if not keep:
             self._running, self._cache, self._width = [], None, 0
             return
         drop = min(self._width - self._running[i].kv_len for i in keep)
         placed = None
         if self._static is not None:  # in place when the batch lives in the static buffers
-            placed = self._static.remove(self._cache, len(self._running), self._width, keep, drop)
+            placed = self._static.remove(self._cache, rows, self._width, keep, drop)
         if placed is not None:
             order, self._width = placed
             self._running = [self._running[i] for i in order]
