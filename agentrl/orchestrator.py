@@ -69,6 +69,8 @@ class Orchestrator:
         self._wake = asyncio.Event()
         self._out_of_rotation: set[int] = set()  # restarted engines still waiting for current weights
         self._resumable: list[dict] = []  # groups in flight at a crash, handed back by the buffer
+        self.stop_requested: str | None = None  # why the loop should end early (request_stop)
+        self._checkpointed_step: int | None = None  # the step the latest checkpoint holds
         self.loggers = RunLoggers([])  # tensorboard / wandb, opened in _start when configured
         self.ray = None
 
@@ -108,6 +110,7 @@ class Orchestrator:
         self.version = await self.trainers.version()
         if resumed:
             self.step = int(resumed["step"])
+            self._checkpointed_step = self.step
             self.outcomes.update(resumed.get("outcomes", {}))
         self._roll_back_metrics()
         # Named, so that episode workers look it up instead of receiving its handle: Ray cannot
@@ -362,12 +365,26 @@ class Orchestrator:
                 self.metrics.set_engine(i, version=self.version)
         self.step = step
         if step % self.cfg.train.checkpoint_every == 0 or step == self.cfg.train.max_steps:
-            await self.trainers.save_checkpoint({"step": step, "outcomes": dict(self.outcomes),
-                                                 "sampler": self.sampler.state_dict(),
-                                                 "dynamic_sampling": self.dynamic.state_dict()})
+            await self._save_checkpoint()
         self.trainer_busy_s += time.perf_counter() - t0
         return {**metrics, **sync, **batch.tokens, "staleness_max": max(batch.staleness), "staleness_mean":
                 sum(batch.staleness) / len(batch.staleness), "staleness": batch.staleness}
+
+    async def _save_checkpoint(self) -> None:
+        await self.trainers.save_checkpoint({"step": self.step, "outcomes": dict(self.outcomes),
+                                             "sampler": self.sampler.state_dict(),
+                                             "dynamic_sampling": self.dynamic.state_dict()})
+        self._checkpointed_step = self.step
+
+    def request_stop(self, reason: str) -> None:
+        """End the run early but cleanly (a scheduler's SIGTERM, Ctrl-C): no new optimizer step
+        starts, the one in flight finishes and is recorded, a checkpoint of it is saved unless the
+        latest already holds it, then the usual shutdown runs. Episodes in flight are stopped; their
+        acknowledged trajectories stay in the replay log. Safe to call from a signal handler on the
+        loop (it only sets state)."""
+        if self.stop_requested is None:
+            self.stop_requested = reason
+            self._wake.set()
 
     def _in_rotation(self) -> list[str]:
         return [u for i, u in enumerate(self.urls) if i not in self._out_of_rotation]
@@ -408,12 +425,13 @@ class Orchestrator:
                 self._start_eval(self.version)
             last_health = time.monotonic()
             B = self.cfg.algorithm.prompts_per_step  # noqa: N806 - the batch size of the formulas
-            while self.step < self.cfg.train.max_steps or self._training is not None:
+            while (self.step < self.cfg.train.max_steps and not self.stop_requested) or self._training is not None:
                 self._handle_retired(await self.buffer.pop_retired.remote())
                 self._ready_cache = await self.buffer.ready_groups.remote()
                 self._admit()
                 self._update_gauges()
-                if self._training is None and self.step < self.cfg.train.max_steps and self._ready_cache >= B:
+                if (self._training is None and self.step < self.cfg.train.max_steps and not self.stop_requested
+                        and self._ready_cache >= B):
                     batch = await self.buffer.take_batch.remote(B, self.version)
                     if batch is not None:
                         self._training = asyncio.create_task(self._train(batch))
@@ -431,11 +449,15 @@ class Orchestrator:
                     await self._check_engines()
                     last_health = time.monotonic()
                 await self._sleep(B)
-            if self.cfg.env.eval_every:
-                self._start_eval(self.version)
-            await asyncio.gather(*self._eval_tasks)
+            if self.stop_requested:
+                await self._stop_early()
+            else:
+                if self.cfg.env.eval_every:
+                    self._start_eval(self.version)
+                await asyncio.gather(*self._eval_tasks)
             self._plot()
             summary = {"steps": self.step, "wall_s": time.perf_counter() - started, "startup_s": self.startup_s,
+                       "stopped": self.stop_requested,
                        "last": last_row,
                        "evals": sorted(self.eval_results.values(), key=lambda r: r.get("eval_version", 0)),
                        "buffer": await self.buffer.stats.remote(), "retries": dict(self.retry.counters)}
@@ -445,6 +467,16 @@ class Orchestrator:
             self.progress.end()
             self.loggers.close(failed=sys.exc_info()[0] is not None)
             await self._shutdown()
+
+    async def _stop_early(self) -> None:
+        """request_stop's end: evals still running are dropped (their episodes are stopped with the
+        workers), and the last step is checkpointed so that a resume loses no optimizer step."""
+        for t in self._eval_tasks:
+            t.cancel()
+        await asyncio.gather(*self._eval_tasks, return_exceptions=True)
+        if self.step > 0 and self._checkpointed_step != self.step:
+            self.progress.note(f"stopping ({self.stop_requested}): saving a checkpoint of step {self.step}")
+            await self._save_checkpoint()
 
     async def _sleep(self, batch_groups: int) -> None:
         """Until the buffer has a batch (or a retired group), a group's episodes end, the step in

@@ -240,12 +240,13 @@ def _train(cfg, plan, quiet: bool = False) -> None:
     from agentrl.policy.retry import NoPlayableTasks
     from agentrl.progress import Progress
 
-    # SIGTERM (a scheduler's stop, `kill`) ends the run the way Ctrl-C does: the orchestrator's
-    # shutdown stops workers, sandboxes, engines and Ray before the process exits.
+    # Before the loop runs, SIGTERM (a scheduler's stop, `kill`) ends the start-up the way Ctrl-C
+    # does; once it runs, _run_stoppable makes the first signal a clean stop.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    orch = Orchestrator(cfg, plan, Progress(quiet=quiet))
     try:
-        summary = asyncio.run(Orchestrator(cfg, plan, Progress(quiet=quiet)).run())
-    except KeyboardInterrupt:
+        summary = asyncio.run(_run_stoppable(orch))
+    except (KeyboardInterrupt, asyncio.CancelledError):
         _fail("interrupted; engines, workers and sandboxes were stopped", code=130)
     except (ClusterError, NoPlayableTasks) as e:
         _fail(str(e))
@@ -264,7 +265,38 @@ def _train(cfg, plan, quiet: bool = False) -> None:
               f"and sandboxes were stopped; accepted trajectories are kept in {cfg.logging.run_dir}/replay.log.jsonl. "
               f"Run the same command again to resume from the last checkpoint.", code=1)
     typer.echo(json.dumps({"run_dir": str(cfg.logging.run_dir), "steps": summary["steps"],
-                           "wall_s": round(summary["wall_s"], 1), "evals": summary["evals"]}))
+                           "wall_s": round(summary["wall_s"], 1), "evals": summary["evals"],
+                           "stopped": summary.get("stopped")}))
+    if summary.get("stopped"):
+        sig = getattr(signal, summary["stopped"], None)
+        _fail(f"stopped by {summary['stopped']} at step {summary['steps']}, its checkpoint saved; run the same "
+              f"command to resume", code=128 + int(sig) if sig is not None else 1)
+
+
+async def _run_stoppable(orch):
+    """orch.run() with SIGTERM and SIGINT handled on the loop: the first asks for a clean stop (the
+    optimizer step in flight finishes and is checkpointed, then everything shuts down: seconds, a
+    checkpoint's write); a second one stops at once, without that checkpoint."""
+    import asyncio
+    import signal
+
+    loop, main = asyncio.get_running_loop(), asyncio.current_task()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if orch.stop_requested is not None:
+            main.cancel()
+            return
+        orch.progress.note(f"{sig.name}: finishing the step in flight, saving a checkpoint, stopping "
+                           f"({sig.name} again stops at once)")
+        orch.request_stop(sig.name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        return await orch.run()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
 
 
 @app.command("full-train")

@@ -148,3 +148,41 @@ def test_a_run_whose_every_task_cannot_be_played_stops_with_the_reason(tmp_path)
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: every training task") and "agent.max_context_tokens=64" in last, last
     assert "left out of sampling" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_step_in_flight_and_checkpoints_it(tmp_path):
+    """A scheduler's SIGTERM mid-run: no new step starts, the one in flight is recorded, and a
+    checkpoint of the last recorded step is saved although checkpoint_every never came; the launcher
+    exits 143 saying so, and a second SIGTERM is not needed."""
+    import os
+    import signal
+    import time
+
+    import torch
+
+    run = tmp_path / "stop"
+    args = [sys.executable, str(LAUNCHER), "train", "--model-name", "tiny", "--num-nodes", "1", "--run-dir", str(run),
+            "--set", "cluster.dashboard=false", "--set", "rollout.max_new_tokens=24", "--set", "agent.max_turns=2",
+            "--set", "algorithm.group_size=2", "--set", "train.max_steps=50", "--set", "train.checkpoint_every=1000"]
+    p = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    seen, sent = [], None
+    deadline = time.time() + 600
+    for line in p.stderr:
+        seen.append(line)
+        if sent is None and line.startswith("step    2"):
+            sent = time.time()
+            os.kill(p.pid, signal.SIGTERM)
+        if time.time() > deadline:
+            p.kill()
+            break
+    rc = p.wait(timeout=120)
+    text = "".join(seen)
+    assert sent is not None, text[-3000:]
+    assert rc == 128 + signal.SIGTERM, text[-3000:]
+    assert "stopped by SIGTERM at step" in text
+    last = metrics(run)[-1]["step"]
+    assert 2 <= last < 50
+    state = torch.load(run / "checkpoints" / "latest" / "state.pt", weights_only=True)
+    assert state["extra"]["step"] == last and state["version"] == last
+    assert time.time() - sent < 120  # a clean stop is seconds of work, not the rest of the run
