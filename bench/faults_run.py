@@ -308,18 +308,18 @@ def trainer_killed_then_resumed(tmp: Path) -> Outcome:
 
 def sigint_launcher(tmp: Path) -> Outcome:
     # What a terminal's Ctrl-C does: SIGINT to the whole foreground process group.
-    return _interrupt_launcher(tmp, lambda pid: os.killpg(pid, signal.SIGINT), "Ctrl-C")
+    return _interrupt_launcher(tmp, lambda pid: os.killpg(pid, signal.SIGINT), "Ctrl-C", signal.SIGINT)
 
 
 def sigterm_launcher(tmp: Path) -> Outcome:
     # What `kill PID` or a scheduler's stop does: SIGTERM to the launcher alone.
-    return _interrupt_launcher(tmp, lambda pid: os.kill(pid, signal.SIGTERM), "SIGTERM")
+    return _interrupt_launcher(tmp, lambda pid: os.kill(pid, signal.SIGTERM), "SIGTERM", signal.SIGTERM)
 
 
-def _interrupt_launcher(tmp: Path, send, what: str) -> Outcome:
+def _interrupt_launcher(tmp: Path, send, what: str, sig: signal.Signals) -> Outcome:
     c = Checks()
     with _Scratch() as t:
-        run = started_run(c, tmp / "run", t, "train.max_steps=50")
+        run = started_run(c, tmp / "run", t, "train.max_steps=50", "train.checkpoint_every=1000")
         tree = run.sample()
         boxes = [cmd for cmd in tree.values() if "bwrap" in cmd and "agentrl-sandboxes" in cmd]
         c.details["processes_at_interrupt"] = len(tree)
@@ -327,8 +327,10 @@ def _interrupt_launcher(tmp: Path, send, what: str) -> Outcome:
         t0 = time.monotonic()
         rc = run.finish(timeout_s=180)
         took = time.monotonic() - t0
-        c(rc == 130 and "interrupted" in run.stderr, f"exit {rc} {took:.0f} s after {what}: "
+        said = f"stopped by {sig.name} at step"
+        c(rc == 128 + sig and said in run.stderr, f"exit {rc} {took:.0f} s after {what}: "
           f"{run.stderr.strip().splitlines()[-1][:120]}")
+        _check_stop_checkpoint(c, tmp / "run")
         left = run.leftovers()
         c(not left, f"{len(run.seen)} processes seen (incl. {len(boxes)} sandboxes at the interrupt); "
           f"{len(left)} left: {sorted(left.values())[:3]}")
@@ -336,6 +338,19 @@ def _interrupt_launcher(tmp: Path, send, what: str) -> Outcome:
         remaining = [p for p in root.rglob("sbx-*")] if root.exists() else []
         c(not remaining, f"every sandbox deleted ({len(remaining)} sandbox folders left)")
     return c.outcome(_lost(c, tmp / "run", run))
+
+
+def _check_stop_checkpoint(c: Checks, run_dir: Path) -> None:
+    """A clean stop checkpoints the last step it recorded (checkpoint_every or not)."""
+    import torch
+
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    last = rows[-1]["step"] if rows else 0
+    try:
+        step = torch.load(run_dir / "checkpoints" / "latest" / "state.pt", weights_only=True)["extra"]["step"]
+    except (OSError, KeyError, RuntimeError) as err:
+        step = f"none ({type(err).__name__})"
+    c(last >= 1 and step == last, f"checkpoint at the stop holds step {step}; the last recorded step is {last}")
 
 
 def secret_scan_of_a_run(tmp: Path) -> Outcome:
@@ -438,11 +453,11 @@ SCENARIOS = (
              "same command resumes from the checkpoint: no accepted trajectory lost, no group trained in two "
              "steps, weight versions continuous", trainer_killed_then_resumed, slow=True),
     Scenario("worker_launcher_ctrl_c", "worker",
-             "Ctrl-C (SIGINT to the launcher's process group) mid-run: exit 130 with a message, every process "
-             "of the run stops and every sandbox is deleted", sigint_launcher, slow=True),
+             "Ctrl-C (SIGINT to the launcher's process group) mid-run: a clean stop, exit 130 with a message, the "
+             "last step checkpointed, every process of the run stops and every sandbox is deleted", sigint_launcher, slow=True),
     Scenario("worker_launcher_sigterm", "worker",
-             "SIGTERM to the launcher alone mid-run (a scheduler's stop): the same clean stop as Ctrl-C, exit 130, "
-             "every process of the run stops and every sandbox is deleted", sigterm_launcher, slow=True),
+             "SIGTERM to the launcher alone mid-run (a scheduler's stop): the same clean stop as Ctrl-C, exit 143, "
+             "the last step checkpointed, every process of the run stops and every sandbox is deleted", sigterm_launcher, slow=True),
     Scenario("security_secret_scan_of_a_run", "security",
              "a run with DAYTONA_API_KEY planted leaves it in no process command line, run-dir file (logs, "
              "checkpoints, transcripts) or Ray session file (runtime_env, logs); dashboard and engines listen on "
