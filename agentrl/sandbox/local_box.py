@@ -35,6 +35,7 @@ from agentrl.sandbox.local_procs import (
     ProcessRef,
     end_all_but,
     kill_exec_tree,
+    ns_members,
     only_child,
     open_capped_pipe,
     parent_of,
@@ -122,6 +123,9 @@ class LocalSandbox:
         self._init_dir = -1
         self._init_start: int | None = None
         self._keeper_pid = 0  # the init's one child (`sleep infinity`): its exit would end the sandbox
+        # Host pids of the nsenters of running execs: each one's child is inside the sandbox while it
+        # is not, so _members walks from them as well as from the init.
+        self._nsenters: set[int] = set()
         self._network: SlirpNetwork | None = None
         self.owner_lock_fd = -1  # held while this process owns the sandbox (sweep_stale reads it)
         self._ns = ""
@@ -267,6 +271,17 @@ class LocalSandbox:
                 self._init_ref.kill()
                 return
 
+    def _members(self) -> list[int]:
+        """The sandbox's live processes (host pids): pids_in_namespace(self._ns), found from the
+        init and the running execs' nsenters (local_procs.ns_members). Blocking; any thread."""
+        return ns_members(self._ns, self._init_pid, tuple(self._nsenters))  # the GIL makes tuple() atomic
+
+    def _init_reaped(self) -> bool:
+        """Whether the init has been reaped: then no process of the sandbox is left (the kernel
+        reaps a pid namespace's init last, local_procs.wait_namespace_empty). Called from close()'s
+        wait in its thread: the ref is closed only after that wait has returned."""
+        return self._init_ref is not None and self._init_ref.held and not self._init_ref.exists()
+
     def _bwrap_log(self) -> str:
         if self.pids_exceeded:
             return f"it was killed holding {self.pids_exceeded} processes, over its limit of {MAX_PIDS} (a fork bomb?)"
@@ -315,7 +330,9 @@ class LocalSandbox:
                     await asyncio.sleep(0)
             if self._network is not None:
                 await asyncio.to_thread(self._network.stop)
-            if self._ns and not await asyncio.to_thread(wait_namespace_empty, self._ns, 10.0):
+            if self._ns and not await asyncio.to_thread(
+                wait_namespace_empty, self._ns, 10.0, members=self._members, init_reaped=self._init_reaped
+            ):
                 log.warning("sandbox %s: processes still alive 10 s after close", self.id)
             await asyncio.to_thread(shutil.rmtree, self.host_dir, True)
         except Exception as err:  # noqa: BLE001 - close never raises: log and move on, sweep() retries the files
@@ -338,8 +355,9 @@ class LocalSandbox:
         in rounds until none is left; returns how many were ended. Raises SandboxError(kill) when
         some survive KILL_ALL_TIMEOUT_S, (closed)/(lost) when the sandbox itself is gone."""
         self._check_alive()
+        keep = {self._init_pid, self._keeper_pid}
         ended, left = await asyncio.to_thread(
-            end_all_but, self._ns, {self._init_pid, self._keeper_pid}, KILL_ALL_TIMEOUT_S
+            end_all_but, self._ns, keep, KILL_ALL_TIMEOUT_S, members=self._members
         )
         self._check_alive()
         if left:
@@ -441,7 +459,7 @@ class LocalSandbox:
             # finds it, as on a timeout.
             pipe.close()
             try:
-                await run_to_end(asyncio.to_thread(kill_exec_tree, self._ns, tag))
+                await run_to_end(asyncio.to_thread(kill_exec_tree, self._ns, tag, members=self._members))
             finally:
                 if init_dir >= 0:
                     os.close(init_dir)
@@ -450,9 +468,11 @@ class LocalSandbox:
             os.close(w)
         # nsenter is reaped by the loop as soon as it exits; from here on it is signalled by pidfd.
         nsenter = ProcessRef(proc.pid, lambda pid: spawned_with(pid, tag))
+        self._nsenters.add(proc.pid)  # a number reused once it is reaped only adds candidates to _members
         try:
             return await self._wait_exec(proc, nsenter, tag, reader, pipe, stdin, timeout_s)
         finally:
+            self._nsenters.discard(proc.pid)
             pipe.close()
             nsenter.close()
             os.close(init_dir)  # nsenter has exited or was killed: it opens nothing more through it
@@ -497,7 +517,7 @@ class LocalSandbox:
         return ExecResult(rc if rc is not None else -1, reader.text(), truncated=reader.truncated)
 
     async def _kill_exec(self, tag: bytes, proc: asyncio.subprocess.Process, nsenter: ProcessRef) -> None:
-        await asyncio.to_thread(kill_exec_tree, self._ns, tag)
+        await asyncio.to_thread(kill_exec_tree, self._ns, tag, members=self._members)
         nsenter.kill()  # by pidfd: the loop may have reaped it meanwhile, and its pid be another's
         try:
             await asyncio.wait_for(proc.wait(), 5)

@@ -1,5 +1,6 @@
 """Process plumbing of the local sandbox: a capped output pipe, a killer for one exec's tree,
-processes named by pidfds (ProcessRef), and cleanup that runs to its end however often it is
+processes named by pidfds (ProcessRef), who is in a pid namespace (ns_members: from the sandbox's
+own process tree, not every host process), and cleanup that runs to its end however often it is
 cancelled (run_to_end).
 
 Kept apart from local.py because both are pure host-side mechanics with their own tests: neither
@@ -19,7 +20,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 _READ_CHUNK = 256 << 10  # bytes per read: what asyncio's own pipe transport reads at once
 
@@ -146,20 +147,174 @@ def pid_namespace(pid: int) -> str | None:
 
 
 def pids_in_namespace(ns: str) -> list[int]:
-    """Host pids of the live (not zombie) processes in the pid namespace `ns` ("pid:[inode]")."""
+    """Host pids of the live processes in the pid namespace `ns` ("pid:[inode]"): every host process's
+    namespace is read, O(processes of the host). ns_members finds the same set for a sandbox from its
+    own process tree and falls back to this."""
     out = []
     for name in os.listdir("/proc"):
-        if name.isdigit() and pid_namespace(int(name)) == ns and not _is_zombie(int(name)):
+        if name.isdigit() and pid_namespace(int(name)) == ns and not _ended(int(name)):
             out.append(int(name))
     return out
 
 
-def _is_zombie(pid: int) -> bool:
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie whose threads have all exited. A main thread that called exit(2) leaves a
+    "Z" leader while its other threads run on (num_threads counts them): measured, such a process
+    escaped kill_all when only the state was read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-    except (OSError, IndexError):
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[0] in (b"Z", b"X") and int(fields[17]) <= 1
+    except (OSError, IndexError, ValueError):
         return True
+
+
+# ns_members walks at most this many processes, then scans the host's /proc instead: the walk holds
+# one fd per process until its check, and a fork bomb (a sandbox may reach MAX_PIDS, 1024) must not
+# take a worker's fds. The busiest sandbox of the tests held 12 (tests/test_sandbox_ns_members.py).
+_WALK_MAX = 128
+# A /proc/PID directory opened so is a pidfd (pidfd_send_signal takes it; opened O_PATH it does not,
+# EBADF); it signals a zombie and fails with ESRCH once the process is reaped.
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def ns_members(ns: str, init: int, entrants: Iterable[int] = ()) -> list[int]:
+    """pids_in_namespace(ns), in O(processes of the namespace) instead of O(processes of the host).
+
+    `init` is the namespace's pid 1 (host pid), `entrants` host processes that entered it (nsenter:
+    its child is inside, its parent outside). The processes found by walking their descendants are
+    checked against the namespace's own procfs (the sandbox's /proc, through the init's root), which
+    lists every process of the namespace, zombies too, whatever its parent: when some process
+    listed there was not found (an orphan of a killed nsenter, reparented outside the namespace; a
+    fork the walk missed), or the init is gone, this is pids_in_namespace(ns). The listing comes
+    after the walk, and each process it names must still be the one the walk found (a pidfd held
+    since), so a process that exists when the listing is read is never missed. That listing is
+    trusted: nothing in the sandbox can mount over its /proc (no capabilities; no nested user
+    namespaces, max_user_namespaces is 0 in there). Blocking."""
+    found = _walk_namespace(ns, init, entrants)
+    return found if found is not None else pids_in_namespace(ns)
+
+
+def _walk_namespace(ns: str, init: int, entrants: Iterable[int]) -> list[int] | None:
+    """The live processes of `ns` among the descendants of `init` and `entrants`, sorted; None when
+    the namespace's procfs names a process they do not hold or cannot be read, or when they are
+    more than _WALK_MAX."""
+    held: dict[int, tuple[int, int, bool]] = {}  # namespace pid -> (host pid, pidfd, live)
+    try:
+        todo = [init, *_children(entrants)]
+        seen: set[int] = set()
+        while todo:
+            pid = todo.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            member = _open_member(pid, ns)
+            if member is None:
+                continue  # not of `ns` (a host process, a reused number) or gone: not counted
+            fd, inner, live, kids = member
+            if inner in held or len(held) >= _WALK_MAX:
+                os.close(fd)
+                return None
+            held[inner] = (pid, fd, live)
+            todo += kids
+        if not _lists_only(held, init):
+            return None
+        return sorted(pid for pid, _, live in held.values() if live)
+    finally:
+        for _, fd, _ in held.values():
+            os.close(fd)
+
+
+def _children(parents: Iterable[int]) -> list[int]:
+    """The children of single-threaded host processes (nsenter), read by number: each is checked
+    by _open_member, so a number reused by an unrelated process only adds candidates."""
+    out: list[int] = []
+    for pid in parents:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
+                out += map(int, f.read().split())
+        except OSError:
+            continue
+    return out
+
+
+def _open_member(pid: int, ns: str) -> tuple[int, int, bool, list[int]] | None:
+    """(pidfd, pid inside `ns`, live, children) of host pid `pid` when it is a process of `ns`, else
+    None. Every read goes through the pidfd (its /proc directory, which goes stale once the process
+    is reaped), so all of them are of one process, and the caller can ask later whether it still
+    is unreaped. The children are those of every thread: a thread's fork is the thread's child."""
+    try:
+        fd = os.open(f"/proc/{pid}", _OPEN_DIR)
+    except OSError:
+        return None
+    try:
+        if os.readlink("ns/pid", dir_fd=fd) != ns:
+            os.close(fd)
+            return None
+        status = _read_at(fd, "status")
+        threads = int(_status_field(status, b"Threads"))
+        live = _status_field(status, b"State").split()[0] not in (b"Z", b"X") or threads > 1  # as in _ended
+        tids = [str(pid)] if threads == 1 else _list_at(fd, "task")
+        kids = [int(k) for tid in tids for k in _read_at(fd, f"task/{tid}/children", missing_ok=True).split()]
+        return fd, int(_status_field(status, b"NSpid").split()[-1]), live, kids
+    except (OSError, IndexError, ValueError):
+        os.close(fd)
+        return None
+
+
+def _status_field(status: bytes, key: bytes) -> bytes:
+    """The value of `key` in a /proc/PID/status. Only the first line (Name) is the process's to
+    choose, and the kernel escapes newlines there, so b"\\nKey:" starts the real line. Finding
+    three fields this way costs ~1 us; splitting the whole file into a dict cost 15 us."""
+    start = status.index(b"\n" + key + b":") + len(key) + 2
+    return status[start : status.index(b"\n", start)]
+
+
+def _lists_only(held: dict[int, tuple[int, int, bool]], init: int) -> bool:
+    """Whether every process that the namespace's procfs (read now, through the held init's root)
+    lists is one of `held`, still unreaped: then no process of it exists that the walk missed."""
+    init_fd = next((fd for pid, fd, _ in held.values() if pid == init), None)
+    if init_fd is None:
+        return False  # the init is gone: no listing to check against
+    try:
+        names = _list_at(init_fd, "root/proc")
+    except OSError:
+        return False  # it exited meanwhile (a zombie has no root)
+    for name in names:
+        if name.isdigit():
+            entry = held.get(int(name))
+            if entry is None or not _unreaped(entry[1]):
+                return False
+    return True
+
+
+def _unreaped(pidfd: int) -> bool:
+    try:
+        signal.pidfd_send_signal(pidfd, 0)
+        return True
+    except OSError:
+        return False
+
+
+def _read_at(dir_fd: int, name: str, *, missing_ok: bool = False) -> bytes:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        if missing_ok:  # a thread that exited since the listing
+            return b""
+        raise
+    try:
+        return os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+
+
+def _list_at(dir_fd: int, name: str) -> list[str]:
+    fd = os.open(name, _OPEN_DIR, dir_fd=dir_fd)
+    try:
+        return os.listdir(fd)
+    finally:
+        os.close(fd)
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
@@ -204,12 +359,17 @@ def has_marker(pid: int, marker: bytes) -> bool:
         return False
 
 
-def exec_tree(ns: str, marker: bytes) -> set[int]:
+Members = Callable[[], list[int]]  # the live processes of one pid namespace: pids_in_namespace's answer
+
+
+def exec_tree(ns: str, marker: bytes, members: Members | None = None) -> set[int]:
     """The processes one exec started inside the sandbox: those whose environment carries the
     exec's marker (inherited through forks, daemonising and setsid), everything in their sessions,
     and every descendant of those. Processes of other execs (e.g. a tmux server started earlier)
-    carry other markers and sessions and are left alone."""
-    procs = {pid: st for pid in pids_in_namespace(ns) if (st := _stat(pid)) is not None}
+    carry other markers and sessions and are left alone. `members` lists the namespace's processes
+    (default: pids_in_namespace(ns))."""
+    pids = members() if members is not None else pids_in_namespace(ns)
+    procs = {pid: st for pid in pids if (st := _stat(pid)) is not None}
     tree = {pid for pid in procs if has_marker(pid, marker)}
     sessions = {procs[pid][1] for pid in tree}
     tree |= {pid for pid, (_, sid) in procs.items() if sid in sessions}
@@ -376,12 +536,14 @@ def seal_inheritable_fds(keep: tuple[int, ...] = ()) -> int:
     return sealed
 
 
-def kill_exec_tree(ns: str, marker: bytes, *, rounds: int = 50, pause_s: float = 0.01) -> int:
+def kill_exec_tree(
+    ns: str, marker: bytes, *, rounds: int = 50, pause_s: float = 0.01, members: Members | None = None
+) -> int:
     """SIGKILL an exec's tree, rescanning until it is empty (a process may fork while we scan).
     Returns how many processes were signalled. Blocking: call through asyncio.to_thread."""
     killed = 0
     for _ in range(rounds):
-        tree = exec_tree(ns, marker)
+        tree = exec_tree(ns, marker, members)
         if not tree:
             break
         killed += sum(kill_in_namespace(pid, ns) for pid in tree)
@@ -389,14 +551,18 @@ def kill_exec_tree(ns: str, marker: bytes, *, rounds: int = 50, pause_s: float =
     return killed
 
 
-def end_all_but(ns: str, keep: set[int], timeout_s: float, *, pause_s: float = 0.005) -> tuple[int, list[int]]:
+def end_all_but(
+    ns: str, keep: set[int], timeout_s: float, *, pause_s: float = 0.005, members: Members | None = None
+) -> tuple[int, list[int]]:
     """SIGKILL every live process of pid namespace `ns` except the host pids in `keep`, rescanning
     until none is left (a process may fork between a scan and its kill; a killed one cannot fork).
-    Returns (how many were signalled, the pids still alive at the deadline). Blocking."""
+    `members` lists them (default: pids_in_namespace(ns)). Returns (how many were signalled, the
+    pids still alive at the deadline). Blocking."""
+    members = members or (lambda: pids_in_namespace(ns))
     deadline = time.monotonic() + timeout_s
     signalled: set[int] = set()
     while True:
-        victims = [pid for pid in pids_in_namespace(ns) if pid not in keep]
+        victims = [pid for pid in members() if pid not in keep]
         if not victims:
             return len(signalled), []
         if time.monotonic() > deadline:
@@ -405,14 +571,35 @@ def end_all_but(ns: str, keep: set[int], timeout_s: float, *, pause_s: float = 0
         time.sleep(pause_s)
 
 
-def wait_namespace_empty(ns: str, timeout_s: float) -> bool:
-    """True once no process is left in the pid namespace. Blocking."""
+# wait_namespace_empty's poll
+_EMPTY_POLL_S = 0.02
+
+
+def wait_namespace_empty(
+    ns: str,
+    timeout_s: float,
+    *,
+    members: Members | None = None,
+    init_reaped: Callable[[], bool] | None = None,
+) -> bool:
+    """True once no process is left in the pid namespace; `members` lists them (default:
+    pids_in_namespace(ns)). `init_reaped()` says whether the namespace's init has been reaped
+    (not merely exited): the kernel reaps a pid namespace's init last, after every other process
+    of it ("pidns: guarantee that the pidns init will be the last pidns process reaped", Linux
+    3.4; seen here: a killed init stayed unreaped while a zombie of its namespace, whose parent was
+    a host process, was not reaped, and was reaped right after it), so from then on nothing is
+    scanned. Blocking."""
+    members = members or (lambda: pids_in_namespace(ns))
+
+    def empty() -> bool:
+        return (init_reaped is not None and init_reaped()) or not members()
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not pids_in_namespace(ns):
+        if empty():
             return True
-        time.sleep(0.02)
-    return not pids_in_namespace(ns)
+        time.sleep(_EMPTY_POLL_S)
+    return empty()
 
 
 def only_child(pid: int) -> int:
