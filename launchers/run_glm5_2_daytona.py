@@ -269,8 +269,9 @@ def _train(cfg, plan, quiet: bool = False) -> None:
                            "stopped": summary.get("stopped")}))
     if summary.get("stopped"):
         sig = getattr(signal, summary["stopped"], None)
-        _fail(f"stopped by {summary['stopped']} at step {summary['steps']}, its checkpoint saved; run the same "
-              f"command to resume", code=128 + int(sig) if sig is not None else 1)
+        saved = "its checkpoint saved" if summary["steps"] else "before its first step (nothing to checkpoint)"
+        _fail(f"stopped by {summary['stopped']} at step {summary['steps']}, {saved}; run the same command to resume",
+              code=128 + int(sig) if sig is not None else 1)
 
 
 async def _run_stoppable(orch):
