@@ -48,7 +48,9 @@ class ClusterConfig(Section):
     metrics_export_port: int | None = Field(
         None, ge=1, le=65535, description="Port of the local Ray's Prometheus endpoint (agentrl_* series); None: Ray's choice."
     )
-    episode_workers: int = Field(1, ge=1, description="EpisodeWorker actors; each runs many episodes at once.")
+    episode_workers: int = Field(1, ge=1, description="EpisodeWorker actors; each runs many episodes at once on "
+                                 "one Python process (the gpu_smollm2 loop on a 16-core machine: 4.0 episodes/s "
+                                 "with 1 worker, 16.2 with 4); give a many-core machine several.")
     cpu_trainer_ranks: int = Field(
         1, ge=1, description="CPU runs: trainer processes per training node (one rank each, gloo). The torch "
         "backend runs one; the Megatron backend splits the model over train.parallel across them.")
