@@ -168,6 +168,43 @@ async def test_an_orphan_of_a_killed_nsenter_is_found_and_ended_by_kill_all(prov
         os.close(fd)
 
 
+# Writers that try to outlive kill_all (the step before the task's tests) and rewrite a result:
+# one that forks a new generation and exits every 2 ms, so no pid stays its own for long; one
+# whose name fakes the status lines that the walk reads ("State: Z", "Threads: 1"); one whose
+# main thread exits while its writer thread runs on.
+FORGERS = r"""
+python3 -c '
+import os, time
+while True:
+    if os.fork(): os._exit(0)
+    open("/tmp/res_fork", "w").write("PASS"); time.sleep(0.002)' >/dev/null 2>&1 &
+python3 -c '
+import ctypes, time
+ctypes.CDLL(None).prctl(15, b"x\nState:\tZ (zombie)\nThreads:\t1", 0, 0, 0)
+while True:
+    open("/tmp/res_name", "w").write("PASS"); time.sleep(0.01)' >/dev/null 2>&1 &
+python3 -c '
+import ctypes, threading, time
+def write():
+    while True:
+        open("/tmp/res_thread", "w").write("PASS"); time.sleep(0.01)
+threading.Thread(target=write).start()
+ctypes.CDLL(None).syscall(60, 0)' >/dev/null 2>&1 &
+sleep 0.5
+"""
+
+
+async def test_writers_that_fork_away_or_fake_their_status_do_not_outlive_kill_all(provider):
+    box = await provider.create(SandboxSpec())
+    await box.exec(FORGERS, timeout_s=30)
+    assert (await box.exec("ls /tmp/res_fork /tmp/res_name /tmp/res_thread", timeout_s=10)).exit_code == 0
+    assert await box.kill_all() >= 3
+    assert pids_in_namespace(box._ns) == sorted([box._init_pid, box._keeper_pid])
+    await box.exec("rm -f /tmp/res_*", timeout_s=10)
+    await asyncio.sleep(1.0)  # a survivor writes every 2-10 ms
+    assert (await box.exec("ls /tmp/res_* 2>/dev/null", timeout_s=10)).output.strip() == ""
+
+
 async def test_an_orphan_of_a_killed_nsenter_is_ended_by_close(provider):
     box = await provider.create(SandboxSpec())
     pidfds = await _orphan(box)
