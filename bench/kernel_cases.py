@@ -289,12 +289,23 @@ def _bench_sparse_mla_one(torch, dev, sh, timer, S) -> dict:
                      gathered_gbps=round(T * K * (dv + dr) * 2 / ms / 1e6, 1))
 
 
+# (entry name, impl, red_vec: 1 tl.atomic_add, 2 inline-asm v2 reductions, CUDA only): the default
+# first, then the others on the same inputs, each with its speedup over the first
+BWD_VARIANTS = (("sparse_mla_bwd", "atomic", 1), ("sparse_mla_bwd_atomic_red_v2", "atomic", 2),
+                ("sparse_mla_bwd_split", "split", 1), ("sparse_mla_bwd_split_red_v2", "split", 2),
+                ("sparse_mla_bwd_keymajor", "keymajor", 1))
+
+
 def bench_sparse_mla_bwd(torch, dev, sh, timer) -> Iterator[dict]:
-    """Both backward impls on the same inputs: "atomic" (entry sparse_mla_bwd) and "keymajor"
-    (sparse_mla_bwd_keymajor, with its speedup over atomic and the index inversion's own time)."""
+    """Every backward variant (BWD_VARIANTS) on the same inputs, each checked against the fp32
+    autograd; keymajor also reports its index inversion's time, split the time of its two passes."""
     from kernels.sparse_mla import default_sm_scale, reference_sparse_mla, sparse_mla_forward
-    from kernels.sparse_mla_bwd import BWD_IMPLS, sparse_mla_backward, sparse_mla_bwd_flops
+    from kernels.sparse_mla_bwd import sparse_mla_backward, sparse_mla_bwd_flops
     from kernels.sparse_mla_bwd_keymajor import DKV_TUNER, invert_topk, tuning_keys
+    from kernels.sparse_mla_bwd_split import DKV_TUNER as SPLIT_DKV_TUNER
+    from kernels.sparse_mla_bwd_split import DQ_TUNER as SPLIT_DQ_TUNER
+    from kernels.sparse_mla_bwd_split import split_backward
+    from kernels.sparse_mla_bwd_split import tuning_keys as split_keys
 
     T, S, Hh, dv, dr, K = sh.mla_tokens, sh.mla_context, sh.mla_heads, sh.mla_dv, sh.mla_dr, sh.topk
     shape = {"tokens": T, "context": S, "heads": Hh, "d_qk": dv + dr, "d_v": dv, "topk": K}
@@ -319,24 +330,35 @@ def bench_sparse_mla_bwd(torch, dev, sh, timer) -> Iterator[dict]:
 
     ref_ms = timer(ref_step, warmup=0, min_iters=1, max_iters=1) if dev.type == "cuda" else None
     flops = sparse_mla_bwd_flops(T, Hh, K, dv, dr)
-    atomic_ms = None
-    for impl in BWD_IMPLS:
-        sparse_mla_backward(q, kv, idx, out, lse, dout, scale, dv, impl=impl)  # tune
-        dq, dkv = sparse_mla_backward(q[:n], kv, idx[:n], out[:n], lse[:n], dout[:n], scale, dv, impl=impl)
+    first_ms = None
+    for name, impl, red_vec in BWD_VARIANTS:
+        if red_vec == 2 and dev.type != "cuda":
+            continue  # inline asm: the interpreter cannot run it
+        def step(impl=impl, red_vec=red_vec, rows=T):
+            return sparse_mla_backward(q[:rows], kv, idx[:rows], out[:rows], lse[:rows], dout[:rows], scale, dv,
+                                       impl=impl, red_vec=red_vec)
+        step()  # tune
+        dq, dkv = step(rows=n)
         errs = {"dq_rel": _rel(torch, dq, ref_dq), "dkv_rel": _rel(torch, dkv, ref_dkv)}
         del dq, dkv
-        ms = timer(lambda impl=impl: sparse_mla_backward(q, kv, idx, out, lse, dout, scale, dv, impl=impl))
-        extra: dict[str, Any] = {"impl": impl}
-        if impl == "atomic":
-            atomic_ms = ms
-        else:
+        ms = timer(step)
+        first_ms = ms if first_ms is None else first_ms
+        extra: dict[str, Any] = {"impl": impl, "red_vec": red_vec,
+                                 "speedup_over_default": round(first_ms / ms, 3)}
+        if impl == "keymajor":
             block_k = DKV_TUNER.records[tuning_keys(q, kv, idx)[1]].best["BLOCK_K"]  # the tuned one
             inv = invert_topk(idx, S, block_k)
-            extra.update(speedup_over_atomic=None if atomic_ms is None else round(atomic_ms / ms, 3),
-                         inversion_ms=round(timer(lambda bk=block_k: invert_topk(idx, S, bk)), 4),
+            extra.update(inversion_ms=round(timer(lambda bk=block_k: invert_topk(idx, S, bk)), 4),
                          inversion_block_k=block_k, key_block_token_pairs=int(inv.pair_tok.numel()))
             del inv
-        name = "sparse_mla_bwd" if impl == "atomic" else f"sparse_mla_bwd_{impl}"
+        if impl == "split":
+            pass_ms: dict[str, float] = {}
+            delta = (dout.float() * out.float()).sum(-1)
+            split_backward(q, kv, idx, dout, lse, delta, scale, dv, red_vec, pass_ms=pass_ms)
+            dq_key, dkv_key = split_keys(q, idx, red_vec)
+            extra.update(pass_ms={k: round(v, 4) for k, v in pass_ms.items()},
+                         configs={"dq": SPLIT_DQ_TUNER.records[dq_key].best.describe(),
+                                  "dkv": SPLIT_DKV_TUNER.records[dkv_key].best.describe()})
         yield make_entry(name, shape, ms, flops=flops, reference_ms=ref_ms, correct=max(errs.values()) < 2e-2,
                          errors=errs, flop_formula="2 * tokens * heads * topk * (3 * d_qk + 2 * d_v)",
                          reference="torch autograd of gather + fp32 einsum softmax, 512-token chunks", **extra)
@@ -378,10 +400,12 @@ def tuning_summary() -> dict[str, Any]:
         sparse_mla,
         sparse_mla_bwd,
         sparse_mla_bwd_keymajor,
+        sparse_mla_bwd_split,
     )
 
     tuners = [logprobs.FWD_TUNER, logprobs.BWD_TUNER, indexer.SCORE_TUNER, indexer.TOPK_TUNER,
               indexer_fused.FUSED_SCORE_TUNER, indexer_fused.FUSED_SELECT_TUNER,
               sparse_mla.TUNER, sparse_mla_bwd.BWD_TUNER, sparse_mla_bwd_keymajor.DQ_TUNER,
-              sparse_mla_bwd_keymajor.DKV_TUNER, fp8_quant.QUANT_TUNER, fp8_quant.DEQUANT_TUNER]
+              sparse_mla_bwd_keymajor.DKV_TUNER, sparse_mla_bwd_split.DQ_TUNER, sparse_mla_bwd_split.DKV_TUNER,
+              fp8_quant.QUANT_TUNER, fp8_quant.DEQUANT_TUNER]
     return {t.name: t.summary() for t in tuners}

@@ -10,8 +10,9 @@ kept), accumulates dq in registers and scatter-adds each key block's dkv with fp
 picked by many tokens, or twice in one row, simply receives several adds; -1 slots add nothing.
 FLOPs (the benchmark's formula): 2 * T * heads * n_valid * (3 * (D_V + D_R) + 2 * D_V).
 impl="keymajor" runs kernels/sparse_mla_bwd_keymajor.py instead (a dq kernel and a key-major dkv
-kernel that owns its rows: no atomics, same results); "atomic" stays the default until the GPU
-has timed both.
+kernel that owns its rows: no atomics, same results); impl="split" runs
+kernels/sparse_mla_bwd_split.py (a 64-head dq kernel that also writes dS and P, then a
+token-major dkv kernel of two GEMMs per key tile and vector reductions).
 """
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ import torch
 import triton
 
 from kernels._tuning import Autotuner, KernelConfig
+from kernels.atomics import check_red_vec
 from kernels.sparse_mla import LOG2E, _bucket, reference_sparse_mla, sparse_mla_forward
 from kernels.sparse_mla_bwd_keymajor import keymajor_backward
 from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
+from kernels.sparse_mla_bwd_split import split_backward
 
 # H200, 4096 tokens, 64 heads, top-2048: every tile with 64 heads or 64 keys needs 311-418 KB of
 # shared memory (limit 227 KB: the transposed dS / P operands of the dkv dots are staged there).
@@ -33,7 +36,8 @@ BWD_CONFIGS = [
     KernelConfig.make(BLOCK_H=32, BLOCK_N=16, num_warps=4, num_stages=2),
 ]
 BWD_TUNER = Autotuner("sparse_mla_bwd", BWD_CONFIGS)
-BWD_IMPLS = ("atomic", "keymajor")  # atomic: this file's kernel; keymajor: sparse_mla_bwd_keymajor.py
+# atomic: this file's kernel; keymajor: sparse_mla_bwd_keymajor.py; split: sparse_mla_bwd_split.py
+BWD_IMPLS = ("atomic", "keymajor", "split")
 
 
 def _check_impl(impl: str, name: str = "impl") -> None:
@@ -43,8 +47,12 @@ def _check_impl(impl: str, name: str = "impl") -> None:
 
 def sparse_mla_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, grad_out: torch.Tensor, sm_scale: float,
-                        d_v: int = 512, impl: str = "atomic") -> tuple[torch.Tensor, torch.Tensor]:
-    """(dq [T, heads, D] in q's dtype, dkv [S, D] fp32) for the forward's (out, lse)."""
+                        d_v: int = 512, impl: str = "atomic",
+                        red_vec: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq [T, heads, D] in q's dtype, dkv [S, D] fp32) for the forward's (out, lse).
+
+    red_vec: how the atomic and split impls scatter-add dkv (kernels/atomics.py): 1
+    tl.atomic_add (v4 atomics on Hopper), 2 inline-asm v2 reductions (sm_90+ only)."""
     _check_impl(impl)
     T, heads, dim = q.shape
     if grad_out.shape != (T, heads, d_v) or out.shape != (T, heads, d_v) or lse.shape != (T, heads):
@@ -55,6 +63,9 @@ def sparse_mla_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, ou
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # [T, heads]
     if impl == "keymajor":
         return keymajor_backward(q, kv, idx, grad_out, lse, delta, sm_scale, d_v)
+    red_vec = check_red_vec(red_vec, q.device)
+    if impl == "split":
+        return split_backward(q, kv, idx, grad_out, lse, delta, sm_scale, d_v, red_vec)
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
     if T == 0:
@@ -64,13 +75,13 @@ def sparse_mla_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, ou
         bh = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(heads)))
         dkv.zero_()  # the autotuner runs launch several times; atomics accumulate
         sparse_mla_bwd_rows_kernel[(T, triton.cdiv(heads, bh))](
-            q, kv, idx, grad_out, lse, delta, dq, dkv, sm_scale, sm_scale * LOG2E, idx.shape[1],
+            q, kv, idx, grad_out, lse, delta, dq, dkv, dq, dq, sm_scale, sm_scale * LOG2E, idx.shape[1],
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), grad_out.stride(0), grad_out.stride(1),
-            lse.stride(0), dq.stride(0), dq.stride(1), dkv.stride(0),
+            lse.stride(0), dq.stride(0), dq.stride(1), dkv.stride(0), 0,
             HEADS=heads, D_V=d_v, D_R=dim - d_v, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], WITH_DKV=True,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            RED_VEC=red_vec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    cfg = BWD_TUNER.choose((min(_bucket(T), 4096), heads, dim, idx.shape[1], q.dtype), q.device, launch)
+    cfg = BWD_TUNER.choose((min(_bucket(T), 4096), heads, dim, idx.shape[1], q.dtype, red_vec), q.device, launch)
     launch(cfg)
     return dq, dkv
 

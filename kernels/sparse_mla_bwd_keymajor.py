@@ -158,10 +158,10 @@ def keymajor_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad
 
     def launch_dq(cfg: KernelConfig) -> None:
         bh = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(heads)))
-        sparse_mla_bwd_rows_kernel[(T, triton.cdiv(heads, bh))](  # dkv_ptr unused without WITH_DKV
-            q, kv, idx, grad_out, lse, delta, dq, dq, sm_scale, sm_scale * LOG2E, idx.shape[1],
+        sparse_mla_bwd_rows_kernel[(T, triton.cdiv(heads, bh))](  # dkv/ds/p unused here
+            q, kv, idx, grad_out, lse, delta, dq, dq, dq, dq, sm_scale, sm_scale * LOG2E, idx.shape[1],
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), grad_out.stride(0), grad_out.stride(1),
-            lse.stride(0), dq.stride(0), dq.stride(1), 0,
+            lse.stride(0), dq.stride(0), dq.stride(1), 0, 0,
             HEADS=heads, D_V=d_v, D_R=dim - d_v, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], WITH_DKV=False,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 

@@ -52,9 +52,9 @@ def test_full_shapes_refuse_to_run_without_cuda(tmp_path, capsys):
         kb.main(["--out", str(tmp_path / "x.json"), "--only", "nonsense"])
 
 
-def test_sparse_mla_bwd_case_times_both_impls_side_by_side(device):
-    """The real case at tiny shapes (interpreted on CPU): one entry per impl, both correct, the
-    key-major one with its speedup over atomic and the index inversion's time."""
+def test_sparse_mla_bwd_case_times_every_variant_side_by_side(device):
+    """The real case at tiny shapes (interpreted on CPU): one entry per variant, all correct, each
+    with its speedup over the default; key-major with the inversion's time, split with its passes."""
     calls = []
 
     def once(fn, **_):  # one run per timing: the interpreter is slow and the times mean nothing here
@@ -64,13 +64,20 @@ def test_sparse_mla_bwd_case_times_both_impls_side_by_side(device):
 
     shapes = dataclasses.replace(kb.TINY, mla_tokens=4, mla_context=40, topk=16)
     entries = list(kernel_cases.bench_sparse_mla_bwd(torch, device, shapes, once))
-    assert [e["name"] for e in entries] == ["sparse_mla_bwd", "sparse_mla_bwd_keymajor"]
-    assert [e["impl"] for e in entries] == ["atomic", "keymajor"]
+    variants = [v for v in kernel_cases.BWD_VARIANTS if device.type == "cuda" or v[2] == 1]
+    assert [e["name"] for e in entries] == [v[0] for v in variants]
+    assert [(e["impl"], e["red_vec"]) for e in entries] == [(v[1], v[2]) for v in variants]
     assert all(e["correct"] is True and "tflops" in e for e in entries), entries
-    atomic, keymajor = entries
-    assert keymajor["speedup_over_atomic"] == round(atomic["ms"] / keymajor["ms"], 3)
+    default = entries[0]
+    for e in entries:
+        assert e["speedup_over_default"] == round(default["ms"] / e["ms"], 3)
+    keymajor = next(e for e in entries if e["impl"] == "keymajor")
     assert keymajor["inversion_ms"] > 0
     assert keymajor["inversion_block_k"] in {c["BLOCK_K"] for c in sparse_mla_bwd_keymajor.DKV_CONFIGS}
     assert keymajor["key_block_token_pairs"] > 0
+    split = next(e for e in entries if e["impl"] == "split")
+    assert set(split["configs"]) == {"dq", "dkv"}
+    assert set(split["pass_ms"]) == ({"dq", "dkv"} if device.type == "cuda" else set())
     assert set(kernel_cases.tuning_summary()) >= {"sparse_mla_bwd", "sparse_mla_bwd_dq",
-                                                   "sparse_mla_bwd_dkv_keymajor"}
+                                                   "sparse_mla_bwd_dkv_keymajor", "sparse_mla_bwd_split_dq",
+                                                   "sparse_mla_bwd_split_dkv"}

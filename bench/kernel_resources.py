@@ -1,0 +1,154 @@
+"""What a Triton kernel costs on Hopper, without a GPU: `python -m bench.kernel_resources [--only NAME]`.
+
+Compiles a kernel for sm_90 the way the JIT would specialise it at the benchmark's shapes
+(pointers and integer arguments divisible by 16 marked so), runs Triton's bundled ptxas, and
+reports per config: registers per thread, spill stack bytes, shared memory, and the instruction
+mix that decides its speed (wgmma vs mma.sync, cp.async, vector vs scalar reductions). The GPU
+machine is 30 minutes a session; this is how a config is checked to fit before it is timed there.
+Imports triton and kernels/ only (no CUDA device, no agentrl).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Ptr:
+    """A pointer argument of element type dtype ("bf16", "fp32", "i32"), 16-byte aligned."""
+
+    dtype: str
+
+
+INSTRUCTIONS = {"wgmma": r"wgmma\.mma_async", "mma_sync": r"\bmma\.sync", "cp_async": r"cp\.async\.",
+                "red_v2": r"red\.global\.add\.v2\.f32", "red_f32": r"red\.global\.add\.f32",
+                "atom_v4_f32": r"atom\.global[\w.]*\.add\.v4\.f32", "atom_f32": r"atom\.global[\w.]*\.add\.f32"}
+
+
+def compile_sm90(fn, args: dict[str, Any], constexprs: dict[str, Any], num_warps: int, num_stages: int) -> dict:
+    """Registers, spills, shared memory and instruction counts of fn compiled for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    missing = [n for n in names if n not in args and n not in constexprs]
+    if missing:
+        raise ValueError(f"{fn.__name__}: no value for {missing}")
+    signature, attrs = {}, {}
+    for i, name in enumerate(names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        value = args[name]
+        if isinstance(value, Ptr):
+            signature[name] = "*" + value.dtype
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name}: give an int, a float or a Ptr, got {value!r}")
+        elif isinstance(value, int):
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32"
+    src = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    usage = _resource_usage(compiled.asm["cubin"])
+    ptx = compiled.asm["ptx"]
+    return {**usage, "shared_bytes": compiled.metadata.shared,
+            **{k: len(re.findall(p, ptx)) for k, p in INSTRUCTIONS.items()}}
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    from triton.backends.nvidia import compiler as nv
+
+    cuobjdump = Path(nv.__file__).parent / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    found = re.search(r"REG:(\d+)\s+STACK:(\d+)", text)
+    if not found:
+        raise RuntimeError(f"cuobjdump printed no resource usage: {text[:300]}")
+    return {"registers": int(found.group(1)), "spill_stack_bytes": int(found.group(2))}
+
+
+def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
+    from kernels.sparse_mla import CONFIGS as FWD_CONFIGS
+    from kernels.sparse_mla import _sparse_mla_fwd_kernel
+    from kernels.sparse_mla_bwd import BWD_CONFIGS
+    from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
+    from kernels.sparse_mla_bwd_split import DKV_CONFIGS, DQ_CONFIGS, _dkv_from_dsp_kernel
+
+    T, H, DV, DR, K = 4096, 64, 512, 64, 2048  # the benchmark's GLM-5.2 shapes
+    dims = {"HEADS": H, "D_V": DV, "D_R": DR}
+    rows_args = {"q_ptr": Ptr("bf16"), "kv_ptr": Ptr("bf16"), "idx_ptr": Ptr("i32"), "do_ptr": Ptr("bf16"),
+                 "lse_ptr": Ptr("fp32"), "delta_ptr": Ptr("fp32"), "dq_ptr": Ptr("bf16"), "dkv_ptr": Ptr("fp32"),
+                 "ds_ptr": Ptr("bf16"), "p_ptr": Ptr("bf16"), "scale": 0.0625, "scale_log2": 0.09, "n_idx": K,
+                 "stride_qt": H * (DV + DR), "stride_qh": DV + DR, "stride_kv": DV + DR, "stride_it": K,
+                 "stride_dot": H * DV, "stride_doh": DV, "stride_lt": H, "stride_dqt": H * (DV + DR),
+                 "stride_dqh": DV + DR, "stride_dkv": DV + DR, "stride_st": K * H}
+    dkv_args = {k: rows_args[k] for k in ("q_ptr", "do_ptr", "idx_ptr", "ds_ptr", "p_ptr", "dkv_ptr", "n_idx",
+                                          "stride_qt", "stride_qh", "stride_dot", "stride_doh", "stride_it",
+                                          "stride_st", "stride_dkv")}
+    fwd_args = {"q_ptr": Ptr("bf16"), "kv_ptr": Ptr("bf16"), "idx_ptr": Ptr("i32"), "out_ptr": Ptr("bf16"),
+                "lse_ptr": Ptr("fp32"), "scale_log2": 0.09, "n_idx": K, "stride_qt": H * (DV + DR),
+                "stride_qh": DV + DR, "stride_kv": DV + DR, "stride_it": K, "stride_ot": H * DV, "stride_oh": DV,
+                "stride_lt": H}
+    del T
+    return [
+        ("sparse_mla_fwd", _sparse_mla_fwd_kernel, fwd_args,
+         {**dims, "WS": False}, [(c, {}) for c in FWD_CONFIGS if not dict(c.params).get("WS")]),
+        ("sparse_mla_bwd_atomic", sparse_mla_bwd_rows_kernel, rows_args,
+         {**dims, "WITH_DKV": True, "STORE_DSP": False}, [(c, {"RED_VEC": v}) for c in BWD_CONFIGS for v in (1, 2)]),
+        ("sparse_mla_bwd_split_dq", sparse_mla_bwd_rows_kernel, rows_args,
+         {**dims, "WITH_DKV": False, "STORE_DSP": True, "RED_VEC": 1}, [(c, {}) for c in DQ_CONFIGS]),
+        ("sparse_mla_bwd_split_dkv", _dkv_from_dsp_kernel, dkv_args,
+         {**dims, "BLOCK_H": 64}, [(c, {"RED_VEC": v}) for c in DKV_CONFIGS for v in (1, 2)]),
+    ]
+
+
+CASES = {"sparse_mla": _sparse_mla_bwd_cases}
+
+
+def run(only: set[str] | None = None) -> list[dict]:
+    rows = []
+    for family in CASES.values():
+        for name, fn, args, constexprs, configs in family():
+            if only and name not in only:
+                continue
+            for cfg, extra in configs:
+                const = {**constexprs, **dict(cfg.params), **extra}
+                label = cfg.describe() + "".join(f",{k}={v}" for k, v in extra.items())
+                try:
+                    res = compile_sm90(fn, args, const, cfg.num_warps, cfg.num_stages)
+                except Exception as exc:  # noqa: BLE001 -- a config the compiler refuses is a finding
+                    res = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[-1][:200]}"}
+                rows.append({"kernel": name, "config": label, **res})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="comma-separated kernel names (default: all)")
+    parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
+    ns = parser.parse_args(argv)
+    rows = run({s for s in ns.only.split(",") if s} or None)
+    if ns.out:
+        ns.out.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Sparse MLA backward as two kernels: dq with dS and P written out, then dkv from them.
+
+Same math and semantics as kernels/sparse_mla_bwd.py (duplicate keys in a row add twice, -1 slots
+add nothing). Why split: the fused atomic kernel must hold a [heads, 576] fp32 dq accumulator and
+a [keys, 576] fp32 dkv tile at once, which at 64 heads needs 311-418 KB of shared memory and
+registers, so it runs 32 heads x 32 keys on mma.sync, two programs per token, each scatter-adding
+its own partial dkv. Here:
+- dq pass (kernels/sparse_mla_bwd_rows.py with STORE_DSP): one program per (token, heads block)
+  recomputes S and P from lse, accumulates dq, and stores the bf16 dS and P tiles it already
+  needed for its own dots into a [tokens, heads, topk] scratch (keys contiguous, the order of
+  its accumulator's rows). No dkv tile, so it runs 64 heads on wgmma (64 heads x 32 keys: 64-key
+  tiles need 295 KB of shared memory with two stages of KV rows, bench/kernel_resources.py).
+- dkv pass (``_dkv_from_dsp_kernel``): one program per token loads its q and dO once and, per
+  key tile, reads dS^T and P^T [keys, heads] back and computes dK = dS^T q and dV = P^T dO: two
+  GEMMs over all heads of the token, so each selected key gets one reduction per token (half the
+  fused kernel's two programs per token), issued as vector atomics (kernels/atomics.py).
+The scratch costs 4 bytes per (token, head, slot) written once and read once (2 GiB at 4096
+tokens x 2048 x 64 heads); tokens are processed in chunks so that it stays under
+SCRATCH_BYTES. dS and P are rounded to bf16 exactly where the fused kernel rounds them for its
+dkv dots, so both impls compute the same products and differ only in summation order.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._tuning import Autotuner, KernelConfig
+from kernels.atomics import red_add_rows_f32
+from kernels.sparse_mla import LOG2E, _bucket
+from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
+
+# Upper bound of the dS + P scratch: 1 GiB is 2048 tokens at top-2048 x 64 heads.
+SCRATCH_BYTES = 1 << 30
+# Not timed on the H200 yet; shared memory, registers and spills per config from
+# bench/kernel_resources.py (the limit is 227 KB). dq pass, 64 heads: 64 keys x 2 stages 295 KB
+# (does not fit), 32 keys 217 KB. dkv pass (tl.atomic_add / inline-asm v2): 64 keys in 4 column
+# blocks, 8 warps, 2 stages 205 / 176 KB, no spills; 128 keys 270 / 205 KB.
+DQ_CONFIGS = [
+    KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
+    KernelConfig.make(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1),
+    KernelConfig.make(BLOCK_H=32, BLOCK_N=64, num_warps=4, num_stages=2),
+    KernelConfig.make(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1),
+]
+DKV_CONFIGS = [
+    KernelConfig.make(BLOCK_N=64, N_COLS=4, num_warps=8, num_stages=2),
+    KernelConfig.make(BLOCK_N=128, N_COLS=4, num_warps=8, num_stages=2),
+    KernelConfig.make(BLOCK_N=64, N_COLS=2, num_warps=8, num_stages=2),
+    KernelConfig.make(BLOCK_N=64, N_COLS=4, num_warps=4, num_stages=2),
+    KernelConfig.make(BLOCK_N=64, N_COLS=4, num_warps=8, num_stages=1),
+]
+DQ_TUNER = Autotuner("sparse_mla_bwd_split_dq", DQ_CONFIGS)
+DKV_TUNER = Autotuner("sparse_mla_bwd_split_dkv", DKV_CONFIGS)
+
+
+@triton.jit
+def _dkv_columns(rows, cols, ds_t, p_t, q_c, do_c, valid, RED_VEC: tl.constexpr):
+    """dkv[rows, cols] += dS^T q[:, cols] + P^T dO[:, cols] for one key tile and column block."""
+    dk = tl.dot(ds_t, q_c)
+    dk = tl.dot(p_t, do_c, dk)
+    red_add_rows_f32(rows, cols, dk, valid, RED_VEC)
+
+
+@triton.jit
+def _dkv_from_dsp_kernel(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx,
+                         stride_qt, stride_qh, stride_dot, stride_doh, stride_it, stride_st, stride_dkv,
+                         HEADS: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, N_COLS: tl.constexpr,
+                         RED_VEC: tl.constexpr):
+    # The value columns go in N_COLS (1, 2 or 4) blocks: a whole [keys, 512] fp32 tile spills
+    # (2.7 KB a thread at 64 keys, 8 warps: bench/kernel_resources.py). The q / dO column blocks
+    # are loaded once per token, before the key loop, so they stay in shared memory.
+    t = tl.program_id(0).to(tl.int64)
+    dr = tl.arange(0, D_R)
+    BLOCK_C: tl.constexpr = D_V // N_COLS
+    c = tl.arange(0, BLOCK_C)
+    for h0 in tl.static_range(0, HEADS, BLOCK_H):  # one block at GLM-5.2's 64 heads
+        heads = h0 + tl.arange(0, BLOCK_H)
+        head_ok = heads < HEADS
+        q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+        do_row = do_ptr + t * stride_dot + heads[:, None] * stride_doh
+        q_rope = tl.load(q_row + D_V + dr[None, :], mask=head_ok[:, None], other=0.0)
+        q0 = tl.load(q_row + c[None, :], mask=head_ok[:, None], other=0.0)
+        do0 = tl.load(do_row + c[None, :], mask=head_ok[:, None], other=0.0)
+        if N_COLS >= 2:
+            q1 = tl.load(q_row + BLOCK_C + c[None, :], mask=head_ok[:, None], other=0.0)
+            do1 = tl.load(do_row + BLOCK_C + c[None, :], mask=head_ok[:, None], other=0.0)
+        if N_COLS == 4:
+            q2 = tl.load(q_row + 2 * BLOCK_C + c[None, :], mask=head_ok[:, None], other=0.0)
+            do2 = tl.load(do_row + 2 * BLOCK_C + c[None, :], mask=head_ok[:, None], other=0.0)
+            q3 = tl.load(q_row + 3 * BLOCK_C + c[None, :], mask=head_ok[:, None], other=0.0)
+            do3 = tl.load(do_row + 3 * BLOCK_C + c[None, :], mask=head_ok[:, None], other=0.0)
+        for start in range(0, n_idx, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            in_row = j < n_idx
+            ids = tl.load(idx_ptr + t * stride_it + j, mask=in_row, other=-1)
+            valid = ids >= 0
+            slot = t * stride_st + heads[:, None] * n_idx + j[None, :]
+            keep = head_ok[:, None] & in_row[None, :]
+            ds_t = tl.trans(tl.load(ds_ptr + slot, mask=keep, other=0.0))  # [keys, heads]
+            p_t = tl.trans(tl.load(p_ptr + slot, mask=keep, other=0.0))
+            rows = dkv_ptr + tl.where(valid, ids, 0).to(tl.int64) * stride_dkv
+            _dkv_columns(rows, c, ds_t, p_t, q0, do0, valid, RED_VEC)
+            if N_COLS >= 2:
+                _dkv_columns(rows, BLOCK_C + c, ds_t, p_t, q1, do1, valid, RED_VEC)
+            if N_COLS == 4:
+                _dkv_columns(rows, 2 * BLOCK_C + c, ds_t, p_t, q2, do2, valid, RED_VEC)
+                _dkv_columns(rows, 3 * BLOCK_C + c, ds_t, p_t, q3, do3, valid, RED_VEC)
+            red_add_rows_f32(rows, D_V + dr, tl.dot(ds_t, q_rope), valid, RED_VEC)
+
+
+def _n_cols(n_cols: int, d_v: int) -> int:
+    """The config's column blocks, fewer where a block would be under tl.dot's 16 columns."""
+    while n_cols > 1 and d_v // n_cols < 16:
+        n_cols //= 2
+    return n_cols
+
+
+def _chunk_tokens(n_idx: int, heads: int, itemsize: int) -> int:
+    per_token = max(1, 2 * n_idx * heads * itemsize)
+    return max(1, SCRATCH_BYTES // per_token)
+
+
+def tuning_keys(q: torch.Tensor, idx: torch.Tensor, red_vec: int) -> tuple[tuple, tuple]:
+    T, heads, dim = q.shape
+    base = (min(_bucket(T), 4096), heads, dim, idx.shape[1], q.dtype)
+    return base, base + (red_vec,)
+
+
+def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_out: torch.Tensor,
+                   lse: torch.Tensor, delta: torch.Tensor, sm_scale: float, d_v: int,
+                   red_vec: int, pass_ms: dict[str, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq, dkv fp32) from contiguous inputs, fp32 lse and Delta = rowsum(dO * out) [T, heads]
+    (the checks and preparation are sparse_mla_backward's). pass_ms, if given, receives the
+    summed CUDA time of each pass ("dq", "dkv"; the benchmark's breakdown, it synchronises)."""
+    T, heads, dim = q.shape
+    n_idx = idx.shape[1]
+    dq = torch.empty_like(q)
+    dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
+    if T == 0 or n_idx == 0:
+        return dq.zero_(), dkv
+    chunk = min(T, _chunk_tokens(n_idx, heads, q.element_size()))
+    ds = torch.empty((chunk, heads, n_idx), device=q.device, dtype=q.dtype)
+    p = torch.empty_like(ds)
+    dq_key, dkv_key = tuning_keys(q, idx, red_vec)
+    bh_dkv = min(64, max(16, triton.next_power_of_2(heads)))
+
+    timed = pass_ms is not None and q.is_cuda
+    marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def run(name: str, fn) -> None:
+        if not timed:
+            fn()
+            return
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        marks.append((name, start, stop))
+
+    for c0 in range(0, T, chunk):
+        c1 = min(T, c0 + chunk)
+        qc, ic, gc, lc, dc, dqc = q[c0:c1], idx[c0:c1], grad_out[c0:c1], lse[c0:c1], delta[c0:c1], dq[c0:c1]
+        n = c1 - c0
+
+        def launch_dq(cfg: KernelConfig) -> None:
+            bh = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(heads)))
+            sparse_mla_bwd_rows_kernel[(n, triton.cdiv(heads, bh))](  # dkv unused: WITH_DKV off
+                qc, kv, ic, gc, lc, dc, dqc, dqc, ds, p, sm_scale, sm_scale * LOG2E, n_idx,
+                qc.stride(0), qc.stride(1), kv.stride(0), ic.stride(0), gc.stride(0), gc.stride(1),
+                lc.stride(0), dqc.stride(0), dqc.stride(1), 0, ds.stride(0),
+                HEADS=heads, D_V=d_v, D_R=dim - d_v, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], WITH_DKV=False,
+                STORE_DSP=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+        def launch_dkv(cfg: KernelConfig, out: torch.Tensor) -> None:
+            _dkv_from_dsp_kernel[(n,)](
+                qc, gc, ic, ds, p, out, n_idx,
+                qc.stride(0), qc.stride(1), gc.stride(0), gc.stride(1), ic.stride(0), ds.stride(0), out.stride(0),
+                HEADS=heads, D_V=d_v, D_R=dim - d_v, BLOCK_H=bh_dkv, BLOCK_N=cfg["BLOCK_N"],
+                N_COLS=_n_cols(cfg["N_COLS"], d_v), RED_VEC=red_vec,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+        dq_cfg = DQ_TUNER.choose(dq_key, q.device, launch_dq)
+        run("dq", lambda: launch_dq(dq_cfg))
+        if dkv_key not in DKV_TUNER.records:  # tuning adds several times: into a scratch of its own
+            scratch = torch.zeros_like(dkv)
+            DKV_TUNER.choose(dkv_key, q.device, lambda cfg: launch_dkv(cfg, scratch))
+            del scratch
+        run("dkv", lambda: launch_dkv(DKV_TUNER.records[dkv_key].best, dkv))
+    if timed:
+        torch.cuda.synchronize(q.device)
+        for name, start, stop in marks:
+            pass_ms[name] = pass_ms.get(name, 0.0) + start.elapsed_time(stop)
+    return dq, dkv

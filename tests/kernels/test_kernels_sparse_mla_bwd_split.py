@@ -1,0 +1,149 @@
+"""The split sparse MLA backward (dq pass writing dS and P, then a token-major dkv pass) against the
+fp32 torch autograd and the atomic impl; on CUDA also with 8-byte vector reductions."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import sparse_mla as sm
+from kernels import sparse_mla_bwd as smb
+from kernels import sparse_mla_bwd_split as spl
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _inputs(device, T, S, heads, d_v, d_r, K, key_range=None):
+    q = torch.randn(T, heads, d_v + d_r, device=device).to(torch.bfloat16)
+    kv = torch.randn(S, d_v + d_r, device=device).to(torch.bfloat16)
+    idx = torch.randint(0, key_range or S, (T, K), device=device, dtype=torch.int32)
+    return q, kv, idx
+
+
+def _reference_grads(q, kv, idx, scale, d_v, dout):
+    qr = q.detach().float().requires_grad_()
+    kvr = kv.detach().float().requires_grad_()
+    out, _ = sm.reference_sparse_mla(qr, kvr, idx, scale, d_v)
+    out.backward(dout.float())
+    return qr.grad, kvr.grad
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def _backward(q, kv, idx, scale, d_v, dout, impl, **kw):
+    out, lse = sm.sparse_mla_forward(q, kv, idx, scale, d_v)
+    return smb.sparse_mla_backward(q, kv, idx, out, lse, dout, scale, d_v, impl=impl, **kw)
+
+
+def _hard_rows(idx):
+    idx[:, 0] = 11  # a key every token selects: many adds into one row
+    idx[1, 5:9] = 11  # ... and four more times in one row
+    idx[0, 2] = idx[0, 1]  # the same key twice in one row
+    idx[2, :] = 5  # every slot the same key
+    idx[3, 12:] = -1  # short row
+    idx[4, :] = -1  # no key at all: zero gradients from it
+    idx[5, ::2] = -1  # padding between keys
+    return idx
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 1])
+def test_split_matches_reference_with_duplicates_padding_unselected_keys_and_chunks(device, monkeypatch,
+                                                                                      chunk_bytes):
+    # chunk_bytes=1: one token per scratch chunk, so every chunk boundary is crossed
+    if chunk_bytes is not None:
+        monkeypatch.setattr(spl, "SCRATCH_BYTES", chunk_bytes)
+    T, S, heads, d_v, d_r, K = 6, 40, 16, 32, 16, 20  # K not a multiple of the key tile
+    q, kv, idx = _inputs(device, T, S, heads, d_v, d_r, K, key_range=30)
+    idx = _hard_rows(idx)
+    scale = 0.15
+    dout = torch.randn(T, heads, d_v, device=device).to(torch.bfloat16)
+    dq, dkv = _backward(q, kv, idx, scale, d_v, dout, "split")
+    ref_dq, ref_dkv = _reference_grads(q, kv, idx, scale, d_v, dout)
+    assert dq.shape == q.shape and dq.dtype == q.dtype and dkv.shape == kv.shape and dkv.dtype == torch.float32
+    assert _rel(dq, ref_dq) < 2e-2, _rel(dq, ref_dq)
+    assert _rel(dkv, ref_dkv) < 2e-2, _rel(dkv, ref_dkv)
+    torch.testing.assert_close(dq.float(), ref_dq, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(dkv, ref_dkv, atol=5e-2, rtol=5e-2)
+    assert (dq[4] == 0).all()
+    assert (dkv[30:] == 0).all()  # never selected
+    atomic_dq, atomic_dkv = _backward(q, kv, idx, scale, d_v, dout, "atomic")
+    assert _rel(dq, atomic_dq) < 5e-3 and _rel(dkv, atomic_dkv) < 5e-3, (_rel(dq, atomic_dq), _rel(dkv, atomic_dkv))
+
+
+def test_split_with_more_heads_than_one_block_and_masked_heads(device):
+    # 80 heads: the dkv pass loops over two head blocks (64 + 16 of which 0 masked) per token
+    T, S, heads, d_v, d_r, K = 3, 24, 80, 16, 16, 16
+    q, kv, idx = _inputs(device, T, S, heads, d_v, d_r, K)
+    idx[1, 3] = idx[1, 2]
+    scale = 0.2
+    dout = torch.randn(T, heads, d_v, device=device).to(torch.bfloat16)
+    dq, dkv = _backward(q, kv, idx, scale, d_v, dout, "split")
+    ref_dq, ref_dkv = _reference_grads(q, kv, idx, scale, d_v, dout)
+    assert _rel(dq, ref_dq) < 2e-2 and _rel(dkv, ref_dkv) < 2e-2, (_rel(dq, ref_dq), _rel(dkv, ref_dkv))
+
+
+def test_split_through_autograd_and_bad_red_vec(device):
+    T, S, heads, d_v, d_r, K = 4, 40, 16, 32, 16, 16
+    q, kv, idx = _inputs(device, T, S, heads, d_v, d_r, K)
+    idx[1, 9:] = -1
+    dout = torch.randn(T, heads, d_v, device=device).to(torch.bfloat16)
+    qa, kva = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    smb.sparse_mla(qa, kva, idx, 0.2, d_v, use_triton=True, bwd_impl="split").backward(dout)
+    ref_dq, ref_dkv = _reference_grads(q, kv, idx, 0.2, d_v, dout)
+    assert _rel(qa.grad, ref_dq) < 2e-2 and _rel(kva.grad, ref_dkv) < 2e-2
+    with pytest.raises(ValueError, match="red_vec"):
+        _backward(q, kv, idx, 0.2, d_v, dout, "split", red_vec=4)
+    if device.type != "cuda":  # the inline asm needs sm_90: a clear error, not a crash
+        with pytest.raises(ValueError, match="red_vec=2 needs a CUDA device"):
+            _backward(q, kv, idx, 0.2, d_v, dout, "split", red_vec=2)
+
+
+def test_the_scratch_chunk_bounds_the_scratch():
+    assert spl._chunk_tokens(2048, 64, 2) * 2 * 2048 * 64 * 2 <= spl.SCRATCH_BYTES
+    assert spl._chunk_tokens(10 ** 9, 64, 2) == 1  # at least one token per chunk
+    assert [spl._n_cols(4, d) for d in (512, 64, 32, 16)] == [4, 4, 2, 1]  # blocks of >= 16 columns
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("impl", ["atomic", "split"])
+def test_vector_reductions_equal_scalar_ones_gpu(impl):
+    # the 8-byte red path against tl.atomic_add on the same inputs: same sums up to fp32 order
+    T, S, heads, K = 64, 8192, 64, 2048
+    q, kv, idx = _inputs("cuda", T, S, heads, 512, 64, K)
+    idx[:4, 1000:] = -1
+    idx[4, :16] = 3
+    scale = sm.default_sm_scale()
+    dout = torch.randn(T, heads, 512, device="cuda").to(torch.bfloat16)
+    dq1, dkv1 = _backward(q, kv, idx, scale, 512, dout, impl, red_vec=1)
+    dq2, dkv2 = _backward(q, kv, idx, scale, 512, dout, impl, red_vec=2)
+    assert torch.equal(dq1, dq2)
+    assert _rel(dkv2, dkv1) < 1e-5, _rel(dkv2, dkv1)
+    ref_dq, ref_dkv = _reference_grads(q, kv, idx, scale, 512, dout)
+    assert _rel(dq2, ref_dq) < 1e-2 and _rel(dkv2, ref_dkv) < 1e-2, (_rel(dq2, ref_dq), _rel(dkv2, ref_dkv))
+
+
+@pytest.mark.gpu
+@gpu
+def test_every_split_config_is_correct_gpu(monkeypatch):
+    from kernels._tuning import Autotuner
+    T, S, heads, K = 16, 2048, 64, 256
+    q, kv, idx = _inputs("cuda", T, S, heads, 512, 64, K)
+    idx[:3, 50:] = -1
+    dout = torch.randn(T, heads, 512, device="cuda").to(torch.bfloat16)
+    ref_dq, ref_dkv = _reference_grads(q, kv, idx, 0.0625, 512, dout)
+    ran = 0
+    for dq_cfg in spl.DQ_CONFIGS:
+        for dkv_cfg in spl.DKV_CONFIGS:
+            monkeypatch.setattr(spl, "DQ_TUNER", Autotuner("dq", [dq_cfg]))
+            monkeypatch.setattr(spl, "DKV_TUNER", Autotuner("dkv", [dkv_cfg]))
+            try:
+                dq, dkv = _backward(q, kv, idx, 0.0625, 512, dout, "split")
+            except Exception as exc:  # noqa: BLE001 -- a config the device cannot run is skipped by the tuner
+                if "resources" in str(exc).lower() or "shared memory" in str(exc).lower():
+                    continue
+                raise
+            ran += 1
+            assert _rel(dq, ref_dq) < 1e-2 and _rel(dkv, ref_dkv) < 1e-2, (dq_cfg, dkv_cfg)
+    assert ran >= 1
