@@ -33,7 +33,7 @@ def _init_single_gpu() -> None:
     model_parallel_cuda_manual_seed(0)
 
 
-def run(arch: str, seqlens: list[int], iters: int) -> dict:
+def run(arch: str, seqlens: list[int], iters: int, bwd_impls: tuple[str | None, ...] = (None,)) -> dict:
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -65,9 +65,13 @@ def run(arch: str, seqlens: list[int], iters: int) -> dict:
 
     result: dict = {"arch": arch, "seqlens": seqlens, "index_topk": cfg.index_topk}
     logits = {}
-    for variant in ("megatron_unfused", "agentrl_kernels"):
-        if variant == "agentrl_kernels":
-            result["layers_switched"] = apply_dsa_kernels(model)
+    variants = {"megatron_unfused": None}
+    for i, impl in enumerate(bwd_impls):  # the first is reported as agentrl_kernels, the others by impl
+        variants["agentrl_kernels" if i == 0 else f"agentrl_kernels_bwd_{impl}"] = impl
+    for variant, impl in variants.items():
+        if variant != "megatron_unfused":
+            result["layers_switched"] = apply_dsa_kernels(model, bwd_impl=impl)
+            result.setdefault("bwd_impls", {})[variant] = impl or "default"
         torch.cuda.reset_peak_memory_stats()
         try:
             logits[variant] = step()  # warm-up (and autotuning)
@@ -86,12 +90,15 @@ def run(arch: str, seqlens: list[int], iters: int) -> dict:
         result[variant] = {"fwd_bwd_ms": round(statistics.median(times), 2),
                            "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
     result["kernel_calls"] = dsa_kernel_stats(model)
-    if len(logits) == 2:
+    if "megatron_unfused" in logits and "agentrl_kernels" in logits:
         a, b = logits["megatron_unfused"].float(), logits["agentrl_kernels"].float()
         result["logits_max_abs_diff"] = float((a - b).abs().max())
         result["logits_max_abs"] = float(a.abs().max())
-        result["speedup"] = round(result["megatron_unfused"]["fwd_bwd_ms"] / result["agentrl_kernels"]["fwd_bwd_ms"],
-                                  3)
+    base = result.get("megatron_unfused", {}).get("fwd_bwd_ms")
+    for variant in variants:
+        ms = result.get(variant, {}).get("fwd_bwd_ms")
+        if base and ms and variant != "megatron_unfused":
+            result["speedup" if variant == "agentrl_kernels" else f"speedup_{variant}"] = round(base / ms, 3)
     return result
 
 
@@ -101,8 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", default="GLM-5.2_5layer")
     parser.add_argument("--seqlens", default="4096", help="comma-separated packed sequence lengths")
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--bwd-impls", default="",
+                        help="comma-separated sparse MLA backward impls to time through the switch, one after "
+                             "another on the same model (default: the kernels' default only)")
     args = parser.parse_args(argv)
-    result = run(args.arch, [int(x) for x in args.seqlens.split(",")], args.iters)
+    from kernels.sparse_mla_bwd import BWD_IMPLS
+
+    impls = tuple(x for x in args.bwd_impls.split(",") if x) or (None,)
+    bad = [x for x in impls if x is not None and x not in BWD_IMPLS]
+    if bad:
+        parser.error(f"--bwd-impls: unknown {bad}; choose from {', '.join(BWD_IMPLS)}")
+    result = run(args.arch, [int(x) for x in args.seqlens.split(",")], args.iters, impls)
     print(json.dumps(result, indent=1))
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

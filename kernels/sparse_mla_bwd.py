@@ -38,6 +38,7 @@ BWD_CONFIGS = [
 BWD_TUNER = Autotuner("sparse_mla_bwd", BWD_CONFIGS)
 # atomic: this file's kernel; keymajor: sparse_mla_bwd_keymajor.py; split: sparse_mla_bwd_split.py
 BWD_IMPLS = ("atomic", "keymajor", "split")
+DEFAULT_BWD_IMPL = "atomic"  # what sparse_mla and the Megatron DSA switch use when not told
 
 
 def _check_impl(impl: str, name: str = "impl") -> None:
@@ -114,12 +115,14 @@ class SparseMLAFunction(torch.autograd.Function):
 
 
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float, d_v: int = 512,
-               use_triton: bool | None = None, bwd_impl: str = "atomic") -> torch.Tensor:
+               use_triton: bool | None = None, bwd_impl: str | None = None) -> torch.Tensor:
     """Differentiable sparse MLA: out [T, heads, d_v] (q's dtype). Gradients flow to q and kv.
 
     use_triton None: the Triton kernels on CUDA, the torch reference elsewhere (its autograd
     defines the gradient the kernels are tested against). True also runs Triton under
-    TRITON_INTERPRET=1 on CPU (tests). bwd_impl picks the Triton backward (BWD_IMPLS)."""
+    TRITON_INTERPRET=1 on CPU (tests). bwd_impl picks the Triton backward (BWD_IMPLS; None:
+    DEFAULT_BWD_IMPL)."""
+    bwd_impl = DEFAULT_BWD_IMPL if bwd_impl is None else bwd_impl
     _check_impl(bwd_impl, "bwd_impl")
     if use_triton is None:
         use_triton = q.is_cuda

@@ -44,6 +44,7 @@ class DsaKernelState:
     """Per switched layer: which implementation to use and what ran."""
 
     use_triton: bool | None = None  # None: Triton on CUDA tensors, the torch references elsewhere
+    bwd_impl: str | None = None  # the sparse MLA backward (kernels.sparse_mla_bwd.BWD_IMPLS); None: its default
     # offset_runs: top-k calls whose query rows sit at an offset into the keys (CP / SP chunks)
     calls: dict[str, int] = field(default_factory=lambda: {"topk": 0, "attention": 0, "fallback": 0,
                                                            "offset_runs": 0})
@@ -165,7 +166,8 @@ def _kernel_sparse_attention(*, absorbed_mla, query, key, value, up_v_weight, to
         q, kv = query[:, bi], key[:, bi, 0]
         if triton:
             q, kv = _padded_rope(q, d_v), _padded_rope(kv, d_v)
-        outs.append(sparse_mla(q, kv, topk_indices[bi].to(torch.int32), softmax_scale, d_v, use_triton=triton))
+        outs.append(sparse_mla(q, kv, topk_indices[bi].to(torch.int32), softmax_scale, d_v, use_triton=triton,
+                               bwd_impl=state.bwd_impl))
     output = torch.stack(outs, dim=1)  # [sq, b, heads, d_v]
     output = torch.einsum("sbhc,hdc->sbhd", output, up_v_weight).contiguous()
     return output.view(output.size(0), output.size(1), -1)
@@ -191,11 +193,17 @@ def _switched_forward(self, *args, **kwargs):
         _ACTIVE.reset(token)
 
 
-def apply_dsa_kernels(model: torch.nn.Module, use_triton: bool | None = None) -> int:
+def apply_dsa_kernels(model: torch.nn.Module, use_triton: bool | None = None, bwd_impl: str | None = None) -> int:
     """Switch every DSAttention of `model` to the kernels; returns how many layers were switched.
 
     Idempotent (a layer already switched is counted, not wrapped twice). use_triton None: Triton
-    on CUDA tensors, torch references on CPU; True forces Triton (TRITON_INTERPRET=1 on CPU)."""
+    on CUDA tensors, torch references on CPU; True forces Triton (TRITON_INTERPRET=1 on CPU).
+    bwd_impl picks the sparse MLA backward (None: kernels.sparse_mla_bwd.DEFAULT_BWD_IMPL); calling
+    again with another one switches the layers already switched to it."""
+    from kernels.sparse_mla_bwd import BWD_IMPLS
+
+    if bwd_impl is not None and bwd_impl not in BWD_IMPLS:
+        raise ValueError(f"bwd_impl must be one of {BWD_IMPLS} or None, got {bwd_impl!r}")
     from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
 
     _install_dispatchers()
@@ -206,6 +214,7 @@ def apply_dsa_kernels(model: torch.nn.Module, use_triton: bool | None = None) ->
         if getattr(module, "_agentrl_dsa_kernels", None) is None:
             module._agentrl_dsa_kernels = DsaKernelState(use_triton=use_triton)
             module.forward = types.MethodType(_switched_forward, module)
+        module._agentrl_dsa_kernels.bwd_impl = bwd_impl
         switched += 1
     return switched
 

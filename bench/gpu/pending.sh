@@ -17,6 +17,8 @@
 #   [V]  async vs sync on the H200 (bench/results/async_vs_sync_gpu.json)
 #   [V]  partial rollout off / tis / tis_lead on the H200 (`partial`; partial_rollout_gpu.json)
 #   [N]  memory slice with train.dsa_kernels on: peak vs the accounting (parallel_gpu.json part)
+#   [K2] `bwd`: sparse MLA backward GPU tests and every backward variant (atomic, split, key-major;
+#        kernels_bwd.json); `dsa_switch`: the 5-layer GLM through the switch per backward impl
 #   [K2] sparse MLA backward, atomic vs key-major (kernels.json sparse_mla_bwd entries); the indexer
 #        family, with the fused top-k (indexer_topk_fused) beside the default (KERNELS= picks the
 #        families); `fused`: its GPU test
@@ -63,6 +65,17 @@ part() { local name=$1 t=$2; shift 2; timeout ${TIMEOUT_FG:+--foreground} -k 30 
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 has kernels && part kernels 300 python3 -m bench.kernels --only "${KERNELS:-sparse_mla_bwd,indexer}" \
   --out "$OUT/kernels_pending.json"
+# bwd: the sparse MLA backward's GPU tests (every split config, the v2 reductions against tl.atomic_add),
+# then the forward and every backward variant on the same inputs (kernels_bwd.json)
+has bwd && part bwd_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+  tests/kernels/test_kernels_sparse_mla_bwd_split.py tests/kernels/test_kernels_sparse_mla_bwd.py
+has bwd && part bwd 300 python3 -m bench.kernels --only sparse_mla,sparse_mla_bwd --out "$OUT/kernels_bwd.json"
+# dsa_switch: the 5-layer GLM-5.2 forward+backward, Megatron's unfused DSA vs the switch with each
+# backward impl (DSA_BWD_IMPLS), one model, at DSA_SEQLENS tokens (dsa_switch_h200.json)
+for n in ${DSA_SEQLENS:-2048}; do
+  has dsa_switch && part "dsa_switch_$n" 240 python3 -m bench.dsa_switch --seqlens "$n" \
+    --bwd-impls "${DSA_BWD_IMPLS:-atomic,split}" --out "$OUT/dsa_switch_$n.json"
+done
 has fused && part fused_indexer_test 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
   tests/kernels/test_kernels_indexer_fused.py  # bit-identity of impl="fused" at 16K, every config
 has memory && part memory_slice 150 python3 bench/gpu/parallel_gpu.py --parts memory_slice_dsa_kernels \
