@@ -289,11 +289,10 @@ def _bench_sparse_mla_one(torch, dev, sh, timer, S) -> dict:
                      gathered_gbps=round(T * K * (dv + dr) * 2 / ms / 1e6, 1))
 
 
-# (entry name, impl, red_vec: 1 tl.atomic_add, 2 inline-asm v2 reductions, CUDA only): the default
-# first, then the others on the same inputs, each with its speedup over the first
-BWD_VARIANTS = (("sparse_mla_bwd", "atomic", 1), ("sparse_mla_bwd_atomic_red_v2", "atomic", 2),
-                ("sparse_mla_bwd_split", "split", 1), ("sparse_mla_bwd_split_red_v2", "split", 2),
-                ("sparse_mla_bwd_keymajor", "keymajor", 1))
+# (entry name, impl): the default first (DEFAULT_BWD_IMPL), then the others on the same inputs,
+# each with its speedup over the first
+BWD_VARIANTS = (("sparse_mla_bwd", "split"), ("sparse_mla_bwd_atomic", "atomic"),
+                ("sparse_mla_bwd_keymajor", "keymajor"))
 
 
 def bench_sparse_mla_bwd(torch, dev, sh, timer) -> Iterator[dict]:
@@ -302,10 +301,11 @@ def bench_sparse_mla_bwd(torch, dev, sh, timer) -> Iterator[dict]:
     from kernels.sparse_mla import default_sm_scale, reference_sparse_mla, sparse_mla_forward
     from kernels.sparse_mla_bwd import sparse_mla_backward, sparse_mla_bwd_flops
     from kernels.sparse_mla_bwd_keymajor import DKV_TUNER, invert_topk, tuning_keys
+    from kernels.sparse_mla_bwd import DEFAULT_BWD_IMPL, _delta
     from kernels.sparse_mla_bwd_split import DKV_TUNER as SPLIT_DKV_TUNER
     from kernels.sparse_mla_bwd_split import DQ_TUNER as SPLIT_DQ_TUNER
     from kernels.sparse_mla_bwd_split import split_backward
-    from kernels.sparse_mla_bwd_split import tuning_keys as split_keys
+    from kernels.sparse_mla_bwd_split import tuning_key as split_key
 
     T, S, Hh, dv, dr, K = sh.mla_tokens, sh.mla_context, sh.mla_heads, sh.mla_dv, sh.mla_dr, sh.topk
     shape = {"tokens": T, "context": S, "heads": Hh, "d_qk": dv + dr, "d_v": dv, "topk": K}
@@ -331,19 +331,18 @@ def bench_sparse_mla_bwd(torch, dev, sh, timer) -> Iterator[dict]:
     ref_ms = timer(ref_step, warmup=0, min_iters=1, max_iters=1) if dev.type == "cuda" else None
     flops = sparse_mla_bwd_flops(T, Hh, K, dv, dr)
     first_ms = None
-    for name, impl, red_vec in BWD_VARIANTS:
-        if red_vec == 2 and dev.type != "cuda":
-            continue  # inline asm: the interpreter cannot run it
-        def step(impl=impl, red_vec=red_vec, rows=T):
+    assert BWD_VARIANTS[0][1] == DEFAULT_BWD_IMPL, "the first variant is the default"
+    for name, impl in BWD_VARIANTS:
+        def step(impl=impl, rows=T):
             return sparse_mla_backward(q[:rows], kv, idx[:rows], out[:rows], lse[:rows], dout[:rows], scale, dv,
-                                       impl=impl, red_vec=red_vec)
+                                       impl=impl)
         step()  # tune
         dq, dkv = step(rows=n)
         errs = {"dq_rel": _rel(torch, dq, ref_dq), "dkv_rel": _rel(torch, dkv, ref_dkv)}
         del dq, dkv
         ms = timer(step)
         first_ms = ms if first_ms is None else first_ms
-        extra: dict[str, Any] = {"impl": impl, "red_vec": red_vec,
+        extra: dict[str, Any] = {"impl": impl,
                                  "speedup_over_default": round(first_ms / ms, 3)}
         if impl == "keymajor":
             block_k = DKV_TUNER.records[tuning_keys(q, kv, idx)[1]].best["BLOCK_K"]  # the tuned one
@@ -353,12 +352,13 @@ def bench_sparse_mla_bwd(torch, dev, sh, timer) -> Iterator[dict]:
             del inv
         if impl == "split":
             pass_ms: dict[str, float] = {}
-            delta = (dout.float() * out.float()).sum(-1)
-            split_backward(q, kv, idx, dout, lse, delta, scale, dv, red_vec, pass_ms=pass_ms)
-            dq_key, dkv_key = split_keys(q, idx, red_vec)
+            delta = _delta(dout, out)
+            split_backward(q, kv, idx, dout, lse, delta, scale, dv, pass_ms=pass_ms)
+            key = split_key(q, idx)
             extra.update(pass_ms={k: round(v, 4) for k, v in pass_ms.items()},
-                         configs={"dq": SPLIT_DQ_TUNER.records[dq_key].best.describe(),
-                                  "dkv": SPLIT_DKV_TUNER.records[dkv_key].best.describe()})
+                         delta_ms=round(timer(lambda: _delta(dout, out)), 4),
+                         configs={"dq": SPLIT_DQ_TUNER.records[key].best.describe(),
+                                  "dkv": SPLIT_DKV_TUNER.records[key].best.describe()})
         yield make_entry(name, shape, ms, flops=flops, reference_ms=ref_ms, correct=max(errs.values()) < 2e-2,
                          errors=errs, flop_formula="2 * tokens * heads * topk * (3 * d_qk + 2 * d_v)",
                          reference="torch autograd of gather + fp32 einsum softmax, 512-token chunks", **extra)

@@ -28,7 +28,7 @@ class Ptr:
 
 
 INSTRUCTIONS = {"wgmma": r"wgmma\.mma_async", "mma_sync": r"\bmma\.sync", "cp_async": r"cp\.async\.",
-                "red_v2": r"red\.global\.add\.v2\.f32", "red_f32": r"red\.global\.add\.f32",
+                "red_f32": r"red\.global[\w.]*\.add\.f32",
                 "atom_v4_f32": r"atom\.global[\w.]*\.add\.v4\.f32", "atom_f32": r"atom\.global[\w.]*\.add\.f32"}
 
 
@@ -110,11 +110,11 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
         ("sparse_mla_fwd", _sparse_mla_fwd_kernel, fwd_args,
          {**dims, "WS": False}, [(c, {}) for c in FWD_CONFIGS if not dict(c.params).get("WS")]),
         ("sparse_mla_bwd_atomic", sparse_mla_bwd_rows_kernel, rows_args,
-         {**dims, "WITH_DKV": True, "STORE_DSP": False}, [(c, {"RED_VEC": v}) for c in BWD_CONFIGS for v in (1, 2)]),
+         {**dims, "WITH_DKV": True, "STORE_DSP": False}, [(c, {}) for c in BWD_CONFIGS]),
         ("sparse_mla_bwd_split_dq", sparse_mla_bwd_rows_kernel, rows_args,
-         {**dims, "WITH_DKV": False, "STORE_DSP": True, "RED_VEC": 1}, [(c, {}) for c in DQ_CONFIGS]),
+         {**dims, "WITH_DKV": False, "STORE_DSP": True}, [(c, {}) for c in DQ_CONFIGS]),
         ("sparse_mla_bwd_split_dkv", _dkv_from_dsp_kernel, dkv_args,
-         {**dims, "BLOCK_H": 64}, [(c, {"RED_VEC": v}) for c in DKV_CONFIGS for v in (1, 2)]),
+         {**dims, "BLOCK_H": 64}, [(c, {}) for c in DKV_CONFIGS]),
     ]
 
 

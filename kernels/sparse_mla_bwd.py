@@ -12,15 +12,15 @@ FLOPs (the benchmark's formula): 2 * T * heads * n_valid * (3 * (D_V + D_R) + 2 
 impl="keymajor" runs kernels/sparse_mla_bwd_keymajor.py instead (a dq kernel and a key-major dkv
 kernel that owns its rows: no atomics, same results); impl="split" runs
 kernels/sparse_mla_bwd_split.py (a 64-head dq kernel that also writes dS and P, then a
-token-major dkv kernel of two GEMMs per key tile and vector reductions).
+token-major dkv kernel of two GEMMs per key tile and v4 atomics), the default (DEFAULT_BWD_IMPL).
 """
 from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from kernels._tuning import Autotuner, KernelConfig
-from kernels.atomics import check_red_vec
 from kernels.sparse_mla import LOG2E, _bucket, reference_sparse_mla, sparse_mla_forward
 from kernels.sparse_mla_bwd_keymajor import keymajor_backward
 from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
@@ -38,7 +38,36 @@ BWD_CONFIGS = [
 BWD_TUNER = Autotuner("sparse_mla_bwd", BWD_CONFIGS)
 # atomic: this file's kernel; keymajor: sparse_mla_bwd_keymajor.py; split: sparse_mla_bwd_split.py
 BWD_IMPLS = ("atomic", "keymajor", "split")
-DEFAULT_BWD_IMPL = "atomic"  # what sparse_mla and the Megatron DSA switch use when not told
+# What sparse_mla, sparse_mla_backward and the Megatron DSA switch use when not told. H200, 4096
+# tokens x top-2048 of 64K, same run (bench/results/kernels.json): split 19.8 ms, atomic 38.1,
+# keymajor 320; the 5-layer GLM-5.2 through the switch at 2K tokens 157 vs 192 ms.
+DEFAULT_BWD_IMPL = "split"
+
+
+@triton.jit
+def _delta_kernel(do_ptr, out_ptr, delta_ptr, stride_dot, stride_doh, stride_ot, stride_oh, stride_lt,
+                  HEADS: tl.constexpr, D_V: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Delta[t, h] = sum over D_V of dO * out in fp32: one read of each (torch's fp32 product of the
+    two [T, heads, 512] tensors writes and reads 3 GB more at 4096 tokens x 64 heads)."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = heads < HEADS
+    dv = tl.arange(0, D_V)
+    do = tl.load(do_ptr + t * stride_dot + heads[:, None] * stride_doh + dv[None, :], mask=ok[:, None], other=0.0)
+    o = tl.load(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dv[None, :], mask=ok[:, None], other=0.0)
+    tl.store(delta_ptr + t * stride_lt + heads, tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1), mask=ok)
+
+
+def _delta(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    T, heads, d_v = grad_out.shape
+    out = out.contiguous()
+    delta = torch.empty((T, heads), device=out.device, dtype=torch.float32)
+    if T:
+        bh = min(16, triton.next_power_of_2(heads))
+        _delta_kernel[(T, triton.cdiv(heads, bh))](grad_out, out, delta, grad_out.stride(0), grad_out.stride(1),
+                                                   out.stride(0), out.stride(1), delta.stride(0),
+                                                   HEADS=heads, D_V=d_v, BLOCK_H=bh)
+    return delta
 
 
 def _check_impl(impl: str, name: str = "impl") -> None:
@@ -48,12 +77,10 @@ def _check_impl(impl: str, name: str = "impl") -> None:
 
 def sparse_mla_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, grad_out: torch.Tensor, sm_scale: float,
-                        d_v: int = 512, impl: str = "atomic",
-                        red_vec: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dq [T, heads, D] in q's dtype, dkv [S, D] fp32) for the forward's (out, lse).
-
-    red_vec: how the atomic and split impls scatter-add dkv (kernels/atomics.py): 1
-    tl.atomic_add (v4 atomics on Hopper), 2 inline-asm v2 reductions (sm_90+ only)."""
+                        d_v: int = 512, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq [T, heads, D] in q's dtype, dkv [S, D] fp32) for the forward's (out, lse); impl one of
+    BWD_IMPLS (None: DEFAULT_BWD_IMPL)."""
+    impl = DEFAULT_BWD_IMPL if impl is None else impl
     _check_impl(impl)
     T, heads, dim = q.shape
     if grad_out.shape != (T, heads, d_v) or out.shape != (T, heads, d_v) or lse.shape != (T, heads):
@@ -61,12 +88,11 @@ def sparse_mla_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, ou
                          f"{tuple(grad_out.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}")
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
     grad_out, lse = grad_out.to(q.dtype).contiguous(), lse.float().contiguous()
-    delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # [T, heads]
+    delta = _delta(grad_out, out)  # [T, heads]
     if impl == "keymajor":
         return keymajor_backward(q, kv, idx, grad_out, lse, delta, sm_scale, d_v)
-    red_vec = check_red_vec(red_vec, q.device)
     if impl == "split":
-        return split_backward(q, kv, idx, grad_out, lse, delta, sm_scale, d_v, red_vec)
+        return split_backward(q, kv, idx, grad_out, lse, delta, sm_scale, d_v)
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
     if T == 0:
@@ -80,9 +106,9 @@ def sparse_mla_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, ou
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), grad_out.stride(0), grad_out.stride(1),
             lse.stride(0), dq.stride(0), dq.stride(1), dkv.stride(0), 0,
             HEADS=heads, D_V=d_v, D_R=dim - d_v, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], WITH_DKV=True,
-            RED_VEC=red_vec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    cfg = BWD_TUNER.choose((min(_bucket(T), 4096), heads, dim, idx.shape[1], q.dtype, red_vec), q.device, launch)
+    cfg = BWD_TUNER.choose((min(_bucket(T), 4096), heads, dim, idx.shape[1], q.dtype), q.device, launch)
     launch(cfg)
     return dq, dkv
 
@@ -97,7 +123,7 @@ class SparseMLAFunction(torch.autograd.Function):
     """out = sparse MLA(q, kv, idx) with Triton forward and backward; idx gets no gradient."""
 
     @staticmethod
-    def forward(ctx, q, kv, idx, sm_scale: float, d_v: int, bwd_impl: str = "atomic"):
+    def forward(ctx, q, kv, idx, sm_scale: float, d_v: int, bwd_impl: str = DEFAULT_BWD_IMPL):
         _check_impl(bwd_impl, "bwd_impl")
         out, lse = sparse_mla_forward(q, kv, idx, sm_scale, d_v)
         ctx.save_for_backward(q, kv, idx, out, lse)

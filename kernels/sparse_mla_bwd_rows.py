@@ -6,15 +6,13 @@ WITH_DKV it also scatter-adds each key block's dkv with fp32 atomics (impl="atom
 the dkv half is compiled out and the launch is the dq kernel of impl="keymajor", whose dkv kernel
 owns its rows instead. With STORE_DSP (impl="split") that dq launch also writes the bf16 dS and P
 tiles it computed to a [T, topk, heads] scratch, from which kernels/sparse_mla_bwd_split.py's dkv
-kernel builds dkv without recomputing them. RED_VEC picks the scatter-add instruction width
-(kernels/atomics.py). Kept apart so that no impl's module imports another's.
+kernel builds dkv without recomputing them. Kept apart so that no impl's module imports another's.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from kernels.atomics import red_add_rows_f32
 
 
 @triton.jit
@@ -24,7 +22,7 @@ def sparse_mla_bwd_rows_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_pt
                                stride_dqt, stride_dqh, stride_dkv, stride_st,
                                HEADS: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
                                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, WITH_DKV: tl.constexpr,
-                               STORE_DSP: tl.constexpr = False, RED_VEC: tl.constexpr = 1):
+                               STORE_DSP: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < HEADS
@@ -66,9 +64,9 @@ def sparse_mla_bwd_rows_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_pt
             dk_nope = tl.dot(tl.trans(ds), q_nope)
             dk_nope = tl.dot(tl.trans(p.to(do.dtype)), do, dk_nope)
             dk_rope = tl.dot(tl.trans(ds), q_rope)
-            out_rows = dkv_ptr + safe * stride_dkv
-            red_add_rows_f32(out_rows, dv, dk_nope, valid, RED_VEC)
-            red_add_rows_f32(out_rows, D_V + dr, dk_rope, valid, RED_VEC)
+            out_rows = dkv_ptr + safe[:, None] * stride_dkv
+            tl.atomic_add(out_rows + dv[None, :], dk_nope, mask=valid[:, None], sem="relaxed")
+            tl.atomic_add(out_rows + D_V + dr[None, :], dk_rope, mask=valid[:, None], sem="relaxed")
     dq_row = dq_ptr + t * stride_dqt + heads[:, None] * stride_dqh
     tl.store(dq_row + dv[None, :], dq_nope.to(dq_ptr.dtype.element_ty), mask=head_ok[:, None])
     tl.store(dq_row + D_V + dr[None, :], dq_rope.to(dq_ptr.dtype.element_ty), mask=head_ok[:, None])

@@ -13,7 +13,10 @@ its own partial dkv. Here:
 - dkv pass (``_dkv_from_dsp_kernel``): one program per token loads its q and dO once and, per
   key tile, reads dS^T and P^T [keys, heads] back and computes dK = dS^T q and dV = P^T dO: two
   GEMMs over all heads of the token, so each selected key gets one reduction per token (half the
-  fused kernel's two programs per token), issued as vector atomics (kernels/atomics.py).
+  fused kernel's two programs per token). tl.atomic_add issues them as atom.global.add.v4.f32
+  (16 bytes each; Triton proves the alignment from the JIT's divisibility marks). An inline-asm
+  red.global.add.v2.f32 from the accumulator's own layout, which saves the layout change through
+  shared memory, measured slower on the H200: this pass 11.6 vs 9.2 ms.
 The scratch costs 4 bytes per (token, head, slot) written once and read once (2 GiB at 4096
 tokens x 2048 x 64 heads); tokens are processed in chunks so that it stays under
 SCRATCH_BYTES. dS and P are rounded to bf16 exactly where the fused kernel rounds them for its
@@ -26,7 +29,6 @@ import triton
 import triton.language as tl
 
 from kernels._tuning import Autotuner, KernelConfig
-from kernels.atomics import red_add_rows_f32
 from kernels.sparse_mla import LOG2E, _bucket
 from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
 
@@ -37,28 +39,29 @@ SCRATCH_BYTES = 1 << 30
 # (does not fit), 32 keys 217 KB. dkv pass (tl.atomic_add / inline-asm v2): 64 keys in 4 column
 # blocks, 8 warps, 2 stages 205 / 176 KB, no spills; 128 keys 270 / 205 KB.
 DQ_CONFIGS = [
-    KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
     KernelConfig.make(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1),
-    KernelConfig.make(BLOCK_H=32, BLOCK_N=64, num_warps=4, num_stages=2),
+    KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
+    KernelConfig.make(BLOCK_H=64, BLOCK_N=64, num_warps=16, num_stages=1),
     KernelConfig.make(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1),
 ]
 DKV_CONFIGS = [
-    KernelConfig.make(BLOCK_N=64, N_COLS=4, num_warps=8, num_stages=2),
-    KernelConfig.make(BLOCK_N=128, N_COLS=4, num_warps=8, num_stages=2),
-    KernelConfig.make(BLOCK_N=64, N_COLS=2, num_warps=8, num_stages=2),
-    KernelConfig.make(BLOCK_N=64, N_COLS=4, num_warps=4, num_stages=2),
-    KernelConfig.make(BLOCK_N=64, N_COLS=4, num_warps=8, num_stages=1),
+    KernelConfig.make(BLOCK_N=64, N_COLS=4, COL_SPLIT=1, num_warps=8, num_stages=1),
+    KernelConfig.make(BLOCK_N=64, N_COLS=2, COL_SPLIT=2, num_warps=8, num_stages=2),
+    KernelConfig.make(BLOCK_N=64, N_COLS=2, COL_SPLIT=2, num_warps=8, num_stages=1),
+    KernelConfig.make(BLOCK_N=64, N_COLS=1, COL_SPLIT=4, num_warps=4, num_stages=2),
+    KernelConfig.make(BLOCK_N=64, N_COLS=1, COL_SPLIT=4, num_warps=8, num_stages=2),
+    KernelConfig.make(BLOCK_N=128, N_COLS=2, COL_SPLIT=2, num_warps=8, num_stages=2),
 ]
 DQ_TUNER = Autotuner("sparse_mla_bwd_split_dq", DQ_CONFIGS)
 DKV_TUNER = Autotuner("sparse_mla_bwd_split_dkv", DKV_CONFIGS)
 
 
 @triton.jit
-def _dkv_columns(rows, cols, ds_t, p_t, q_c, do_c, valid, RED_VEC: tl.constexpr):
+def _dkv_columns(rows, cols, ds_t, p_t, q_c, do_c, valid):
     """dkv[rows, cols] += dS^T q[:, cols] + P^T dO[:, cols] for one key tile and column block."""
     dk = tl.dot(ds_t, q_c)
     dk = tl.dot(p_t, do_c, dk)
-    red_add_rows_f32(rows, cols, dk, valid, RED_VEC)
+    tl.atomic_add(rows[:, None] + cols[None, :], dk, mask=valid[:, None], sem="relaxed")
 
 
 @triton.jit
@@ -66,14 +69,17 @@ def _dkv_from_dsp_kernel(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx,
                          stride_qt, stride_qh, stride_dot, stride_doh, stride_it, stride_st, stride_dkv,
                          HEADS: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, N_COLS: tl.constexpr,
-                         RED_VEC: tl.constexpr):
-    # The value columns go in N_COLS (1, 2 or 4) blocks: a whole [keys, 512] fp32 tile spills
-    # (2.7 KB a thread at 64 keys, 8 warps: bench/kernel_resources.py). The q / dO column blocks
-    # are loaded once per token, before the key loop, so they stay in shared memory.
+                         COL_SPLIT: tl.constexpr):
+    # Program (token, s) owns value columns [s, s + 1) * D_V / COL_SPLIT in N_COLS (1, 2 or 4)
+    # blocks, and the last one also the rope columns: a whole [keys, 512] fp32 tile spills (2.7 KB
+    # a thread at 64 keys, 8 warps: bench/kernel_resources.py). Its q / dO column blocks are loaded
+    # once, before the key loop, so they stay in shared memory; COL_SPLIT 2 halves that footprint
+    # (and reads each dS / P tile twice).
     t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     dr = tl.arange(0, D_R)
-    BLOCK_C: tl.constexpr = D_V // N_COLS
-    c = tl.arange(0, BLOCK_C)
+    BLOCK_C: tl.constexpr = D_V // (N_COLS * COL_SPLIT)
+    c = part * (D_V // COL_SPLIT) + tl.arange(0, BLOCK_C)
     for h0 in tl.static_range(0, HEADS, BLOCK_H):  # one block at GLM-5.2's 64 heads
         heads = h0 + tl.arange(0, BLOCK_H)
         head_ok = heads < HEADS
@@ -100,20 +106,25 @@ def _dkv_from_dsp_kernel(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx,
             ds_t = tl.trans(tl.load(ds_ptr + slot, mask=keep, other=0.0))  # [keys, heads]
             p_t = tl.trans(tl.load(p_ptr + slot, mask=keep, other=0.0))
             rows = dkv_ptr + tl.where(valid, ids, 0).to(tl.int64) * stride_dkv
-            _dkv_columns(rows, c, ds_t, p_t, q0, do0, valid, RED_VEC)
+            _dkv_columns(rows, c, ds_t, p_t, q0, do0, valid)
             if N_COLS >= 2:
-                _dkv_columns(rows, BLOCK_C + c, ds_t, p_t, q1, do1, valid, RED_VEC)
+                _dkv_columns(rows, BLOCK_C + c, ds_t, p_t, q1, do1, valid)
             if N_COLS == 4:
-                _dkv_columns(rows, 2 * BLOCK_C + c, ds_t, p_t, q2, do2, valid, RED_VEC)
-                _dkv_columns(rows, 3 * BLOCK_C + c, ds_t, p_t, q3, do3, valid, RED_VEC)
-            red_add_rows_f32(rows, D_V + dr, tl.dot(ds_t, q_rope), valid, RED_VEC)
+                _dkv_columns(rows, 2 * BLOCK_C + c, ds_t, p_t, q2, do2, valid)
+                _dkv_columns(rows, 3 * BLOCK_C + c, ds_t, p_t, q3, do3, valid)
+            if part == COL_SPLIT - 1:
+                tl.atomic_add(rows[:, None] + D_V + dr[None, :], tl.dot(ds_t, q_rope), mask=valid[:, None],
+                              sem="relaxed")
 
 
-def _n_cols(n_cols: int, d_v: int) -> int:
-    """The config's column blocks, fewer where a block would be under tl.dot's 16 columns."""
-    while n_cols > 1 and d_v // n_cols < 16:
+def _n_cols(n_cols: int, col_split: int, d_v: int) -> tuple[int, int]:
+    """The config's (column blocks, programs per token), fewer where a block would be under
+    tl.dot's 16 columns."""
+    while n_cols > 1 and d_v // (n_cols * col_split) < 16:
         n_cols //= 2
-    return n_cols
+    while col_split > 1 and d_v // (n_cols * col_split) < 16:
+        col_split //= 2
+    return n_cols, col_split
 
 
 def _chunk_tokens(n_idx: int, heads: int, itemsize: int) -> int:
@@ -121,15 +132,14 @@ def _chunk_tokens(n_idx: int, heads: int, itemsize: int) -> int:
     return max(1, SCRATCH_BYTES // per_token)
 
 
-def tuning_keys(q: torch.Tensor, idx: torch.Tensor, red_vec: int) -> tuple[tuple, tuple]:
+def tuning_key(q: torch.Tensor, idx: torch.Tensor) -> tuple:
     T, heads, dim = q.shape
-    base = (min(_bucket(T), 4096), heads, dim, idx.shape[1], q.dtype)
-    return base, base + (red_vec,)
+    return (min(_bucket(T), 4096), heads, dim, idx.shape[1], q.dtype)
 
 
 def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_out: torch.Tensor,
                    lse: torch.Tensor, delta: torch.Tensor, sm_scale: float, d_v: int,
-                   red_vec: int, pass_ms: dict[str, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   pass_ms: dict[str, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dkv fp32) from contiguous inputs, fp32 lse and Delta = rowsum(dO * out) [T, heads]
     (the checks and preparation are sparse_mla_backward's). pass_ms, if given, receives the
     summed CUDA time of each pass ("dq", "dkv"; the benchmark's breakdown, it synchronises)."""
@@ -142,7 +152,7 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
     chunk = min(T, _chunk_tokens(n_idx, heads, q.element_size()))
     ds = torch.empty((chunk, heads, n_idx), device=q.device, dtype=q.dtype)
     p = torch.empty_like(ds)
-    dq_key, dkv_key = tuning_keys(q, idx, red_vec)
+    key = tuning_key(q, idx)
     bh_dkv = min(64, max(16, triton.next_power_of_2(heads)))
 
     timed = pass_ms is not None and q.is_cuda
@@ -173,20 +183,21 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
                 STORE_DSP=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
         def launch_dkv(cfg: KernelConfig, out: torch.Tensor) -> None:
-            _dkv_from_dsp_kernel[(n,)](
+            n_cols, col_split = _n_cols(cfg["N_COLS"], cfg["COL_SPLIT"], d_v)
+            _dkv_from_dsp_kernel[(n, col_split)](
                 qc, gc, ic, ds, p, out, n_idx,
                 qc.stride(0), qc.stride(1), gc.stride(0), gc.stride(1), ic.stride(0), ds.stride(0), out.stride(0),
                 HEADS=heads, D_V=d_v, D_R=dim - d_v, BLOCK_H=bh_dkv, BLOCK_N=cfg["BLOCK_N"],
-                N_COLS=_n_cols(cfg["N_COLS"], d_v), RED_VEC=red_vec,
+                N_COLS=n_cols, COL_SPLIT=col_split,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-        dq_cfg = DQ_TUNER.choose(dq_key, q.device, launch_dq)
+        dq_cfg = DQ_TUNER.choose(key, q.device, launch_dq)
         run("dq", lambda: launch_dq(dq_cfg))
-        if dkv_key not in DKV_TUNER.records:  # tuning adds several times: into a scratch of its own
+        if key not in DKV_TUNER.records:  # tuning adds several times: into a scratch of its own
             scratch = torch.zeros_like(dkv)
-            DKV_TUNER.choose(dkv_key, q.device, lambda cfg: launch_dkv(cfg, scratch))
+            DKV_TUNER.choose(key, q.device, lambda cfg: launch_dkv(cfg, scratch))
             del scratch
-        run("dkv", lambda: launch_dkv(DKV_TUNER.records[dkv_key].best, dkv))
+        run("dkv", lambda: launch_dkv(DKV_TUNER.records[key].best, dkv))
     if timed:
         torch.cuda.synchronize(q.device)
         for name, start, stop in marks:

@@ -11,7 +11,7 @@ import torch
 
 from bench import kernel_cases
 from bench import kernels as kb
-from kernels import sparse_mla_bwd_keymajor
+from kernels import sparse_mla_bwd, sparse_mla_bwd_keymajor
 
 
 def test_make_entry_rates_and_fractions():
@@ -64,9 +64,8 @@ def test_sparse_mla_bwd_case_times_every_variant_side_by_side(device):
 
     shapes = dataclasses.replace(kb.TINY, mla_tokens=4, mla_context=40, topk=16)
     entries = list(kernel_cases.bench_sparse_mla_bwd(torch, device, shapes, once))
-    variants = [v for v in kernel_cases.BWD_VARIANTS if device.type == "cuda" or v[2] == 1]
-    assert [e["name"] for e in entries] == [v[0] for v in variants]
-    assert [(e["impl"], e["red_vec"]) for e in entries] == [(v[1], v[2]) for v in variants]
+    assert [(e["name"], e["impl"]) for e in entries] == list(kernel_cases.BWD_VARIANTS)
+    assert entries[0]["impl"] == sparse_mla_bwd.DEFAULT_BWD_IMPL
     assert all(e["correct"] is True and "tflops" in e for e in entries), entries
     default = entries[0]
     for e in entries:
@@ -78,6 +77,7 @@ def test_sparse_mla_bwd_case_times_every_variant_side_by_side(device):
     split = next(e for e in entries if e["impl"] == "split")
     assert set(split["configs"]) == {"dq", "dkv"}
     assert set(split["pass_ms"]) == ({"dq", "dkv"} if device.type == "cuda" else set())
+    assert split["delta_ms"] > 0
     assert set(kernel_cases.tuning_summary()) >= {"sparse_mla_bwd", "sparse_mla_bwd_dq",
                                                    "sparse_mla_bwd_dkv_keymajor", "sparse_mla_bwd_split_dq",
                                                    "sparse_mla_bwd_split_dkv"}

@@ -1,5 +1,5 @@
 """The split sparse MLA backward (dq pass writing dS and P, then a token-major dkv pass) against the
-fp32 torch autograd and the atomic impl; on CUDA also with 8-byte vector reductions."""
+fp32 torch autograd and the atomic impl."""
 from __future__ import annotations
 
 import pytest
@@ -71,6 +71,24 @@ def test_split_matches_reference_with_duplicates_padding_unselected_keys_and_chu
     assert _rel(dq, atomic_dq) < 5e-3 and _rel(dkv, atomic_dkv) < 5e-3, (_rel(dq, atomic_dq), _rel(dkv, atomic_dkv))
 
 
+@pytest.mark.parametrize("cfg", sorted({(c["N_COLS"], c["COL_SPLIT"]) for c in spl.DKV_CONFIGS}))
+def test_every_dkv_column_layout_gives_the_reference(device, monkeypatch, cfg):
+    # each (column blocks, programs per token) of the configs: the rope columns go to the last program
+    from kernels._tuning import Autotuner, KernelConfig
+    n_cols, col_split = cfg
+    monkeypatch.setattr(spl, "DKV_TUNER", Autotuner("dkv", [KernelConfig.make(
+        BLOCK_N=16, N_COLS=n_cols, COL_SPLIT=col_split, num_warps=4, num_stages=1)]))
+    T, S, heads, d_v, d_r, K = 3, 30, 16, 64, 16, 24  # 64 value columns: blocks of 16 at 4 x 1 and 1 x 4
+    q, kv, idx = _inputs(device, T, S, heads, d_v, d_r, K)
+    idx[0, 3] = idx[0, 2]
+    idx[2, 20:] = -1
+    dout = torch.randn(T, heads, d_v, device=device).to(torch.bfloat16)
+    dq, dkv = _backward(q, kv, idx, 0.15, d_v, dout, "split")
+    ref_dq, ref_dkv = _reference_grads(q, kv, idx, 0.15, d_v, dout)
+    assert _rel(dq, ref_dq) < 2e-2 and _rel(dkv, ref_dkv) < 2e-2, (_rel(dq, ref_dq), _rel(dkv, ref_dkv))
+    assert _rel(dkv[:, d_v:], ref_dkv[:, d_v:]) < 2e-2  # the rope columns: added exactly once
+
+
 def test_split_with_more_heads_than_one_block_and_masked_heads(device):
     # 80 heads: the dkv pass loops over two head blocks (64 + 16 of which 0 masked) per token
     T, S, heads, d_v, d_r, K = 3, 24, 80, 16, 16, 16
@@ -83,45 +101,34 @@ def test_split_with_more_heads_than_one_block_and_masked_heads(device):
     assert _rel(dq, ref_dq) < 2e-2 and _rel(dkv, ref_dkv) < 2e-2, (_rel(dq, ref_dq), _rel(dkv, ref_dkv))
 
 
-def test_split_through_autograd_and_bad_red_vec(device):
+def test_split_is_the_default_through_autograd(device, monkeypatch):
     T, S, heads, d_v, d_r, K = 4, 40, 16, 32, 16, 16
     q, kv, idx = _inputs(device, T, S, heads, d_v, d_r, K)
     idx[1, 9:] = -1
     dout = torch.randn(T, heads, d_v, device=device).to(torch.bfloat16)
+    assert smb.DEFAULT_BWD_IMPL == "split"
+    called = []
+    real = spl.split_backward
+    monkeypatch.setattr(smb, "split_backward", lambda *a, **k: called.append(1) or real(*a, **k))
     qa, kva = q.clone().requires_grad_(), kv.clone().requires_grad_()
-    smb.sparse_mla(qa, kva, idx, 0.2, d_v, use_triton=True, bwd_impl="split").backward(dout)
+    smb.sparse_mla(qa, kva, idx, 0.2, d_v, use_triton=True).backward(dout)  # no bwd_impl: the default
+    assert called == [1]
     ref_dq, ref_dkv = _reference_grads(q, kv, idx, 0.2, d_v, dout)
     assert _rel(qa.grad, ref_dq) < 2e-2 and _rel(kva.grad, ref_dkv) < 2e-2
-    with pytest.raises(ValueError, match="red_vec"):
-        _backward(q, kv, idx, 0.2, d_v, dout, "split", red_vec=4)
-    if device.type != "cuda":  # the inline asm needs sm_90: a clear error, not a crash
-        with pytest.raises(ValueError, match="red_vec=2 needs a CUDA device"):
-            _backward(q, kv, idx, 0.2, d_v, dout, "split", red_vec=2)
+
+
+def test_delta_kernel_is_the_fp32_row_sum(device):
+    g = torch.randn(5, 20, 32, device=device).to(torch.bfloat16)  # 20 heads: a partial head block
+    o = torch.randn(5, 20, 32, device=device).to(torch.bfloat16)
+    torch.testing.assert_close(smb._delta(g, o), (g.float() * o.float()).sum(-1), atol=1e-4, rtol=1e-5)
 
 
 def test_the_scratch_chunk_bounds_the_scratch():
     assert spl._chunk_tokens(2048, 64, 2) * 2 * 2048 * 64 * 2 <= spl.SCRATCH_BYTES
     assert spl._chunk_tokens(10 ** 9, 64, 2) == 1  # at least one token per chunk
-    assert [spl._n_cols(4, d) for d in (512, 64, 32, 16)] == [4, 4, 2, 1]  # blocks of >= 16 columns
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("impl", ["atomic", "split"])
-def test_vector_reductions_equal_scalar_ones_gpu(impl):
-    # the 8-byte red path against tl.atomic_add on the same inputs: same sums up to fp32 order
-    T, S, heads, K = 64, 8192, 64, 2048
-    q, kv, idx = _inputs("cuda", T, S, heads, 512, 64, K)
-    idx[:4, 1000:] = -1
-    idx[4, :16] = 3
-    scale = sm.default_sm_scale()
-    dout = torch.randn(T, heads, 512, device="cuda").to(torch.bfloat16)
-    dq1, dkv1 = _backward(q, kv, idx, scale, 512, dout, impl, red_vec=1)
-    dq2, dkv2 = _backward(q, kv, idx, scale, 512, dout, impl, red_vec=2)
-    assert torch.equal(dq1, dq2)
-    assert _rel(dkv2, dkv1) < 1e-5, _rel(dkv2, dkv1)
-    ref_dq, ref_dkv = _reference_grads(q, kv, idx, scale, 512, dout)
-    assert _rel(dq2, ref_dq) < 1e-2 and _rel(dkv2, ref_dkv) < 1e-2, (_rel(dq2, ref_dq), _rel(dkv2, ref_dkv))
+    # blocks of >= 16 columns: fewer blocks first, then fewer programs per token
+    assert [spl._n_cols(4, 1, d) for d in (512, 64, 32, 16)] == [(4, 1), (4, 1), (2, 1), (1, 1)]
+    assert [spl._n_cols(2, 2, d) for d in (512, 64, 32, 16)] == [(2, 2), (2, 2), (1, 2), (1, 1)]
 
 
 @pytest.mark.gpu
