@@ -357,8 +357,6 @@ def bench_sparse_mla_bwd(torch, dev, sh, timer) -> Iterator[dict]:
             key = split_key(q, idx)
             extra.update(pass_ms={k: round(v, 4) for k, v in pass_ms.items()},
                          delta_ms=round(timer(lambda: _delta(dout, out)), 4),
-                         serial_ms=round(timer(lambda: split_backward(q, kv, idx, dout, lse, delta, scale, dv,
-                                                                      overlap=False)), 4),
                          configs={"dq": SPLIT_DQ_TUNER.records[key].best.describe(),
                                   "dkv": SPLIT_DKV_TUNER.records[key].best.describe()})
         yield make_entry(name, shape, ms, flops=flops, reference_ms=ref_ms, correct=max(errs.values()) < 2e-2,

@@ -139,31 +139,23 @@ def tuning_key(q: torch.Tensor, idx: torch.Tensor) -> tuple:
 
 def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_out: torch.Tensor,
                    lse: torch.Tensor, delta: torch.Tensor, sm_scale: float, d_v: int,
-                   pass_ms: dict[str, float] | None = None, overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                   pass_ms: dict[str, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dkv fp32) from contiguous inputs, fp32 lse and Delta = rowsum(dO * out) [T, heads]
-    (the checks and preparation are sparse_mla_backward's).
-
-    overlap (CUDA): the dkv pass of chunk i runs on a side stream while the dq pass of chunk i + 1
-    runs on the caller's, each chunk's scratch in one of two buffers (so chunks are half as long).
-    pass_ms, if given, receives the summed CUDA time of each pass ("dq", "dkv"; the benchmark's
-    breakdown): it runs the passes one after the other and synchronises."""
+    (the checks and preparation are sparse_mla_backward's). pass_ms, if given, receives the
+    summed CUDA time of each pass ("dq", "dkv"; the benchmark's breakdown, it synchronises)."""
     T, heads, dim = q.shape
     n_idx = idx.shape[1]
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
     if T == 0 or n_idx == 0:
         return dq.zero_(), dkv
-    timed = pass_ms is not None and q.is_cuda
-    overlap = overlap and q.is_cuda and not timed
-    n_buf = 2 if overlap else 1
-    chunk = min(T, max(1, _chunk_tokens(n_idx, heads, q.element_size()) // n_buf))
-    bufs = [(torch.empty((chunk, heads, n_idx), device=q.device, dtype=q.dtype),
-             torch.empty((chunk, heads, n_idx), device=q.device, dtype=q.dtype)) for _ in range(n_buf)]
+    chunk = min(T, _chunk_tokens(n_idx, heads, q.element_size()))
+    ds = torch.empty((chunk, heads, n_idx), device=q.device, dtype=q.dtype)
+    p = torch.empty_like(ds)
     key = tuning_key(q, idx)
     bh_dkv = min(64, max(16, triton.next_power_of_2(heads)))
-    main = torch.cuda.current_stream(q.device) if overlap else None
-    side = torch.cuda.Stream(q.device) if overlap else None
-    buf_free: list[torch.cuda.Event | None] = [None] * n_buf  # the dkv pass last reading each buffer
+
+    timed = pass_ms is not None and q.is_cuda
     marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     def run(name: str, fn) -> None:
@@ -176,11 +168,10 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
         stop.record()
         marks.append((name, start, stop))
 
-    for i, c0 in enumerate(range(0, T, chunk)):
+    for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
         qc, ic, gc, lc, dc, dqc = q[c0:c1], idx[c0:c1], grad_out[c0:c1], lse[c0:c1], delta[c0:c1], dq[c0:c1]
         n = c1 - c0
-        ds, p = bufs[i % n_buf]
 
         def launch_dq(cfg: KernelConfig) -> None:
             bh = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(heads)))
@@ -200,24 +191,13 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
                 N_COLS=n_cols, COL_SPLIT=col_split,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-        if buf_free[i % n_buf] is not None:
-            main.wait_event(buf_free[i % n_buf])  # this buffer's previous dkv pass has read it
         dq_cfg = DQ_TUNER.choose(key, q.device, launch_dq)
         run("dq", lambda: launch_dq(dq_cfg))
         if key not in DKV_TUNER.records:  # tuning adds several times: into a scratch of its own
             scratch = torch.zeros_like(dkv)
             DKV_TUNER.choose(key, q.device, lambda cfg: launch_dkv(cfg, scratch))
             del scratch
-        dkv_cfg = DKV_TUNER.records[key].best
-        if overlap:
-            side.wait_stream(main)  # this chunk's dS / P are written (and dkv's zeros)
-            with torch.cuda.stream(side):
-                launch_dkv(dkv_cfg, dkv)
-                buf_free[i % n_buf] = side.record_event()
-        else:
-            run("dkv", lambda: launch_dkv(dkv_cfg, dkv))
-    if overlap:
-        main.wait_stream(side)  # dkv complete, and the buffers free to reuse, before the caller goes on
+        run("dkv", lambda: launch_dkv(DKV_TUNER.records[key].best, dkv))
     if timed:
         torch.cuda.synchronize(q.device)
         for name, start, stop in marks:
