@@ -34,10 +34,14 @@ from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
 
 # Upper bound of the dS + P scratch: 1 GiB is 2048 tokens at top-2048 x 64 heads.
 SCRATCH_BYTES = 1 << 30
-# Not timed on the H200 yet; shared memory, registers and spills per config from
-# bench/kernel_resources.py (the limit is 227 KB). dq pass, 64 heads: 64 keys x 2 stages 295 KB
-# (does not fit), 32 keys 217 KB. dkv pass (tl.atomic_add / inline-asm v2): 64 keys in 4 column
-# blocks, 8 warps, 2 stages 205 / 176 KB, no spills; 128 keys 270 / 205 KB.
+# H200, one 2048-token chunk of the benchmark (4096 x top-2048 of 64K), ms; shared memory from
+# bench/kernel_resources.py (the limit is 227 KB).
+# dq pass, 64 heads x 64 keys: 1 stage 4.66 (221 KB; 2 stages need 295 KB), 16 warps 11.2;
+# 64 x 32, 2 stages 6.43 (217 KB); 32 heads x 32 keys (mma.sync) 10.3.
+# dkv pass, 64 keys: one program per token, 4 column blocks of 128, 1 stage 4.64 (188 KB);
+# 2 programs per token 5.07 (2 stages, 139 KB), 5.42 (1 stage); 4 programs (106 KB, two per SM)
+# 4.77-4.81; 128 keys, 2 programs 5.21. Within noise of each other: the pass is bound by what
+# they share (bench/gpu/split_dkv_floor.py separates the atomics from the rest).
 DQ_CONFIGS = [
     KernelConfig.make(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1),
     KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),

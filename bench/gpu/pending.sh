@@ -70,6 +70,10 @@ has kernels && part kernels 300 python3 -m bench.kernels --only "${KERNELS:-spar
 has bwd && part bwd_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
   tests/kernels/test_kernels_sparse_mla_bwd_split.py tests/kernels/test_kernels_sparse_mla_bwd.py
 has bwd && part bwd 300 python3 -m bench.kernels --only sparse_mla,sparse_mla_bwd --out "$OUT/kernels_bwd.json"
+# dkv_floor: the split backward's dkv pass with its atomics, with plain stores to the same rows, and with
+# stores to rows of its own (split_dkv_floor.json); gpu_kernel_tests: every GPU test of tests/kernels
+has dkv_floor && part dkv_floor 200 python3 bench/gpu/split_dkv_floor.py --out "$OUT/split_dkv_floor.json"
+has gpu_kernel_tests && part gpu_kernel_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels
 # dsa_switch: the 5-layer GLM-5.2 forward+backward, Megatron's unfused DSA vs the switch with each
 # backward impl (DSA_BWD_IMPLS), one model, at DSA_SEQLENS tokens (dsa_switch_h200.json)
 for n in ${DSA_SEQLENS:-2048}; do
