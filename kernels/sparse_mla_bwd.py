@@ -5,9 +5,10 @@ Given dO [T, heads, D_V], the forward's out and natural-log lse, per (token, key
   Delta[t, h] = sum(dO * out) over D_V,
   dq[t, h]  = sum_j dS kv_j                                  (all D = D_V + D_R columns)
   dkv[idx[t, j]] += sum_h dS q[t, h]  +  [sum_h P dO[t, h], 0] (value grad on the first D_V)
-One program per (token, block of heads) recomputes S and P from lse (no [T, heads, topk] tensor is
-kept), accumulates dq in registers and scatter-adds each key block's dkv with fp32 atomics: a key
-picked by many tokens, or twice in one row, simply receives several adds; -1 slots add nothing.
+impl="atomic" (this file's kernel): one program per (token, block of heads) recomputes S and P from
+lse (no [T, heads, topk] tensor is kept), accumulates dq in registers and scatter-adds each key
+block's dkv with fp32 atomics: a key picked by many tokens, or twice in one row, simply receives
+several adds; -1 slots add nothing.
 FLOPs (the benchmark's formula): 2 * T * heads * n_valid * (3 * (D_V + D_R) + 2 * D_V).
 impl="keymajor" runs kernels/sparse_mla_bwd_keymajor.py instead (a dq kernel and a key-major dkv
 kernel that owns its rows: no atomics, same results); impl="split" runs
@@ -39,8 +40,8 @@ BWD_TUNER = Autotuner("sparse_mla_bwd", BWD_CONFIGS)
 # atomic: this file's kernel; keymajor: sparse_mla_bwd_keymajor.py; split: sparse_mla_bwd_split.py
 BWD_IMPLS = ("atomic", "keymajor", "split")
 # What sparse_mla, sparse_mla_backward and the Megatron DSA switch use when not told. H200, 4096
-# tokens x top-2048 of 64K, same run (bench/results/kernels.json): split 19.8 ms, atomic 38.1,
-# keymajor 320; the 5-layer GLM-5.2 through the switch at 2K tokens 157 vs 192 ms.
+# tokens x top-2048 of 64K, same run (bench/results/kernels.json): split 18.7 ms, atomic 37.2,
+# keymajor 320; the 5-layer GLM-5.2 through the switch at 2K tokens 159.6 vs 199.6 ms.
 DEFAULT_BWD_IMPL = "split"
 
 

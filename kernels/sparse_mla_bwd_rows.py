@@ -5,7 +5,7 @@ lse and accumulates dq in registers (the math is in kernels/sparse_mla_bwd.py's 
 WITH_DKV it also scatter-adds each key block's dkv with fp32 atomics (impl="atomic"); without it,
 the dkv half is compiled out and the launch is the dq kernel of impl="keymajor", whose dkv kernel
 owns its rows instead. With STORE_DSP (impl="split") that dq launch also writes the bf16 dS and P
-tiles it computed to a [T, topk, heads] scratch, from which kernels/sparse_mla_bwd_split.py's dkv
+tiles it computed to a [T, heads, topk] scratch, from which kernels/sparse_mla_bwd_split.py's dkv
 kernel builds dkv without recomputing them. Kept apart so that no impl's module imports another's.
 """
 from __future__ import annotations

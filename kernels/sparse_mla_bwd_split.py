@@ -45,6 +45,7 @@ SCRATCH_BYTES = 1 << 30
 DQ_CONFIGS = [
     KernelConfig.make(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1),
     KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
+    KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3),  # 217 KB
     KernelConfig.make(BLOCK_H=64, BLOCK_N=64, num_warps=16, num_stages=1),
     KernelConfig.make(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1),
 ]
