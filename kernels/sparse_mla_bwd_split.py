@@ -35,27 +35,23 @@ from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
 # Upper bound of the dS + P scratch: 1 GiB is 2048 tokens at top-2048 x 64 heads.
 SCRATCH_BYTES = 1 << 30
 # H200, one 2048-token chunk of the benchmark (4096 x top-2048 of 64K), ms; shared memory from
-# bench/kernel_resources.py (the limit is 227 KB).
-# dq pass, 64 heads x 64 keys: 1 stage 4.66 (221 KB; 2 stages need 295 KB), 16 warps 11.2;
-# 64 x 32, 2 stages 6.43 (217 KB); 32 heads x 32 keys (mma.sync) 10.3.
-# dkv pass, 64 keys: one program per token, 4 column blocks of 128, 1 stage 4.64 (188 KB);
-# 2 programs per token 5.07 (2 stages, 139 KB), 5.42 (1 stage); 4 programs (106 KB, two per SM)
-# 4.77-4.81; 128 keys, 2 programs 5.21. Within noise of each other: the pass is bound by what
-# they share (bench/gpu/split_dkv_floor.py separates the atomics from the rest).
+# bench/kernel_resources.py (the limit is 227 KB). Configs measured slower are left out.
+# dq pass, 64 heads x 64 keys: 1 stage 4.66-4.69 (221 KB; 2 stages need 295 KB), 16 warps 11.2;
+# 64 x 32: 2 stages 6.43-6.47 (217 KB), 3 stages 6.81; 32 heads x 32 keys (mma.sync) 10.3-10.4.
+# dkv pass, 64 keys: one program per token, 4 column blocks of 128, 1 stage 4.64-4.67 (188 KB);
+# 2 programs per token 5.07-5.10 (2 stages, 139 KB), 5.42-5.58 (1 stage); 4 programs (106 KB,
+# two per SM) 4.77-4.86; 128 keys, 2 programs 5.21-5.28. With plain stores instead of the atomics
+# (bench/gpu/split_dkv_floor.py) the 4-program layout takes 3.31 ms: the scatter-adds are what
+# holds every layout near 4.7 ms.
 DQ_CONFIGS = [
     KernelConfig.make(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1),
     KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
-    KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3),  # 217 KB
-    KernelConfig.make(BLOCK_H=64, BLOCK_N=64, num_warps=16, num_stages=1),
-    KernelConfig.make(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1),
+    KernelConfig.make(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=1),  # the smallest footprint
 ]
 DKV_CONFIGS = [
     KernelConfig.make(BLOCK_N=64, N_COLS=4, COL_SPLIT=1, num_warps=8, num_stages=1),
-    KernelConfig.make(BLOCK_N=64, N_COLS=2, COL_SPLIT=2, num_warps=8, num_stages=2),
-    KernelConfig.make(BLOCK_N=64, N_COLS=2, COL_SPLIT=2, num_warps=8, num_stages=1),
-    KernelConfig.make(BLOCK_N=64, N_COLS=1, COL_SPLIT=4, num_warps=4, num_stages=2),
     KernelConfig.make(BLOCK_N=64, N_COLS=1, COL_SPLIT=4, num_warps=8, num_stages=2),
-    KernelConfig.make(BLOCK_N=128, N_COLS=2, COL_SPLIT=2, num_warps=8, num_stages=2),
+    KernelConfig.make(BLOCK_N=64, N_COLS=2, COL_SPLIT=2, num_warps=8, num_stages=2),
 ]
 DQ_TUNER = Autotuner("sparse_mla_bwd_split_dq", DQ_CONFIGS)
 DKV_TUNER = Autotuner("sparse_mla_bwd_split_dkv", DKV_CONFIGS)
