@@ -232,6 +232,12 @@ def _train(cfg, plan, quiet: bool = False) -> None:
         check_plan_runnable(plan)
     except PlanError as e:
         _fail(f"this plan cannot run: {e}")
+    if _DRIVER_SESSION:
+        # Before any thread or process starts: the driver (and Ray's processes under it) in a session
+        # of its own, behind this process, which forwards the stop signals (agentrl/cluster/driver_session.py).
+        from agentrl.cluster.driver_session import shield_driver
+
+        shield_driver()
     preflight(cfg, plan)
     import signal
 
@@ -316,7 +322,12 @@ def full_train(model_name: ModelName = None, num_nodes: NumNodes = None, gpus_pe
     _train(cfg, plan)
 
 
+_DRIVER_SESSION = False  # set by main(): only the command-line launcher forks its driver
+
+
 def main() -> None:
+    global _DRIVER_SESSION
+    _DRIVER_SESSION = True
     # Typer names the option after the parameter; `--set` is a keyword in Python, hence set_.
     app(prog_name="run_glm5_2_daytona.py")
 

@@ -151,10 +151,13 @@ def test_a_run_whose_every_task_cannot_be_played_stops_with_the_reason(tmp_path)
 
 
 @pytest.mark.slow
-def test_sigterm_finishes_the_step_in_flight_and_checkpoints_it(tmp_path):
+@pytest.mark.parametrize("to", ["pid", "group"])
+def test_sigterm_finishes_the_step_in_flight_and_checkpoints_it(tmp_path, to):
     """A scheduler's SIGTERM mid-run: no new step starts, the one in flight is recorded, and a
     checkpoint of the last recorded step is saved although checkpoint_every never came; the launcher
-    exits 143 saying so, and a second SIGTERM is not needed."""
+    exits 143 saying so, and a second SIGTERM is not needed. to="group": the way GNU timeout stops
+    its command, the launcher's pid and then its whole process group, where the local Ray's processes
+    would die with it if they were there (agentrl/cluster/driver_session.py)."""
     import os
     import signal
     import time
@@ -165,7 +168,7 @@ def test_sigterm_finishes_the_step_in_flight_and_checkpoints_it(tmp_path):
     args = [sys.executable, str(LAUNCHER), "train", "--model-name", "tiny", "--num-nodes", "1", "--run-dir", str(run),
             "--set", "cluster.dashboard=false", "--set", "rollout.max_new_tokens=24", "--set", "agent.max_turns=2",
             "--set", "algorithm.group_size=2", "--set", "train.max_steps=50", "--set", "train.checkpoint_every=1000"]
-    p = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    p = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
     seen, sent = [], None
     deadline = time.time() + 600
     for line in p.stderr:
@@ -173,6 +176,8 @@ def test_sigterm_finishes_the_step_in_flight_and_checkpoints_it(tmp_path):
         if sent is None and line.startswith("step    2"):
             sent = time.time()
             os.kill(p.pid, signal.SIGTERM)
+            if to == "group":
+                os.killpg(p.pid, signal.SIGTERM)
         if time.time() > deadline:
             p.kill()
             break

@@ -138,8 +138,8 @@ if has learning; then
      done; wait) &
   fi
   # --foreground: the SIGTERM goes to the launcher alone, whose clean stop finishes and checkpoints the
-  # step in flight; timeout's default signals its whole process group, Ray's processes with it (session
-  # 12: the stop could not finish and was SIGKILLed 30 s later).
+  # step in flight (session 12, before the launcher ran its driver in a session of its own: timeout's
+  # default signalled Ray's processes too, and the stop was SIGKILLed 30 s later).
   TIMEOUT_FG=1 part learning_train "${LEARN_TRAIN_S:-540}" python3 launchers/run_glm5_2_daytona.py train \
     --config gpu_smollm2 ${LEARN_ARGS:-}
   kill "$topper" 2>/dev/null
