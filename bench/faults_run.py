@@ -316,6 +316,14 @@ def sigterm_launcher(tmp: Path) -> Outcome:
     return _interrupt_launcher(tmp, lambda pid: os.kill(pid, signal.SIGTERM), "SIGTERM", signal.SIGTERM)
 
 
+def group_sigterm_launcher(tmp: Path) -> Outcome:
+    # What GNU `timeout` does at its limit: SIGTERM to the command's pid, then to its process group.
+    def send(pid: int) -> None:
+        os.kill(pid, signal.SIGTERM)
+        os.killpg(pid, signal.SIGTERM)
+    return _interrupt_launcher(tmp, send, "SIGTERM", signal.SIGTERM)
+
+
 def _interrupt_launcher(tmp: Path, send, what: str, sig: signal.Signals) -> Outcome:
     c = Checks()
     with _Scratch() as t:
@@ -458,6 +466,11 @@ SCENARIOS = (
     Scenario("worker_launcher_sigterm", "worker",
              "SIGTERM to the launcher alone mid-run (a scheduler's stop): the same clean stop as Ctrl-C, exit 143, "
              "the last step checkpointed, every process of the run stops and every sandbox is deleted", sigterm_launcher, slow=True),
+    Scenario("worker_launcher_group_sigterm", "worker",
+             "SIGTERM to the launcher's pid and then its whole process group (GNU timeout's stop) mid-run: the same "
+             "clean stop, exit 143, the last step checkpointed (the local Ray runs in the driver's own session, out "
+             "of the group's reach), every process of the run stops and every sandbox is deleted",
+             group_sigterm_launcher, slow=True),
     Scenario("security_secret_scan_of_a_run", "security",
              "a run with DAYTONA_API_KEY planted leaves it in no process command line, run-dir file (logs, "
              "checkpoints, transcripts) or Ray session file (runtime_env, logs); dashboard and engines listen on "
