@@ -17,9 +17,10 @@ agentrl/config/model_shapes.py, TP / EP / duplicated / frozen parameters as the 
   BACKWARD_WORKING_FACTOR); one log-prob chunk's fp32 logits and their gradient; and, when
   train.dsa_kernels is off, Megatron's unfused DSA attention of the recomputed layer: dense fp32
   scores of [heads / TP, local queries, keys] (and the indexer's dense scorer), DENSE_SCORE_COPIES
-  such tensors at once (the kernel switch never builds them); when it is on, the switch's sparse
-  MLA backward of that layer instead: its dS / P scratch (bf16, [heads / TP, tokens, top-k] each,
-  at most DSA_BWD_SCRATCH_BYTES) and the fp32 key gradient with its bf16 copy.
+  such tensors at once (the kernel switch never builds them). The switch's own backward (the split
+  sparse MLA backward's dS / P scratch, at most 1 GiB, and the fp32 key gradient) gets no term: on
+  the H200 slice below the peak with it was 19.43 GiB, as before it (19.4; parallel_gpu.json part
+  memory_slice_dsa_kernels, session 13), within what layer_working already counts.
 Engine (SGLang, FP8 weights, dp-attention): experts split over the engine's GPUs (EP = engine
 size), everything else replicated per GPU; the KV pool is what mem_fraction_static leaves.
 Every hardware number is named in HARDWARE.
@@ -119,9 +120,6 @@ def layer_activation_bytes_per_token(s: Any, moe: bool, tp: int, etp: int = 1) -
 # Measured on an H200 (bench/results/parallel_gpu.json, memory_slice: 2 layers, 64 heads, 7,680
 # tokens): peak 119.8 GiB against 21.1 GiB of the other terms, 98.7 GiB = 7.0 x 14.1 GiB.
 DENSE_SCORE_COPIES = 7.0
-# The split sparse MLA backward's dS + P scratch cap: kernels.sparse_mla_bwd_split.SCRATCH_BYTES
-# (not imported: that module loads torch and triton; tests/test_memory_dsa.py checks they agree).
-DSA_BWD_SCRATCH_BYTES = 1 << 30
 
 
 def activation_bytes(s: Any, layers: range, *, tokens: int, tp: int, in_flight: int, chunk: int,
@@ -142,11 +140,7 @@ def activation_bytes(s: Any, layers: range, *, tokens: int, tp: int, in_flight: 
             "logits": (min(chunk, tokens) * s.vocab / tp * 4 * 2) if last and not fused_logprobs else 0.0,
             # queries: the rank's tokens; keys: gathered over CP (Megatron's all-gather CP path)
             "dense_dsa_scores": (s.heads / tp * tokens * tokens * cp * 4 * DENSE_SCORE_COPIES
-                                 if dense_dsa and s.index_heads else 0.0),
-            # the kernels' backward (dense_dsa off): dS + P scratch, then dkv fp32 + its bf16 copy
-            "dsa_kernel_backward": (min(DSA_BWD_SCRATCH_BYTES, s.heads / tp * tokens * min(index_topk, tokens) * 2 * 2)
-                                    + tokens * cp * (s.kv_lora + s.qk_rope) * (4 + 2)
-                                    if not dense_dsa and s.index_heads else 0.0)}
+                                 if dense_dsa and s.index_heads else 0.0)}
 
 
 def trainer_memory(cfg: Any, plan: Any) -> dict[str, float]:
