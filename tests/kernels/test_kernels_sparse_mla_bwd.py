@@ -6,27 +6,18 @@ import torch
 
 from kernels import sparse_mla as sm
 from kernels import sparse_mla_bwd as smb
+from tests.kernels.mla_grads import config_sweep_case
+from tests.kernels.mla_grads import inputs as _inputs
+from tests.kernels.mla_grads import reference_grads as _reference_grads
+from tests.kernels.mla_grads import rel as _rel
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _inputs(device, T, S, heads, d_v, d_r, K):
-    q = torch.randn(T, heads, d_v + d_r, device=device).to(torch.bfloat16)
-    kv = torch.randn(S, d_v + d_r, device=device).to(torch.bfloat16)
-    idx = torch.randint(0, S, (T, K), device=device, dtype=torch.int32)
-    return q, kv, idx
 
 
-def _reference_grads(q, kv, idx, scale, d_v, dout):
-    qr = q.detach().float().requires_grad_()
-    kvr = kv.detach().float().requires_grad_()
-    out, _ = sm.reference_sparse_mla(qr, kvr, idx, scale, d_v)
-    out.backward(dout.float())
-    return out, qr.grad, kvr.grad
 
 
-def _rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
 def test_backward_matches_reference_autograd_with_duplicates_padding_and_empty_rows(device):
@@ -107,12 +98,8 @@ def test_backward_gpu_glm_dims():
 @gpu
 def test_every_gpu_bwd_config_is_correct(monkeypatch):
     from kernels._tuning import Autotuner
-    T, S, heads, K = 16, 2048, 64, 256
-    q, kv, idx = _inputs("cuda", T, S, heads, 512, 64, K)
-    idx[:3, 50:] = -1
-    dout = torch.randn(T, heads, 512, device="cuda").to(torch.bfloat16)
+    q, kv, idx, dout, ref_dq, ref_dkv = config_sweep_case()
     out, lse = sm.sparse_mla_forward(q, kv, idx, 0.0625)
-    _, ref_dq, ref_dkv = _reference_grads(q, kv, idx, 0.0625, 512, dout)
     for cfg in smb.BWD_CONFIGS:
         monkeypatch.setattr(smb, "BWD_TUNER", Autotuner("bwd", [cfg]))
         try:

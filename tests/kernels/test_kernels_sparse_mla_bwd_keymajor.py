@@ -7,54 +7,33 @@ import torch
 from kernels import sparse_mla as sm
 from kernels import sparse_mla_bwd as smb
 from kernels import sparse_mla_bwd_keymajor as kmj
+from tests.kernels.mla_grads import assert_reference_grads, hard_rows
+from tests.kernels.mla_grads import backward as _backward
+from tests.kernels.mla_grads import config_sweep_case
+from tests.kernels.mla_grads import inputs as _inputs
+from tests.kernels.mla_grads import reference_grads as _reference_grads
+from tests.kernels.mla_grads import rel as _rel
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _inputs(device, T, S, heads, d_v, d_r, K, key_range=None):
-    q = torch.randn(T, heads, d_v + d_r, device=device).to(torch.bfloat16)
-    kv = torch.randn(S, d_v + d_r, device=device).to(torch.bfloat16)
-    idx = torch.randint(0, key_range or S, (T, K), device=device, dtype=torch.int32)
-    return q, kv, idx
 
 
-def _reference_grads(q, kv, idx, scale, d_v, dout):
-    qr = q.detach().float().requires_grad_()
-    kvr = kv.detach().float().requires_grad_()
-    out, _ = sm.reference_sparse_mla(qr, kvr, idx, scale, d_v)
-    out.backward(dout.float())
-    return out, qr.grad, kvr.grad
 
 
-def _rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-def _backward(q, kv, idx, scale, d_v, dout, impl):
-    out, lse = sm.sparse_mla_forward(q, kv, idx, scale, d_v)
-    return smb.sparse_mla_backward(q, kv, idx, out, lse, dout, scale, d_v, impl=impl)
 
 
 def test_keymajor_matches_reference_with_duplicates_padding_unselected_and_hot_keys(device):
     # 40 keys in blocks of 16: the last block is partial; keys 30..39 are picked by no token
     T, S, heads, d_v, d_r, K = 6, 40, 16, 32, 16, 20
     q, kv, idx = _inputs(device, T, S, heads, d_v, d_r, K, key_range=30)
-    idx[:, 0] = 11  # a key every token selects
-    idx[1, 5:9] = 11  # ... and four more times in one row
-    idx[0, 2] = idx[0, 1]  # the same key twice in one row
-    idx[2, :] = 5  # every slot the same key
-    idx[3, 12:] = -1  # short row
-    idx[4, :] = -1  # no key at all: zero gradients from it
-    idx[5, ::2] = -1  # padding between keys
+    idx = hard_rows(idx)
     scale = 0.15
     dout = torch.randn(T, heads, d_v, device=device).to(torch.bfloat16)
     dq, dkv = _backward(q, kv, idx, scale, d_v, dout, "keymajor")
-    _, ref_dq, ref_dkv = _reference_grads(q, kv, idx, scale, d_v, dout)
-    assert dq.shape == q.shape and dq.dtype == q.dtype and dkv.shape == kv.shape and dkv.dtype == torch.float32
-    assert _rel(dq, ref_dq) < 2e-2, _rel(dq, ref_dq)
-    assert _rel(dkv, ref_dkv) < 2e-2, _rel(dkv, ref_dkv)
-    torch.testing.assert_close(dq.float(), ref_dq, atol=5e-2, rtol=5e-2)
-    torch.testing.assert_close(dkv, ref_dkv, atol=5e-2, rtol=5e-2)
+    assert_reference_grads(dq, dkv, q, kv, idx, scale, d_v, dout)
     assert (dq[4] == 0).all()
     assert (dkv[30:] == 0).all()  # owned by their block, never selected: stored as exact zeros
     assert dkv[11].abs().max() > 0 and dkv[5].abs().max() > 0
@@ -137,11 +116,7 @@ def test_keymajor_gpu_glm_dims():
 @gpu
 def test_every_gpu_keymajor_config_is_correct(monkeypatch):
     from kernels._tuning import Autotuner
-    T, S, heads, K = 16, 2048, 64, 256
-    q, kv, idx = _inputs("cuda", T, S, heads, 512, 64, K)
-    idx[:3, 50:] = -1
-    dout = torch.randn(T, heads, 512, device="cuda").to(torch.bfloat16)
-    _, ref_dq, ref_dkv = _reference_grads(q, kv, idx, 0.0625, 512, dout)
+    q, kv, idx, dout, ref_dq, ref_dkv = config_sweep_case()
     n_dq, n_dkv = len(kmj.DQ_CONFIGS), len(kmj.DKV_CONFIGS)
     for dq_cfg, dkv_cfg in [(kmj.DQ_CONFIGS[i % n_dq], kmj.DKV_CONFIGS[i % n_dkv]) for i in range(max(n_dq, n_dkv))]:
         monkeypatch.setattr(kmj, "DQ_TUNER", Autotuner("dq", [dq_cfg]))

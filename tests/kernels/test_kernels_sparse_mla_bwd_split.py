@@ -5,46 +5,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import sparse_mla as sm
 from kernels import sparse_mla_bwd as smb
 from kernels import sparse_mla_bwd_split as spl
+from tests.kernels.mla_grads import assert_reference_grads, hard_rows
+from tests.kernels.mla_grads import backward as _backward
+from tests.kernels.mla_grads import config_sweep_case
+from tests.kernels.mla_grads import inputs as _inputs
+from tests.kernels.mla_grads import rel as _rel
+from tests.kernels.mla_grads import reference_grads
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _inputs(device, T, S, heads, d_v, d_r, K, key_range=None):
-    q = torch.randn(T, heads, d_v + d_r, device=device).to(torch.bfloat16)
-    kv = torch.randn(S, d_v + d_r, device=device).to(torch.bfloat16)
-    idx = torch.randint(0, key_range or S, (T, K), device=device, dtype=torch.int32)
-    return q, kv, idx
 
 
-def _reference_grads(q, kv, idx, scale, d_v, dout):
-    qr = q.detach().float().requires_grad_()
-    kvr = kv.detach().float().requires_grad_()
-    out, _ = sm.reference_sparse_mla(qr, kvr, idx, scale, d_v)
-    out.backward(dout.float())
-    return qr.grad, kvr.grad
 
 
-def _rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-def _backward(q, kv, idx, scale, d_v, dout, impl, **kw):
-    out, lse = sm.sparse_mla_forward(q, kv, idx, scale, d_v)
-    return smb.sparse_mla_backward(q, kv, idx, out, lse, dout, scale, d_v, impl=impl, **kw)
 
 
-def _hard_rows(idx):
-    idx[:, 0] = 11  # a key every token selects: many adds into one row
-    idx[1, 5:9] = 11  # ... and four more times in one row
-    idx[0, 2] = idx[0, 1]  # the same key twice in one row
-    idx[2, :] = 5  # every slot the same key
-    idx[3, 12:] = -1  # short row
-    idx[4, :] = -1  # no key at all: zero gradients from it
-    idx[5, ::2] = -1  # padding between keys
-    return idx
 
 
 @pytest.mark.parametrize("chunk_bytes", [None, 1])
@@ -55,16 +35,11 @@ def test_split_matches_reference_with_duplicates_padding_unselected_keys_and_chu
         monkeypatch.setattr(spl, "SCRATCH_BYTES", chunk_bytes)
     T, S, heads, d_v, d_r, K = 6, 40, 16, 32, 16, 20  # K not a multiple of the key tile
     q, kv, idx = _inputs(device, T, S, heads, d_v, d_r, K, key_range=30)
-    idx = _hard_rows(idx)
+    idx = hard_rows(idx)
     scale = 0.15
     dout = torch.randn(T, heads, d_v, device=device).to(torch.bfloat16)
     dq, dkv = _backward(q, kv, idx, scale, d_v, dout, "split")
-    ref_dq, ref_dkv = _reference_grads(q, kv, idx, scale, d_v, dout)
-    assert dq.shape == q.shape and dq.dtype == q.dtype and dkv.shape == kv.shape and dkv.dtype == torch.float32
-    assert _rel(dq, ref_dq) < 2e-2, _rel(dq, ref_dq)
-    assert _rel(dkv, ref_dkv) < 2e-2, _rel(dkv, ref_dkv)
-    torch.testing.assert_close(dq.float(), ref_dq, atol=5e-2, rtol=5e-2)
-    torch.testing.assert_close(dkv, ref_dkv, atol=5e-2, rtol=5e-2)
+    assert_reference_grads(dq, dkv, q, kv, idx, scale, d_v, dout)
     assert (dq[4] == 0).all()
     assert (dkv[30:] == 0).all()  # never selected
     atomic_dq, atomic_dkv = _backward(q, kv, idx, scale, d_v, dout, "atomic")
@@ -84,7 +59,7 @@ def test_every_dkv_column_layout_gives_the_reference(device, monkeypatch, cfg):
     idx[2, 20:] = -1
     dout = torch.randn(T, heads, d_v, device=device).to(torch.bfloat16)
     dq, dkv = _backward(q, kv, idx, 0.15, d_v, dout, "split")
-    ref_dq, ref_dkv = _reference_grads(q, kv, idx, 0.15, d_v, dout)
+    _, ref_dq, ref_dkv = reference_grads(q, kv, idx, 0.15, d_v, dout)
     assert _rel(dq, ref_dq) < 2e-2 and _rel(dkv, ref_dkv) < 2e-2, (_rel(dq, ref_dq), _rel(dkv, ref_dkv))
     assert _rel(dkv[:, d_v:], ref_dkv[:, d_v:]) < 2e-2  # the rope columns: added exactly once
 
@@ -97,7 +72,7 @@ def test_split_with_more_heads_than_one_block_and_masked_heads(device):
     scale = 0.2
     dout = torch.randn(T, heads, d_v, device=device).to(torch.bfloat16)
     dq, dkv = _backward(q, kv, idx, scale, d_v, dout, "split")
-    ref_dq, ref_dkv = _reference_grads(q, kv, idx, scale, d_v, dout)
+    _, ref_dq, ref_dkv = reference_grads(q, kv, idx, scale, d_v, dout)
     assert _rel(dq, ref_dq) < 2e-2 and _rel(dkv, ref_dkv) < 2e-2, (_rel(dq, ref_dq), _rel(dkv, ref_dkv))
 
 
@@ -113,7 +88,7 @@ def test_split_is_the_default_through_autograd(device, monkeypatch):
     qa, kva = q.clone().requires_grad_(), kv.clone().requires_grad_()
     smb.sparse_mla(qa, kva, idx, 0.2, d_v, use_triton=True).backward(dout)  # no bwd_impl: the default
     assert called == [1]
-    ref_dq, ref_dkv = _reference_grads(q, kv, idx, 0.2, d_v, dout)
+    _, ref_dq, ref_dkv = reference_grads(q, kv, idx, 0.2, d_v, dout)
     assert _rel(qa.grad, ref_dq) < 2e-2 and _rel(kva.grad, ref_dkv) < 2e-2
 
 
@@ -135,11 +110,7 @@ def test_the_scratch_chunk_bounds_the_scratch():
 @gpu
 def test_every_split_config_is_correct_gpu(monkeypatch):
     from kernels._tuning import Autotuner
-    T, S, heads, K = 16, 2048, 64, 256
-    q, kv, idx = _inputs("cuda", T, S, heads, 512, 64, K)
-    idx[:3, 50:] = -1
-    dout = torch.randn(T, heads, 512, device="cuda").to(torch.bfloat16)
-    ref_dq, ref_dkv = _reference_grads(q, kv, idx, 0.0625, 512, dout)
+    q, kv, idx, dout, ref_dq, ref_dkv = config_sweep_case()
     ran = 0
     for dq_cfg in spl.DQ_CONFIGS:
         for dkv_cfg in spl.DKV_CONFIGS:
