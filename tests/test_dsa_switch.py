@@ -203,3 +203,14 @@ def test_switch_bf16_on_gpu(megatron_single_rank):
                       "grad_rel_err_megatron_bf16": g_base, "grad_rel_err_switch_bf16": g_switch}))
     assert e_switch <= 2 * e_base + 1e-3, (e_switch, e_base)
     assert g_switch <= 2 * g_base + 1e-2, (g_switch, g_base)
+
+
+def test_the_backward_impl_is_checked_where_it_is_chosen(tmp_path, capsys):
+    from agentrl.models.megatron_dsa_switch import apply_dsa_kernels
+    from bench import dsa_switch
+
+    with pytest.raises(ValueError, match="bwd_impl must be one of"):
+        apply_dsa_kernels(torch.nn.Linear(2, 2), bwd_impl="fused")
+    with pytest.raises(SystemExit):
+        dsa_switch.main(["--out", str(tmp_path / "x.json"), "--bwd-impls", "split,fused"])
+    assert "--bwd-impls: unknown ['fused']" in capsys.readouterr().err
