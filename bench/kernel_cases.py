@@ -299,9 +299,8 @@ def bench_sparse_mla_bwd(torch, dev, sh, timer) -> Iterator[dict]:
     """Every backward variant (BWD_VARIANTS) on the same inputs, each checked against the fp32
     autograd; keymajor also reports its index inversion's time, split the time of its two passes."""
     from kernels.sparse_mla import default_sm_scale, reference_sparse_mla, sparse_mla_forward
-    from kernels.sparse_mla_bwd import sparse_mla_backward, sparse_mla_bwd_flops
+    from kernels.sparse_mla_bwd import DEFAULT_BWD_IMPL, _delta, sparse_mla_backward, sparse_mla_bwd_flops
     from kernels.sparse_mla_bwd_keymajor import DKV_TUNER, invert_topk, tuning_keys
-    from kernels.sparse_mla_bwd import DEFAULT_BWD_IMPL, _delta
     from kernels.sparse_mla_bwd_split import DKV_TUNER as SPLIT_DKV_TUNER
     from kernels.sparse_mla_bwd_split import DQ_TUNER as SPLIT_DQ_TUNER
     from kernels.sparse_mla_bwd_split import split_backward
@@ -330,8 +329,9 @@ def bench_sparse_mla_bwd(torch, dev, sh, timer) -> Iterator[dict]:
 
     ref_ms = timer(ref_step, warmup=0, min_iters=1, max_iters=1) if dev.type == "cuda" else None
     flops = sparse_mla_bwd_flops(T, Hh, K, dv, dr)
+    if BWD_VARIANTS[0][1] != DEFAULT_BWD_IMPL:
+        raise RuntimeError(f"BWD_VARIANTS must start with the default impl {DEFAULT_BWD_IMPL!r}")
     first_ms = None
-    assert BWD_VARIANTS[0][1] == DEFAULT_BWD_IMPL, "the first variant is the default"
     for name, impl in BWD_VARIANTS:
         def step(impl=impl, rows=T):
             return sparse_mla_backward(q[:rows], kv, idx[:rows], out[:rows], lse[:rows], dout[:rows], scale, dv,
@@ -342,8 +342,7 @@ def bench_sparse_mla_bwd(torch, dev, sh, timer) -> Iterator[dict]:
         del dq, dkv
         ms = timer(step)
         first_ms = ms if first_ms is None else first_ms
-        extra: dict[str, Any] = {"impl": impl,
-                                 "speedup_over_default": round(first_ms / ms, 3)}
+        extra: dict[str, Any] = {"impl": impl, "speedup_over_default": round(first_ms / ms, 3)}
         if impl == "keymajor":
             block_k = DKV_TUNER.records[tuning_keys(q, kv, idx)[1]].best["BLOCK_K"]  # the tuned one
             inv = invert_topk(idx, S, block_k)
