@@ -1,8 +1,9 @@
 """DSA layer speed: Megatron's unfused DSA vs the kernel switch, on a Megatron GPTModel (GPU only).
 
-`python -m bench.dsa_switch --out dsa.json [--arch GLM-5.2_5layer] [--seqlens 4096]`
+`python -m bench.dsa_switch --out dsa.json [--arch GLM-5.2_5layer] [--seqlens 4096] [--bwd-impls split,atomic]`
 Builds the model with agentrl/models/megatron_builder.py on one GPU (bf16), runs one packed
-forward + backward per variant (unswitched, then `apply_dsa_kernels`), and reports the median
+forward + backward per variant (unswitched, then `apply_dsa_kernels` with each sparse MLA backward
+impl asked for, the first reported as agentrl_kernels), and reports the median
 step time, the peak memory and the logit difference. Routed-expert weights are frozen (no
 weight gradients) so the 5-layer model at real widths fits with room for Megatron's dense
 [heads, sq, sk] fp32 attention matrices; input gradients still flow through every layer.
