@@ -19,7 +19,7 @@
 #   [N]  memory slice with train.dsa_kernels on: peak vs the accounting (parallel_gpu.json part)
 #   [K2] `bwd`: sparse MLA backward GPU tests and every backward variant (atomic, split, key-major;
 #        kernels_bwd.json); `dsa_switch`: the 5-layer GLM through the switch per backward impl
-#   [K2] sparse MLA backward, atomic vs key-major (kernels.json sparse_mla_bwd entries); the indexer
+#   [K2] `kernels`: every sparse MLA backward impl (kernels.json sparse_mla_bwd entries); the indexer
 #        family, with the fused top-k (indexer_topk_fused) beside the default (KERNELS= picks the
 #        families); `fused`: its GPU test
 #   [V]  `engine`: the embedded engine eager, static decode (CUDA graphs, rollout.embedded.
