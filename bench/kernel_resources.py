@@ -27,6 +27,9 @@ class Ptr:
     dtype: str
 
 
+# PTX instructions counted in the compiled kernel (static counts, not executions): the MMA kind, the
+# asynchronous copies the pipeliner made, and the fp32 reductions: scalar (red_f32, atom_f32) or
+# 16-byte (atom_v4_f32, what tl.atomic_add becomes when Triton proves the alignment).
 INSTRUCTIONS = {"wgmma": r"wgmma\.mma_async", "mma_sync": r"\bmma\.sync", "cp_async": r"cp\.async\.",
                 "red_f32": r"red\.global[\w.]*\.add\.f32",
                 "atom_v4_f32": r"atom\.global[\w.]*\.add\.v4\.f32", "atom_f32": r"atom\.global[\w.]*\.add\.f32"}

@@ -1,0 +1,34 @@
+"""bench/kernel_resources.py: a kernel compiled for sm_90 on this CPU machine, and what it reports."""
+from __future__ import annotations
+
+import pytest
+
+from bench import kernel_resources as kr
+
+
+def test_a_kernel_compiles_for_hopper_without_a_gpu_and_reports_its_resources():
+    from kernels.sparse_mla_bwd import _delta_kernel
+
+    args = {"do_ptr": kr.Ptr("bf16"), "out_ptr": kr.Ptr("bf16"), "delta_ptr": kr.Ptr("fp32"), "stride_dot": 64 * 512,
+            "stride_doh": 512, "stride_ot": 64 * 512, "stride_oh": 512, "stride_lt": 64}
+    res = kr.compile_sm90(_delta_kernel, args, {"HEADS": 64, "D_V": 512, "BLOCK_H": 16}, num_warps=4, num_stages=1)
+    assert 0 < res["registers"] <= 255 and res["spill_stack_bytes"] >= 0 and res["shared_bytes"] >= 0
+    assert res["wgmma"] == 0 and res["atom_v4_f32"] == 0  # a row reduction: no MMA, no atomics
+
+
+def test_the_split_dkv_pass_uses_wgmma_and_vector_atomics_and_fits():
+    case = next(c for c in kr._sparse_mla_bwd_cases() if c[0] == "sparse_mla_bwd_split_dkv")
+    _, fn, args, constexprs, configs = case
+    cfg, extra = configs[0]
+    res = kr.compile_sm90(fn, args, {**constexprs, **dict(cfg.params), **extra}, cfg.num_warps, cfg.num_stages)
+    assert res["wgmma"] > 0 and res["atom_v4_f32"] > 0 and res["atom_f32"] == 0  # 16-byte atomics only
+    assert res["shared_bytes"] <= 232448 and res["spill_stack_bytes"] == 0  # the H200's 227 KB per block
+
+
+def test_a_missing_argument_is_named():
+    from kernels.sparse_mla_bwd import _delta_kernel
+
+    with pytest.raises(ValueError, match=r"no value for \['stride_lt'\]"):
+        kr.compile_sm90(_delta_kernel, {"do_ptr": kr.Ptr("bf16"), "out_ptr": kr.Ptr("bf16"),
+                                        "delta_ptr": kr.Ptr("fp32"), "stride_dot": 1, "stride_doh": 1,
+                                        "stride_ot": 1, "stride_oh": 1}, {"HEADS": 4, "D_V": 16, "BLOCK_H": 4}, 4, 1)
