@@ -8,10 +8,11 @@ its own partial dkv. Here:
 - dq pass (kernels/sparse_mla_bwd_rows.py with STORE_DSP): one program per (token, heads block)
   recomputes S and P from lse, accumulates dq, and stores the bf16 dS and P tiles it already
   needed for its own dots into a [tokens, heads, topk] scratch (keys contiguous, the order of
-  its accumulator's rows). No dkv tile, so it runs 64 heads on wgmma (64 heads x 32 keys: 64-key
-  tiles need 295 KB of shared memory with two stages of KV rows, bench/kernel_resources.py).
-- dkv pass (``_dkv_from_dsp_kernel``): one program per token loads its q and dO once and, per
-  key tile, reads dS^T and P^T [keys, heads] back and computes dK = dS^T q and dV = P^T dO: two
+  its accumulator's rows). No dkv tile, so it runs 64 heads x 64 keys on wgmma (one stage: two
+  stages of KV rows need 295 KB of shared memory, bench/kernel_resources.py).
+- dkv pass (``_dkv_from_dsp_kernel``): one program per (token, column group) loads its q and dO
+  columns once and, per key tile, reads dS^T and P^T [keys, heads] back and computes dK = dS^T q
+  and dV = P^T dO: two
   GEMMs over all heads of the token, so each selected key gets one reduction per token (half the
   fused kernel's two programs per token). tl.atomic_add issues them as atom.global.add.v4.f32
   (16 bytes each; Triton proves the alignment from the JIT's divisibility marks). An inline-asm

@@ -66,3 +66,19 @@ def config_sweep_case():
     dout = torch.randn(T, heads, 512, device="cuda").to(torch.bfloat16)
     _, ref_dq, ref_dkv = reference_grads(q, kv, idx, 0.0625, 512, dout)
     return q, kv, idx, dout, ref_dq, ref_dkv
+
+
+def hard_rows_case(device, impl):
+    """hard_rows over 6 tokens, 16 heads, top-20 of keys 0..29 of 40 (keys 30..39 selected by no
+    token), through impl, checked against the fp32 reference; returns (dq, dkv, args) with args
+    (q, kv, idx, scale, d_v, dout) for the caller's own checks."""
+    T, S, heads, d_v, d_r, K = 6, 40, 16, 32, 16, 20  # K not a multiple of the key tile
+    q, kv, idx = inputs(device, T, S, heads, d_v, d_r, K, key_range=30)
+    idx = hard_rows(idx)
+    dout = torch.randn(T, heads, d_v, device=device).to(torch.bfloat16)
+    args = (q, kv, idx, 0.15, d_v, dout)
+    dq, dkv = backward(*args, impl)
+    assert_reference_grads(dq, dkv, *args)
+    assert (dq[4] == 0).all()  # the row without a key
+    assert (dkv[30:] == 0).all()  # never selected
+    return dq, dkv, args
