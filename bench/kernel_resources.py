@@ -93,7 +93,7 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
     from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
     from kernels.sparse_mla_bwd_split import DKV_CONFIGS, DQ_CONFIGS, _dkv_from_dsp_kernel
 
-    T, H, DV, DR, K = 4096, 64, 512, 64, 2048  # the benchmark's GLM-5.2 shapes
+    H, DV, DR, K = 64, 512, 64, 2048  # the benchmark's GLM-5.2 shapes (strides do not depend on tokens)
     dims = {"HEADS": H, "D_V": DV, "D_R": DR}
     rows_args = {"q_ptr": Ptr("bf16"), "kv_ptr": Ptr("bf16"), "idx_ptr": Ptr("i32"), "do_ptr": Ptr("bf16"),
                  "lse_ptr": Ptr("fp32"), "delta_ptr": Ptr("fp32"), "dq_ptr": Ptr("bf16"), "dkv_ptr": Ptr("fp32"),
@@ -108,7 +108,6 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
                 "lse_ptr": Ptr("fp32"), "scale_log2": 0.09, "n_idx": K, "stride_qt": H * (DV + DR),
                 "stride_qh": DV + DR, "stride_kv": DV + DR, "stride_it": K, "stride_ot": H * DV, "stride_oh": DV,
                 "stride_lt": H}
-    del T
     return [
         ("sparse_mla_fwd", _sparse_mla_fwd_kernel, fwd_args,
          {**dims, "WS": False}, [(c, {}) for c in FWD_CONFIGS if not dict(c.params).get("WS")]),
