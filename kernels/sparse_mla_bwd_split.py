@@ -129,6 +129,20 @@ def _n_cols(n_cols: int, col_split: int, d_v: int) -> tuple[int, int]:
     return n_cols, col_split
 
 
+def dkv_pass(cfg: KernelConfig, q: torch.Tensor, grad_out: torch.Tensor, idx: torch.Tensor, ds: torch.Tensor,
+             p: torch.Tensor, dkv: torch.Tensor, d_v: int) -> None:
+    """dkv += the dkv pass over q's tokens from their dS / P scratch rows (cfg: a DKV_CONFIGS entry);
+    bench/gpu/split_dkv_floor.py runs it from copies of this module."""
+    n, heads, dim = q.shape
+    n_cols, col_split = _n_cols(cfg["N_COLS"], cfg["COL_SPLIT"], d_v)
+    _dkv_from_dsp_kernel[(n, col_split)](
+        q, grad_out, idx, ds, p, dkv, idx.shape[1],
+        q.stride(0), q.stride(1), grad_out.stride(0), grad_out.stride(1), idx.stride(0), ds.stride(0),
+        dkv.stride(0), HEADS=heads, D_V=d_v, D_R=dim - d_v, BLOCK_H=min(64, max(16, triton.next_power_of_2(heads))),
+        BLOCK_N=cfg["BLOCK_N"], N_COLS=n_cols, COL_SPLIT=col_split,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def _chunk_tokens(n_idx: int, heads: int, itemsize: int) -> int:
     per_token = max(1, 2 * n_idx * heads * itemsize)
     return max(1, SCRATCH_BYTES // per_token)
@@ -155,7 +169,6 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
     ds = torch.empty((chunk, heads, n_idx), device=q.device, dtype=q.dtype)
     p = torch.empty_like(ds)
     key = tuning_key(q, idx)
-    bh_dkv = min(64, max(16, triton.next_power_of_2(heads)))
 
     timed = pass_ms is not None and q.is_cuda
     marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
@@ -185,13 +198,7 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
                 STORE_DSP=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
         def launch_dkv(cfg: KernelConfig, out: torch.Tensor) -> None:
-            n_cols, col_split = _n_cols(cfg["N_COLS"], cfg["COL_SPLIT"], d_v)
-            _dkv_from_dsp_kernel[(n, col_split)](
-                qc, gc, ic, ds, p, out, n_idx,
-                qc.stride(0), qc.stride(1), gc.stride(0), gc.stride(1), ic.stride(0), ds.stride(0), out.stride(0),
-                HEADS=heads, D_V=d_v, D_R=dim - d_v, BLOCK_H=bh_dkv, BLOCK_N=cfg["BLOCK_N"],
-                N_COLS=n_cols, COL_SPLIT=col_split,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            dkv_pass(cfg, qc, gc, ic, ds, p, out, d_v)
 
         dq_cfg = DQ_TUNER.choose(key, q.device, launch_dq)
         run("dq", lambda: launch_dq(dq_cfg))

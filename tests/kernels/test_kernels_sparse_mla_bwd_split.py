@@ -17,16 +17,6 @@ from tests.kernels.mla_grads import reference_grads
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-
-
-
-
-
-
-
-
-
-
 @pytest.mark.parametrize("chunk_bytes", [None, 1])
 def test_split_matches_reference_with_duplicates_padding_unselected_keys_and_chunks(device, monkeypatch,
                                                                                       chunk_bytes):
