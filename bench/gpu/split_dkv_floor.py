@@ -4,9 +4,10 @@ Times, on the benchmark's inputs (4096 tokens x top-2048 of 64K keys, 64 heads, 
 dkv pass of kernels/sparse_mla_bwd_split.py as it is, and two copies of its source compiled with
 the writes changed: plain stores to the same scattered rows (no read-modify-write: what the
 atomics cost), and stores to the program's own row of a scratch (no scatter: what the GEMMs and
-the dS / P reads cost); then the shipped kernel with every key among the first 8192 (its rows in L2:
-what the atomics cost without DRAM traffic). The copies' outputs are wrong on purpose and only timed. Each with every
-DKV_CONFIGS entry, the best reported; the dq pass is run once before to fill the scratch.
+the dS / P reads cost); then the shipped kernel with every key among the first 8192 (its rows in
+L2: what the atomics cost without DRAM traffic). The copies' outputs are wrong on purpose and only
+timed. Each with every DKV_CONFIGS entry, the best reported; the dq pass is run once before to fill
+the scratch.
 """
 from __future__ import annotations
 
@@ -94,7 +95,6 @@ def main(argv: list[str] | None = None) -> int:
         dkv = torch.zeros((S, DV + DR), device=dev, dtype=torch.float32)
         times = {}
         for c in spl.DKV_CONFIGS:
-
             def launch(c=c):
                 mod.dkv_pass(c, q[:n], dout[:n], rows[:n], ds, p, dkv, DV)
             try:
