@@ -34,7 +34,7 @@ import triton.language as tl
 
 from kernels._tuning import Autotuner, KernelConfig
 from kernels.topk import _bucket, _radix_schedule, topk_rows_chunk
-from kernels.topk_common import finish_unordered_candidates, ordered_key, threshold_at_count
+from kernels.topk_common import finish_unordered_candidates, ordered_key, select_in_registers, threshold_at_count
 
 # Sampled keys per row and candidate slots per row: the values kernels/topk_sample.py measured
 # best with on the H200 (2048 / 8192). At 64K keys the stride is 32 and ~3,200 keys survive
@@ -59,9 +59,12 @@ FUSED_SCORE_CONFIGS = SCORE_CONFIGS
 FUSED_SCORE_TUNER = Autotuner("indexer_fused_score", FUSED_SCORE_CONFIGS)
 # The select over ~1.5 k candidates: topk_sample.py's two best shapes (2.46 / 2.34 ms there). The
 # 8-bit one first: what the CPU interpreter runs, one radix pass fewer.
+# REG: the candidates held in registers (topk_common.select_in_registers: 32 count passes, no radix
+# histograms), 16 warps for the 8192-slot tile.
 FUSED_SELECT_CONFIGS = [
     KernelConfig.make(BLOCK=1024, RADIX_BITS=8, num_warps=4, num_stages=1),
     KernelConfig.make(BLOCK=512, RADIX_BITS=7, num_warps=4, num_stages=1),
+    KernelConfig.make(BLOCK=1024, RADIX_BITS=8, REG=1, num_warps=16, num_stages=1),
 ]
 FUSED_SELECT_TUNER = Autotuner("indexer_fused_select", FUSED_SELECT_CONFIGS)
 
@@ -153,7 +156,7 @@ def _score_compact_kernel(q_ptr, k_ptr, w_ptr, t_ptr, cnt_ptr, ckey_ptr, cidx_pt
 @triton.jit
 def _select_kernel(out_ptr, cnt_ptr, ckey_ptr, cidx_ptr, flag_ptr, shift_ptr, dmask_ptr, row0, offset, S, idx_bits,
                    stride_o, stride_c, K: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
-                   RADIX_BITS: tl.constexpr, N_PASSES: tl.constexpr):
+                   RADIX_BITS: tl.constexpr, N_PASSES: tl.constexpr, REG: tl.constexpr, CAP_TILE: tl.constexpr):
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)
     out_row = out_ptr + (row0 + r).to(tl.int64) * stride_o
@@ -164,9 +167,16 @@ def _select_kernel(out_ptr, cnt_ptr, ckey_ptr, cidx_ptr, flag_ptr, shift_ptr, dm
     else:
         n_cand = tl.load(cnt_ptr + r)
         if (n_cand >= K) & (n_cand <= CAP):
-            finish_unordered_candidates(out_row, ckey_ptr + r.to(tl.int64) * stride_c,
-                                        cidx_ptr + r.to(tl.int64) * stride_c, n_cand, shift_ptr, dmask_ptr,
-                                        idx_bits, K, N_PASSES, RADIX_BITS, BLOCK)
+            if REG:  # the row's CAP slots in registers: no radix passes over memory
+                j = tl.arange(0, CAP_TILE)  # CAP rounded up to a power of two
+                ok = j < n_cand
+                key = tl.load(ckey_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0)
+                idx = tl.load(cidx_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0)
+                select_in_registers(key, idx, ok, out_row, idx_bits, K, False)
+            else:
+                finish_unordered_candidates(out_row, ckey_ptr + r.to(tl.int64) * stride_c,
+                                            cidx_ptr + r.to(tl.int64) * stride_c, n_cand, shift_ptr, dmask_ptr,
+                                            idx_bits, K, N_PASSES, RADIX_BITS, BLOCK)
         else:
             tl.store(flag_ptr + row0 + r, 1)
 
@@ -272,6 +282,7 @@ class FusedIndexerTopk:
                 self.out, self.count, self.ckey, self.cidx, self.flags, shifts, masks, row0, self.offset, self.S,
                 self.idx_bits, self.out.stride(0), self.ckey.stride(0), K=self.topk, CAP=self.cap,
                 BLOCK=cfg["BLOCK"], RADIX_BITS=cfg["RADIX_BITS"], N_PASSES=shifts.numel(),
+                REG=bool(dict(cfg.params).get("REG", 0)), CAP_TILE=triton.next_power_of_2(self.cap),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
         key = (_bucket(rows), _bucket(self.S), self.topk, self.cap)

@@ -53,6 +53,12 @@ EXPERIMENTAL_TOPK_CONFIGS = [
     # sampled threshold: the shapes that lost to the two in TOPK_CONFIGS
     KernelConfig.make(SAMPLES=4096, BLOCK=1024, RADIX_BITS=8, CAP=8192, num_warps=8, num_stages=1),
     KernelConfig.make(SAMPLES=2048, BLOCK=2048, RADIX_BITS=8, CAP=8192, num_warps=8, num_stages=1),
+    # filter then select (kernels/topk_filter.py): a lean pipelined filter program per row, then the
+    # exact select in registers; not yet timed on the GPU
+    KernelConfig.make(FILTER=1, SAMPLES=2048, RUN=8, BLOCK=2048, CAP=4096, RADIX_BITS=8, SELECT_WARPS=16,
+                      num_warps=8, num_stages=3),
+    KernelConfig.make(FILTER=1, SAMPLES=2048, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8, SELECT_WARPS=16,
+                      num_warps=4, num_stages=1),
 ]
 TOPK_TUNER = Autotuner("indexer_topk", TOPK_CONFIGS)
 
@@ -145,6 +151,13 @@ def topk_rows_chunk(scores, row0, rows, offset, S, topk, out, config: KernelConf
     def launch(cfg: KernelConfig) -> None:
         shifts, masks = _radix_schedule(cfg["RADIX_BITS"], scores.device)
         p = dict(cfg.params)
+        if "FILTER" in p:
+            from kernels.topk_filter import topk_rows_filtered
+            topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, samples=p["SAMPLES"],
+                               run=p["RUN"], block=p["BLOCK"], cap=p["CAP"], radix_bits=p["RADIX_BITS"],
+                               filter_warps=cfg.num_warps, filter_stages=cfg.num_stages,
+                               select_warps=p["SELECT_WARPS"])
+            return
         if "SAMPLES" in p:
             from kernels.topk_sample import topk_rows_sampled
             topk_rows_sampled(scores, row0, rows, offset, S, topk, out, shifts, masks, samples=p["SAMPLES"],

@@ -174,3 +174,34 @@ def finish_unordered_candidates(out_row, ckey_row, cidx_row, n_cand, shift_ptr, 
     tl.debug_barrier()
     kk = tl.arange(0, K)
     tl.store(out_row + kk, tl.sort(tl.load(out_row + kk), dim=0))
+
+
+@triton.jit
+def select_in_registers(key, idx, ok, out_row, idx_bits, K: tl.constexpr, ORDERED: tl.constexpr):
+    """Exact top-K of the valid (key, index) pairs of a register tile (>= K valid, indices distinct):
+    writes the K indices ascending to out_row.
+
+    The k-th key by threshold_at_count; of the keys equal to it, the lowest indices: by position
+    when the tile is in index order (ORDERED), else by a bitwise search over the index
+    (idx_bits passes, only when more keys tie than are needed), then the K indices are sorted."""
+    kth = threshold_at_count(key, ok, K)
+    above = ok & (key > kth)
+    tied = ok & (key == kth)
+    need = K - tl.sum(above.to(tl.int32), axis=0)
+    if ORDERED:
+        take = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
+        tl.store(out_row + tl.cumsum(take.to(tl.int32), axis=0) - 1, idx, mask=take)
+    else:
+        cutoff = tl.full([], 0x7FFFFFFF, tl.int32)
+        if tl.sum(tied.to(tl.int32), axis=0) > need:
+            z = tl.zeros([], tl.int32)
+            for i in range(idx_bits):
+                c = z | (tl.full([], 1, tl.int32) << (idx_bits - 1 - i))
+                below = tl.sum((tied & (idx < c)).to(tl.int32), axis=0)
+                z = tl.where(below < need, c, z)
+            cutoff = z
+        take = above | (tied & (idx <= cutoff))
+        tl.store(out_row + tl.cumsum(take.to(tl.int32), axis=0) - 1, idx, mask=take)
+        tl.debug_barrier()
+        kk = tl.arange(0, K)
+        tl.store(out_row + kk, tl.sort(tl.load(out_row + kk), dim=0))

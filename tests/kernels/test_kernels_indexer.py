@@ -58,11 +58,16 @@ VARIANTS = {
     "sampled": {"SAMPLES": 16, "RADIX_BITS": 8, "CAP": 192},  # threshold from 16 samples
     "sampled_short_rows": {"SAMPLES": 16, "RADIX_BITS": 8, "CAP": 256},  # rows <= CAP: every key a candidate
     "sampled_fallback": {"SAMPLES": 16, "RADIX_BITS": 8, "CAP": 64},  # candidates overflow: full select
+    # filter then select (kernels/topk_filter.py): rows of 200 keys filtered into 128 slots (tied rows
+    # overflow them: full select), or selected straight from the scores when CAP covers the row
+    "filter": {"FILTER": 1, "SAMPLES": 32, "RUN": 4, "RADIX_BITS": 8, "CAP": 128, "SELECT_WARPS": 4},
+    "filter_rows_within_cap": {"FILTER": 1, "SAMPLES": 16, "RUN": 1, "RADIX_BITS": 8, "CAP": 256, "SELECT_WARPS": 4},
 }
 
 
-@pytest.mark.parametrize("variant", [{"SEG": 16, "FULL_PASSES": 2, "CAP": 64}, {"SAMPLES": 8, "CAP": 24}],
-                         ids=["segmented", "sampled"])
+@pytest.mark.parametrize("variant", [{"SEG": 16, "FULL_PASSES": 2, "CAP": 64}, {"SAMPLES": 8, "CAP": 24},
+                                     {"FILTER": 1, "SAMPLES": 8, "RUN": 2, "CAP": 16, "SELECT_WARPS": 4}],
+                         ids=["segmented", "sampled", "filter"])
 def test_segmented_and_sampled_topk_on_causal_rows_with_short_rows(device, variant):
     # offset 0: rows 0..K-1 have at most K keys (identity + -1 padding); later rows select
     rows, S, K = 40, 40, 16
@@ -163,3 +168,61 @@ def test_sampled_threshold_path_is_exact_when_candidates_fit(device):
     cfg = ix.KernelConfig.make(SAMPLES=samples, BLOCK=64, RADIX_BITS=8, CAP=cap, num_warps=4, num_stages=1)
     ix.topk_rows_chunk(scores, 0, rows, S - 1, S, K, out, config=cfg)
     assert torch.equal(out, select_topk(scores, torch.full((rows,), S, device=device), K, stable=True))
+
+
+def _filter_case(device, rows=12, S=400):
+    scores = torch.randn(rows, S, device=device)
+    return scores, torch.full((rows,), S, device=device)
+
+
+def _filtered_topk(scores, K, cap, samples=64, run=4):
+    from kernels import topk_filter as tf
+    from kernels.topk import _radix_schedule
+    rows, S = scores.shape
+    cand, count = tf.filter_rows(scores, 0, rows, S - 1, S, K, samples=samples, run=run, block=64, cap=cap,
+                                 warps=4, stages=1)
+    out = torch.full((rows, K), -2, device=scores.device, dtype=torch.int32)
+    shifts, masks = _radix_schedule(8, scores.device)
+    tf.select_rows(scores, cand, count, 0, rows, S - 1, S, K, out, shifts, masks, radix_bits=8, warps=4)
+    return out, count
+
+
+def test_filter_select_is_exact_when_candidates_fit(device):
+    scores, n = _filter_case(device)
+    out, count = _filtered_topk(scores, K=16, cap=128)
+    assert ((count >= 16) & (count <= 128)).all(), count  # the premise: no row took the fallback
+    assert torch.equal(out, select_topk(scores, n, 16, stable=True))
+
+
+def test_filter_select_falls_back_when_the_threshold_misses(device):
+    scores, n = _filter_case(device)
+    # too many candidates for the slots (CAP 32 < ~44 expected survivors) ...
+    out, count = _filtered_topk(scores, K=16, cap=32)
+    assert (count > 32).any(), count
+    assert torch.equal(out, select_topk(scores, n, 16, stable=True))
+    # ... or too few: the sampled keys (runs of 4 every 25) are the row's largest, so t sits above all
+    # but ~7 runs' keys and fewer than K keys survive
+    pos = torch.arange(400, device=device)
+    sampled = (pos % 25) < 4
+    scores = torch.where(sampled, 100.0 + scores.abs(), scores)
+    out, count = _filtered_topk(scores, K=64, cap=128)
+    assert (count < 64).all(), count
+    assert torch.equal(out, select_topk(scores, n, 64, stable=True))
+
+
+@pytest.mark.gpu
+@gpu
+def test_filter_gpu_long_rows_equal_the_full_select():
+    # 16K-key rows past every CAP: the sampled threshold, the pipelined filter and the register select
+    rows, S, K = 512, 16384, 2048
+    q = torch.randn(rows, 32, 128, device="cuda").to(torch.bfloat16)
+    k = torch.randn(S, 128, device="cuda").to(torch.bfloat16)
+    w = torch.randn(rows, 32, device="cuda") / 32
+    scores = torch.empty((rows, S), device="cuda")
+    ix.indexer_scores_chunk(q, k, w, 0, rows, S - rows, scores)
+    want = torch.empty((S, K), device="cuda", dtype=torch.int32)
+    ix.topk_rows_chunk(scores, S - rows, rows, S - rows, S, K, want, config=ix.TOPK_CONFIGS[0])
+    for cfg in [c for c in ix.TOPK_CONFIGS + ix.EXPERIMENTAL_TOPK_CONFIGS if "FILTER" in dict(c.params)]:
+        got = torch.full((S, K), -2, device="cuda", dtype=torch.int32)
+        ix.topk_rows_chunk(scores, S - rows, rows, S - rows, S, K, got, config=cfg)
+        assert torch.equal(got[S - rows:], want[S - rows:]), cfg.describe()

@@ -64,7 +64,17 @@ def test_fused_impl_on_square_fp32_with_rows_shorter_than_k(device):
     assert stats["fallback_rows"] <= 8, stats  # at most the 8 sampled rows
 
 
-def test_partial_ties_go_to_the_lowest_index_whatever_the_candidate_order(device):
+@pytest.fixture(params=range(len(fx.FUSED_SELECT_CONFIGS)), ids=lambda i: fx.FUSED_SELECT_CONFIGS[i].describe())
+def select_config(request):
+    """Each select config in turn (the radix passes over memory, the register tile)."""
+    fx.FUSED_SELECT_TUNER.records.clear()
+    fx.FUSED_SELECT_TUNER.configs = [fx.FUSED_SELECT_CONFIGS[request.param]]
+    yield fx.FUSED_SELECT_CONFIGS[request.param]
+    fx.FUSED_SELECT_TUNER.configs = list(fx.FUSED_SELECT_CONFIGS)
+    fx.FUSED_SELECT_TUNER.records.clear()
+
+
+def test_partial_ties_go_to_the_lowest_index_whatever_the_candidate_order(device, select_config):
     # small integers and power-of-two weights: exact fp32 scores, many equal at the k-th key, so the
     # bitwise lowest-index search over the unordered candidates decides which ties are taken
     T, S = 12, 64
