@@ -25,40 +25,46 @@ from kernels.topk_common import emit_full, finish_candidates, ordered_key, radix
 # H200, 4096 rows of a 64K context. Full variant: 7 bits / 512 / 4 warps 4.4-4.6 ms, 6 bits 4.6 ms,
 # 8 bits 6.1 ms, 4 bits 6.4 ms, 11 bits 33.7 ms (tl.histogram cost grows with the bins).
 # Compact, 7 bits x 2 full passes, CAP 8192: 3.5 ms (5.96 vs 8.86 ms on 128K rows).
+# The first config is the reference the benchmarks compare with, and what the CPU interpreter runs.
 TOPK_CONFIGS = [
     KernelConfig.make(BLOCK=1024, RADIX_BITS=8, COMPACT=0, num_warps=4, num_stages=1),
+    # sampled threshold (kernels/topk_sample.py): one compaction read of the row, then an exact select
+    # over the survivors. H200, the 4096 longest rows of 64K (bench indexer_topk_variants, 2026-12-01):
+    # 2.34 ms (7 bits, BLOCK 512) against the compact variant's 3.33 ms; 10.5% of the copy rate.
+    KernelConfig.make(SAMPLES=2048, BLOCK=512, RADIX_BITS=7, CAP=8192, num_warps=4, num_stages=1),
+    # filter then select (kernels/topk_filter.py): a lean pipelined filter program per row, then the
+    # exact select in registers. H200, session 15, first run: filter 0.83 ms per 4096 x 64K rows with
+    # BLOCK 1024 / 4 warps / 3 stages (8-16 warps and 2048-4096 blocks 1.0-2.3 ms); 4096 samples
+    # keep the survivor count's spread (~7%) inside [k, CAP].
+    KernelConfig.make(FILTER=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8, SELECT_WARPS=4,
+                      num_warps=4, num_stages=3),
+    KernelConfig.make(FILTER=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=8192, RADIX_BITS=8, SELECT_WARPS=8,
+                      num_warps=4, num_stages=3),
+    KernelConfig.make(FILTER=1, SAMPLES=4096, RUN=8, BLOCK=512, CAP=4096, RADIX_BITS=8, SELECT_WARPS=4,
+                      num_warps=2, num_stages=4),
+]
+# Exact, CPU-interpreter tested, not in the default list (each costs a compile and a timing per tuning
+# key): the full and compact radix shapes and the sampled 8-bit one, which the sampled threshold beat
+# (2.3 ms against 3.2-6.4 ms in one run), the segment-parallel variant (3.77-4.62 ms against the
+# compact variant's 3.33 ms: instruction-bound, not short of parallelism), and the sampled-threshold
+# shapes that lost. tests/kernels/test_kernels_indexer.py::test_every_gpu_config_is_correct covers
+# both lists.
+EXPERIMENTAL_TOPK_CONFIGS = [
     KernelConfig.make(BLOCK=512, RADIX_BITS=7, COMPACT=0, num_warps=4, num_stages=1),
     KernelConfig.make(BLOCK=512, RADIX_BITS=6, COMPACT=0, num_warps=4, num_stages=1),
     KernelConfig.make(BLOCK=512, RADIX_BITS=8, COMPACT=1, FULL_PASSES=2, CAP=4096, num_warps=4, num_stages=1),
     KernelConfig.make(BLOCK=1024, RADIX_BITS=8, COMPACT=1, FULL_PASSES=2, CAP=4096, num_warps=4, num_stages=1),
     KernelConfig.make(BLOCK=512, RADIX_BITS=7, COMPACT=1, FULL_PASSES=2, CAP=8192, num_warps=4, num_stages=1),
     KernelConfig.make(BLOCK=512, RADIX_BITS=6, COMPACT=1, FULL_PASSES=3, CAP=2048, num_warps=4, num_stages=1),
-    # sampled threshold (kernels/topk_sample.py): one compaction read of the row, then an exact select
-    # over the survivors. H200, the 4096 longest rows of 64K (bench indexer_topk_variants, 2026-12-01):
-    # 2.34 ms (7 bits, BLOCK 512) and 2.46 ms (8 bits, BLOCK 1024) against the compact variant's
-    # 3.33 ms, every row the same selection; 10.5% of the copy rate, up from 7.4%.
-    KernelConfig.make(SAMPLES=2048, BLOCK=512, RADIX_BITS=7, CAP=8192, num_warps=4, num_stages=1),
     KernelConfig.make(SAMPLES=2048, BLOCK=1024, RADIX_BITS=8, CAP=8192, num_warps=4, num_stages=1),
-]
-# Exact, CPU-interpreter tested, not in the default list: the segment-parallel variant measured
-# 3.77-4.62 ms against the compact variant's 3.33 ms (same run; it is instruction-bound, not short
-# of parallelism), and the sampled-threshold shapes that lost to the two above (3.05 and 2.68 ms).
-# tests/kernels/test_kernels_indexer.py::test_every_gpu_config_is_correct covers both lists.
-EXPERIMENTAL_TOPK_CONFIGS = [
     # segment-parallel (kernels/topk_seg.py): (row, segment) grids instead of one program per row
     KernelConfig.make(SEG=4096, BLOCK=512, RADIX_BITS=8, FULL_PASSES=2, CAP=4096, num_warps=4, num_stages=1),
     KernelConfig.make(SEG=8192, BLOCK=1024, RADIX_BITS=8, FULL_PASSES=2, CAP=4096, num_warps=4, num_stages=1),
     KernelConfig.make(SEG=4096, BLOCK=512, RADIX_BITS=7, FULL_PASSES=2, CAP=8192, num_warps=4, num_stages=1),
     KernelConfig.make(SEG=2048, BLOCK=512, RADIX_BITS=8, FULL_PASSES=2, CAP=4096, num_warps=2, num_stages=1),
-    # sampled threshold: the shapes that lost to the two in TOPK_CONFIGS
+    # sampled threshold: the shapes that lost to the one in TOPK_CONFIGS
     KernelConfig.make(SAMPLES=4096, BLOCK=1024, RADIX_BITS=8, CAP=8192, num_warps=8, num_stages=1),
     KernelConfig.make(SAMPLES=2048, BLOCK=2048, RADIX_BITS=8, CAP=8192, num_warps=8, num_stages=1),
-    # filter then select (kernels/topk_filter.py): a lean pipelined filter program per row, then the
-    # exact select in registers; not yet timed on the GPU
-    KernelConfig.make(FILTER=1, SAMPLES=2048, RUN=8, BLOCK=2048, CAP=4096, RADIX_BITS=8, SELECT_WARPS=16,
-                      num_warps=8, num_stages=3),
-    KernelConfig.make(FILTER=1, SAMPLES=2048, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8, SELECT_WARPS=16,
-                      num_warps=4, num_stages=1),
 ]
 TOPK_TUNER = Autotuner("indexer_topk", TOPK_CONFIGS)
 

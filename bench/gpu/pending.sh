@@ -19,6 +19,8 @@
 #   [N]  memory slice with train.dsa_kernels on: peak vs the accounting (parallel_gpu.json part)
 #   [K2] `bwd`: sparse MLA backward GPU tests and every backward variant (atomic, split, key-major;
 #        kernels_bwd.json); `dsa_switch`: the 5-layer GLM through the switch per backward impl
+#   [K2] `topk`: bench/gpu/topk_sweep.py (kernels/topk_filter.py's shapes against the other top-k
+#        configs, phases apart; indexer_topk over the whole context; topk_sweep.json)
 #   [K2] `kernels`: every sparse MLA backward impl (kernels.json sparse_mla_bwd entries); the indexer
 #        family, with the fused top-k (indexer_topk_fused) beside the default (KERNELS= picks the
 #        families); `fused`: its GPU test
@@ -74,6 +76,10 @@ has bwd && part bwd 300 python3 -m bench.kernels --only sparse_mla,sparse_mla_bw
 # stores to rows of its own (split_dkv_floor.json); gpu_kernel_tests: every GPU test of tests/kernels
 has dkv_floor && part dkv_floor 200 python3 bench/gpu/split_dkv_floor.py --out "$OUT/split_dkv_floor.json"
 has gpu_kernel_tests && part gpu_kernel_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels
+# topk: every top-k shape side by side on the longest 4096 rows (the filter-then-select grid with its
+# phases apart, the fused impl's selects), then indexer_topk over the whole context (topk_sweep.json)
+has topk && part topk 480 python3 bench/gpu/topk_sweep.py --out "$OUT/topk_sweep.json" \
+  --contexts "${TOPK_CONTEXTS:-65536}" --pipeline
 # dsa_switch: the 5-layer GLM-5.2 forward+backward, Megatron's unfused DSA vs the switch with each
 # backward impl (DSA_BWD_IMPLS), one model, at DSA_SEQLENS tokens (dsa_switch_h200.json)
 for n in ${DSA_SEQLENS:-2048}; do

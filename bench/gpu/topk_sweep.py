@@ -19,12 +19,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 COPY_GBPS = 4240.0
+# Session 15's first run (H200): BLOCK 1024 / 4 warps / 3 stages led (filter 0.83 ms per 4096 x 64K
+# rows), larger blocks and 8-16 warps were slower; here the small-program side of it.
 FILTER_GRID = [  # (BLOCK, filter warps, filter stages, SAMPLES, RUN)
-    (1024, 4, 1, 2048, 8), (2048, 8, 1, 2048, 8), (4096, 8, 1, 2048, 8),
-    (1024, 4, 3, 2048, 8), (2048, 8, 3, 2048, 8), (2048, 4, 2, 2048, 8), (4096, 8, 2, 2048, 8),
-    (4096, 16, 2, 2048, 8), (2048, 8, 3, 2048, 1), (2048, 8, 3, 1024, 8), (2048, 8, 3, 4096, 8),
+    (1024, 4, 3, 2048, 8), (1024, 4, 3, 4096, 8), (1024, 4, 4, 4096, 8), (2048, 4, 3, 4096, 8),
+    (1024, 2, 3, 4096, 8), (512, 2, 3, 4096, 8), (512, 2, 4, 4096, 8), (256, 1, 4, 4096, 8),
+    (512, 1, 4, 4096, 8),
 ]
-SELECT_GRID = [(4096, 8), (4096, 16), (8192, 16)]  # (CAP, select warps)
+SELECT_GRID = [(4096, 4), (4096, 8), (8192, 8), (8192, 16), (4096, 2)]  # (CAP, select warps)
 FILTER_CAP = 4096  # candidate slots per row in the filter grid
 
 
@@ -63,13 +65,15 @@ def main() -> int:
         k = torch.randn(S, 128, device=dev).to(torch.bfloat16)
         w = torch.randn(rows, 32, device=dev) / 32
         scores = torch.empty((rows, S), device=dev)
-        ix.indexer_scores_chunk(q, k, w, 0, rows, row0, scores)  # rows row0.. of a T = S context
+        # query rows row0.. of a T = S context: q's row r sits at key row0 + r, so in the top-k calls
+        # the chunk starts at row0 with offset 0 (row r has row0 + r + 1 valid keys)
+        ix.indexer_scores_chunk(q, k, w, 0, rows, row0, scores)
         n_valid = torch.clamp(torch.arange(rows, device=dev) + row0 + 1, max=S)
         read_bytes = float(4 * n_valid[n_valid > K].sum())
         entry: dict = {"context": S, "rows": rows, "topk": K, "row_bytes": read_bytes, "configs": []}
         report["contexts"].append(entry)
         ref = torch.full((T, K), -2, device=dev, dtype=torch.int32)
-        ix.topk_rows_chunk(scores, row0, rows, row0, S, K, ref, config=TOPK_CONFIGS[0])
+        ix.topk_rows_chunk(scores, row0, rows, 0, S, K, ref, config=TOPK_CONFIGS[0])
 
         def run(label, fn, **extra):
             out = torch.full((T, K), -2, device=dev, dtype=torch.int32)
@@ -91,16 +95,16 @@ def main() -> int:
             return row
 
         for cfg in TOPK_CONFIGS:
-            run(cfg.describe(), lambda out, cfg=cfg: ix.topk_rows_chunk(scores, row0, rows, row0, S, K, out, config=cfg))
+            run(cfg.describe(), lambda out, cfg=cfg: ix.topk_rows_chunk(scores, row0, rows, 0, S, K, out, config=cfg))
 
         shifts8, masks8 = _radix_schedule(8, dev)
         best_filter = None
         for block, warps, stages, samples, run_len in FILTER_GRID:
             kw = dict(samples=samples, run=run_len, block=block, cap=FILTER_CAP, warps=warps, stages=stages)
             try:
-                cand, count = tf.filter_rows(scores, row0, rows, row0, S, K, **kw)
+                cand, count = tf.filter_rows(scores, row0, rows, 0, S, K, **kw)
                 torch.cuda.synchronize() if dev.type == "cuda" else None
-                f_ms = timer(lambda kw=kw: tf.filter_rows(scores, row0, rows, row0, S, K, **kw), min_iters=5)
+                f_ms = timer(lambda kw=kw: tf.filter_rows(scores, row0, rows, 0, S, K, **kw), min_iters=5)
             except Exception as exc:  # noqa: BLE001
                 entry["configs"].append({"config": f"filter {kw}", "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 continue
@@ -110,10 +114,10 @@ def main() -> int:
                 cand_stats.update(mean=round(float(filtered.mean()), 1), max=int(filtered.max()), min=int(filtered.min()),
                                   fallback_rows=int(((filtered < K) | (filtered > FILTER_CAP)).sum()))
             label = (f"FILTER block={block} warps={warps} stages={stages} samples={samples} run={run_len} "
-                     f"cap={FILTER_CAP} sel_warps=16")
+                     f"cap={FILTER_CAP} sel_warps={SELECT_GRID[0][1]}")
             row = run(label, lambda out, kw=kw: tf.select_rows(
-                scores, *tf.filter_rows(scores, row0, rows, row0, S, K, **kw), row0, rows, row0, S, K, out,
-                shifts8, masks8, radix_bits=8, warps=16),
+                scores, *tf.filter_rows(scores, row0, rows, 0, S, K, **kw), row0, rows, 0, S, K, out,
+                shifts8, masks8, radix_bits=8, warps=SELECT_GRID[0][1]),
                 filter_ms=round(f_ms, 4), candidates=cand_stats)
             if row and row["rows_same"] == rows and (best_filter is None or f_ms < best_filter[0]):
                 best_filter = (f_ms, kw)
@@ -121,9 +125,9 @@ def main() -> int:
             kw = best_filter[1]
             for cap, sw in SELECT_GRID:
                 kwc = {**kw, "cap": cap}
-                cand, count = tf.filter_rows(scores, row0, rows, row0, S, K, **kwc)
+                cand, count = tf.filter_rows(scores, row0, rows, 0, S, K, **kwc)
                 out = torch.full((T, K), -2, device=dev, dtype=torch.int32)
-                s_ms = timer(lambda: tf.select_rows(scores, cand, count, row0, rows, row0, S, K, out, shifts8,
+                s_ms = timer(lambda: tf.select_rows(scores, cand, count, row0, rows, 0, S, K, out, shifts8,
                                                     masks8, radix_bits=8, warps=sw), min_iters=5)
                 same = int((out[row0:] == ref[row0:]).all(dim=1).sum())
                 entry.setdefault("select", []).append({"cap": cap, "warps": sw, "ms": round(s_ms, 4),

@@ -221,8 +221,9 @@ def test_filter_gpu_long_rows_equal_the_full_select():
     scores = torch.empty((rows, S), device="cuda")
     ix.indexer_scores_chunk(q, k, w, 0, rows, S - rows, scores)
     want = torch.empty((S, K), device="cuda", dtype=torch.int32)
-    ix.topk_rows_chunk(scores, S - rows, rows, S - rows, S, K, want, config=ix.TOPK_CONFIGS[0])
+    # q's row r is query S - rows + r: the chunk starts there, with offset 0
+    ix.topk_rows_chunk(scores, S - rows, rows, 0, S, K, want, config=ix.TOPK_CONFIGS[0])
     for cfg in [c for c in ix.TOPK_CONFIGS + ix.EXPERIMENTAL_TOPK_CONFIGS if "FILTER" in dict(c.params)]:
         got = torch.full((S, K), -2, device="cuda", dtype=torch.int32)
-        ix.topk_rows_chunk(scores, S - rows, rows, S - rows, S, K, got, config=cfg)
+        ix.topk_rows_chunk(scores, S - rows, rows, 0, S, K, got, config=cfg)
         assert torch.equal(got[S - rows:], want[S - rows:]), cfg.describe()
