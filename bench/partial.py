@@ -180,6 +180,10 @@ def headline(variants: dict[str, dict]) -> dict[str, Any]:
     if gains:  # every variant trains under the same max_staleness; which of them (if any) gains enough
         head["goal_met_by"] = sorted(k for k, v in gains.items() if v >= GOAL_GAIN)
         head["goal_met"] = bool(head["goal_met_by"])
+        # the mean can clear the goal on one lucky round: which variants clear it in every round
+        head["goal_met_every_round_by"] = sorted(
+            k for k in gains if head.get(f"throughput_gain_{k}_rounds")
+            and min(head[f"throughput_gain_{k}_rounds"]) >= GOAL_GAIN)
     return head
 
 
@@ -215,7 +219,8 @@ def run_partial_bench(out_path: str | Path, workload: PartialWorkload = PartialW
                 print(json.dumps({"variant": v, "round": i, **rounds[v][-1]}, default=str), flush=True)
     report["variants"] = {v: mean_of_rounds(r) for v, r in rounds.items()}
     report.update(headline(report["variants"]))
-    report["why"] = WHY
+    if not report.get("goal_met"):  # the reason a miss is expected on workloads whose episodes fit a step
+        report["why"] = WHY
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2) + "\n")
     return report
