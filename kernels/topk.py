@@ -15,6 +15,8 @@ Two variants (the autotuner picks; both exact):
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -33,15 +35,12 @@ TOPK_CONFIGS = [
     # 2.34 ms (7 bits, BLOCK 512) against the compact variant's 3.33 ms; 10.5% of the copy rate.
     KernelConfig.make(SAMPLES=2048, BLOCK=512, RADIX_BITS=7, CAP=8192, num_warps=4, num_stages=1),
     # filter then select (kernels/topk_filter.py): a lean pipelined filter program per row, then the
-    # exact select in registers. H200, session 15, first run: filter 0.83 ms per 4096 x 64K rows with
-    # BLOCK 1024 / 4 warps / 3 stages (8-16 warps and 2048-4096 blocks 1.0-2.3 ms); 4096 samples
-    # keep the survivor count's spread (~7%) inside [k, CAP].
+    # exact select in registers. The 4096 longest rows of 64K (session 15, topk_filter_gpu.json):
+    # H200 run 1, filter 0.83 ms at BLOCK 1024 / 4 warps / 3 stages (8-16 warps, 2048-4096-key blocks
+    # 1.0-2.3 ms); H100 run 2, 1.18 ms in all (filter 0.92 + select 0.27) against the sampled select's
+    # 2.43 ms; 4096 samples kept every row's survivors in [k, CAP] (2390-3882).
     KernelConfig.make(FILTER=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8, SELECT_WARPS=4,
                       num_warps=4, num_stages=3),
-    KernelConfig.make(FILTER=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=8192, RADIX_BITS=8, SELECT_WARPS=8,
-                      num_warps=4, num_stages=3),
-    KernelConfig.make(FILTER=1, SAMPLES=4096, RUN=8, BLOCK=512, CAP=4096, RADIX_BITS=8, SELECT_WARPS=4,
-                      num_warps=2, num_stages=4),
 ]
 # Exact, CPU-interpreter tested, not in the default list (each costs a compile and a timing per tuning
 # key): the full and compact radix shapes and the sampled 8-bit one, which the sampled threshold beat
@@ -65,6 +64,12 @@ EXPERIMENTAL_TOPK_CONFIGS = [
     # sampled threshold: the shapes that lost to the one in TOPK_CONFIGS
     KernelConfig.make(SAMPLES=4096, BLOCK=1024, RADIX_BITS=8, CAP=8192, num_warps=8, num_stages=1),
     KernelConfig.make(SAMPLES=2048, BLOCK=2048, RADIX_BITS=8, CAP=8192, num_warps=8, num_stages=1),
+    # filter then select, the shapes that lost on the H100 (run 2): an 8192-slot select (its tile
+    # halves the rows in flight: 1.72 ms in all) and a 2-warp filter (1.85 ms)
+    KernelConfig.make(FILTER=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=8192, RADIX_BITS=8, SELECT_WARPS=8,
+                      num_warps=4, num_stages=3),
+    KernelConfig.make(FILTER=1, SAMPLES=4096, RUN=8, BLOCK=512, CAP=4096, RADIX_BITS=8, SELECT_WARPS=4,
+                      num_warps=2, num_stages=4),
 ]
 TOPK_TUNER = Autotuner("indexer_topk", TOPK_CONFIGS)
 
@@ -131,8 +136,14 @@ def _emit_compact(row_ptr, out_row, ckey_row, cidx_row, n, prefix, pmask, remain
                        dmask_ptr, K, FULL_PASSES, N_PASSES, RADIX_BITS, BLOCK)
 
 
+@functools.lru_cache(maxsize=64)
 def _radix_schedule(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-pass shift and digit mask over the 32-bit key, most significant digit first."""
+    """Per-pass shift and digit mask over the 32-bit key, most significant digit first.
+
+    Built once per (bits, device): they are two host-to-device copies, and on the H100 the same
+    filter shape took 1.31 ms through topk_rows_chunk, which built them at every launch, against
+    1.18 ms with them built once (session 15, bench/results/topk_filter_gpu.json run 2). The kernels
+    only read them."""
     shifts, masks = [], []
     hi = 32
     while hi > 0:
