@@ -34,7 +34,8 @@ import triton.language as tl
 
 from kernels._tuning import Autotuner, KernelConfig
 from kernels.topk import _bucket, _radix_schedule, topk_rows_chunk
-from kernels.topk_common import finish_unordered_candidates, ordered_key, select_in_registers, threshold_at_count
+from kernels.topk_common import (emit_short_row, finish_unordered_candidates, ordered_key, select_in_registers,
+                                  threshold_at_count)
 
 # Sampled keys per row and candidate slots per row: the values kernels/topk_sample.py measured
 # best with on the H200 (2048 / 8192). At 64K keys the stride is 32 and ~3,200 keys survive
@@ -163,9 +164,7 @@ def _select_kernel(out_ptr, cnt_ptr, ckey_ptr, cidx_ptr, flag_ptr, shift_ptr, dm
     n = tl.minimum(row0 + r + offset + 1, S)
     out_row = out_ptr + (row0 + r).to(tl.int64) * stride_o
     if n <= K:
-        for start in range(0, K, BLOCK):
-            idx = start + tl.arange(0, BLOCK)
-            tl.store(out_row + idx, tl.where(idx < n, idx, -1), mask=idx < K)
+        emit_short_row(out_row, n, K, BLOCK)
     else:
         n_cand = tl.load(cnt_ptr + r)
         if (n_cand >= K) & (n_cand <= CAP):

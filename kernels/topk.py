@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels._tuning import Autotuner, KernelConfig
-from kernels.topk_common import emit_full, finish_candidates, ordered_key, radix_pass
+from kernels.topk_common import emit_full, emit_short_row, finish_candidates, ordered_key, radix_pass
 
 # H200, 4096 rows of a 64K context. Full variant: 7 bits / 512 / 4 warps 4.4-4.6 ms, 6 bits 4.6 ms,
 # 8 bits 6.1 ms, 4 bits 6.4 ms, 11 bits 33.7 ms (tl.histogram cost grows with the bins).
@@ -70,6 +70,11 @@ EXPERIMENTAL_TOPK_CONFIGS = [
                       num_warps=4, num_stages=3),
     KernelConfig.make(FILTER=1, SAMPLES=4096, RUN=8, BLOCK=512, CAP=4096, RADIX_BITS=8, SELECT_WARPS=4,
                       num_warps=2, num_stages=4),
+    # not yet timed: the thresholds by a kernel of their own (SPLIT_T), so that the streaming kernel
+    # needs 77 registers instead of 127 (bench/kernel_resources.py --only topk_filter): 6 programs per
+    # SM instead of 4, more rows in flight, which is what run 2 says the filter lacks
+    KernelConfig.make(FILTER=1, SPLIT_T=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
+                      SELECT_WARPS=4, num_warps=4, num_stages=3),
 ]
 TOPK_TUNER = Autotuner("indexer_topk", TOPK_CONFIGS)
 
@@ -84,9 +89,7 @@ def _topk_rows_kernel(score_ptr, out_ptr, ckey_ptr, cidx_ptr, shift_ptr, dmask_p
     row_ptr = score_ptr + r.to(tl.int64) * stride_s
     out_row = out_ptr + (row0 + r).to(tl.int64) * stride_o
     if n <= K:
-        for start in range(0, K, BLOCK):
-            idx = start + tl.arange(0, BLOCK)
-            tl.store(out_row + idx, tl.where(idx < n, idx, -1), mask=idx < K)
+        emit_short_row(out_row, n, K, BLOCK)
     else:
         prefix = tl.zeros([], tl.uint32)
         pmask = tl.zeros([], tl.uint32)
@@ -173,7 +176,7 @@ def topk_rows_chunk(scores, row0, rows, offset, S, topk, out, config: KernelConf
             topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, samples=p["SAMPLES"],
                                run=p["RUN"], block=p["BLOCK"], cap=p["CAP"], radix_bits=p["RADIX_BITS"],
                                filter_warps=cfg.num_warps, filter_stages=cfg.num_stages,
-                               select_warps=p["SELECT_WARPS"])
+                               select_warps=p["SELECT_WARPS"], split_t=bool(p.get("SPLIT_T", 0)))
             return
         if "SAMPLES" in p:
             from kernels.topk_sample import topk_rows_sampled

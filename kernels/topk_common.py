@@ -21,6 +21,14 @@ def ordered_key(x):
 
 
 @triton.jit
+def emit_short_row(out_row, n, K: tl.constexpr, BLOCK: tl.constexpr):
+    """A row with n <= K valid keys selects them all: 0..n-1, then -1 up to K."""
+    for start in range(0, K, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        tl.store(out_row + idx, tl.where(idx < n, idx, -1), mask=idx < K)
+
+
+@triton.jit
 def radix_pass(ptr, n, prefix, prefix_mask, remaining, shift, digit_mask,
                 RADIX_BITS: tl.constexpr, BLOCK: tl.constexpr, KEYS: tl.constexpr):
     """Histogram one digit of the keys that match ``prefix``; pick the digit holding the k-th.

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.topk_common import emit_full, ordered_key, select_in_registers, threshold_at_count
+from kernels.topk_common import emit_full, emit_short_row, ordered_key, select_in_registers, threshold_at_count
 
 
 @triton.jit
@@ -45,14 +45,28 @@ def _run_sampled_threshold(row, n, K: tl.constexpr, SAMPLES: tl.constexpr, RUN: 
 
 
 @triton.jit
-def _filter_kernel(score_ptr, cand_ptr, count_ptr, row0, offset, S, stride_s, stride_c,
+def _threshold_kernel(score_ptr, t_ptr, row0, offset, S, stride_s, K: tl.constexpr, SAMPLES: tl.constexpr,
+                      RUN: tl.constexpr, CAP: tl.constexpr):
+    """SPLIT_T: each filtered row's threshold, by a kernel of its own (the samples' registers then do
+    not bound the streaming kernel's occupancy: 127 registers with 4096 samples in it, 80 with 2048)."""
+    r = tl.program_id(0)
+    n = tl.minimum(row0 + r + offset + 1, S)
+    if n > CAP:
+        tl.store(t_ptr + r, _run_sampled_threshold(score_ptr + r.to(tl.int64) * stride_s, n, K, SAMPLES, RUN))
+
+
+@triton.jit
+def _filter_kernel(score_ptr, cand_ptr, count_ptr, t_ptr, row0, offset, S, stride_s, stride_c,
                    K: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr,
-                   CAP: tl.constexpr, STAGES: tl.constexpr):
+                   CAP: tl.constexpr, STAGES: tl.constexpr, SPLIT_T: tl.constexpr):
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)
     if n > CAP:  # shorter rows are selected straight from the scores
         row = score_ptr + r.to(tl.int64) * stride_s
-        t = _run_sampled_threshold(row, n, K, SAMPLES, RUN)
+        if SPLIT_T:
+            t = tl.load(t_ptr + r)
+        else:
+            t = _run_sampled_threshold(row, n, K, SAMPLES, RUN)
         cand_row = cand_ptr + r.to(tl.int64) * stride_c
         n_full = (n // BLOCK) * BLOCK
         n_cand = tl.zeros([], tl.int32)
@@ -87,9 +101,7 @@ def _select_kernel(score_ptr, cand_ptr, count_ptr, out_ptr, shift_ptr, dmask_ptr
     row = score_ptr + r.to(tl.int64) * stride_s
     out_row = out_ptr + (row0 + r).to(tl.int64) * stride_o
     if n <= K:
-        for start in range(0, K, BLOCK):
-            idx = start + tl.arange(0, BLOCK)
-            tl.store(out_row + idx, tl.where(idx < n, idx, -1), mask=idx < K)
+        emit_short_row(out_row, n, K, BLOCK)
     else:
         j = tl.arange(0, CAP)
         if n <= CAP:  # every key of the row is a candidate, in index order
@@ -111,18 +123,24 @@ def _select_kernel(score_ptr, cand_ptr, count_ptr, out_ptr, shift_ptr, dmask_ptr
                       0, N_PASSES, RADIX_BITS, BLOCK)
 
 
-def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap, warps, stages):
+def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap, warps, stages, split_t=False):
     """Phase 1: the rows' candidate lists [rows, CAP] (uint64 words) and counts [rows] (int32; 0 for rows
-    with <= CAP keys, which the select reads from the scores)."""
+    with <= CAP keys, which the select reads from the scores). ``split_t``: the thresholds by a kernel
+    of their own first."""
     if cap < topk or cap & (cap - 1):
         raise ValueError(f"CAP ({cap}) must be a power of two >= topk ({topk})")
     if samples % run or samples & (samples - 1):
         raise ValueError(f"SAMPLES ({samples}) must be a power of two and a multiple of RUN ({run})")
     cand = torch.empty((rows, cap), device=scores.device, dtype=torch.uint64)
     count = torch.zeros((rows,), device=scores.device, dtype=torch.int32)
-    _filter_kernel[(rows,)](scores, cand, count, row0, offset, S, scores.stride(0), cand.stride(0), K=topk,
-                            BLOCK=block, SAMPLES=samples, RUN=run, CAP=cap, STAGES=stages, num_warps=warps,
-                            num_stages=stages)
+    thresh = count  # unread unless split_t
+    if split_t:
+        thresh = torch.empty((rows,), device=scores.device, dtype=torch.uint32)
+        _threshold_kernel[(rows,)](scores, thresh, row0, offset, S, scores.stride(0), K=topk, SAMPLES=samples,
+                                   RUN=run, CAP=cap, num_warps=4, num_stages=1)
+    _filter_kernel[(rows,)](scores, cand, count, thresh, row0, offset, S, scores.stride(0), cand.stride(0),
+                            K=topk, BLOCK=block, SAMPLES=samples, RUN=run, CAP=cap, STAGES=stages,
+                            SPLIT_T=bool(split_t), num_warps=warps, num_stages=stages)
     return cand, count
 
 
@@ -134,9 +152,9 @@ def select_rows(scores, cand, count, row0, rows, offset, S, topk, out, shifts, m
 
 
 def topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, *, samples, run, block, cap,
-                       radix_bits, filter_warps, filter_stages, select_warps):
+                       radix_bits, filter_warps, filter_stages, select_warps, split_t=False):
     """Same contract as topk.topk_rows_chunk: filter_rows, then select_rows."""
     cand, count = filter_rows(scores, row0, rows, offset, S, topk, samples=samples, run=run, block=block,
-                              cap=cap, warps=filter_warps, stages=filter_stages)
+                              cap=cap, warps=filter_warps, stages=filter_stages, split_t=split_t)
     select_rows(scores, cand, count, row0, rows, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
                 warps=select_warps)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.topk_common import emit_full, finish_candidates, ordered_key
+from kernels.topk_common import emit_full, emit_short_row, finish_candidates, ordered_key
 
 
 @triton.jit
@@ -44,9 +44,7 @@ def _topk_sample_kernel(score_ptr, out_ptr, ckey_ptr, cidx_ptr, shift_ptr, dmask
     row = score_ptr + r.to(tl.int64) * stride_s
     out_row = out_ptr + (row0 + r).to(tl.int64) * stride_o
     if n <= K:
-        for start in range(0, K, BLOCK):
-            idx = start + tl.arange(0, BLOCK)
-            tl.store(out_row + idx, tl.where(idx < n, idx, -1), mask=idx < K)
+        emit_short_row(out_row, n, K, BLOCK)
     else:
         t = tl.zeros([], tl.uint32)
         if n > CAP:

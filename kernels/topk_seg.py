@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.topk_common import emit_full, ordered_key, radix_pass
+from kernels.topk_common import emit_full, emit_short_row, ordered_key, radix_pass
 
 
 @triton.jit
@@ -126,9 +126,7 @@ def _seg_resolve_kernel(score_ptr, out_ptr, state_ptr, ckey_ptr, cidx_ptr, shift
     n = tl.minimum(row0 + r + offset + 1, S)
     out_row = out_ptr + (row0 + r).to(tl.int64) * stride_o
     if n <= K:
-        for start in range(0, K, BLOCK):
-            idx = start + tl.arange(0, BLOCK)
-            tl.store(out_row + idx, tl.where(idx < n, idx, -1), mask=idx < K)
+        emit_short_row(out_row, n, K, BLOCK)
     else:
         st = state_ptr + r * 8
         prefix = tl.load(st).to(tl.uint32)

@@ -62,6 +62,8 @@ VARIANTS = {
     # overflow them: full select), or selected straight from the scores when CAP covers the row
     "filter": {"FILTER": 1, "SAMPLES": 32, "RUN": 4, "RADIX_BITS": 8, "CAP": 128, "SELECT_WARPS": 4},
     "filter_rows_within_cap": {"FILTER": 1, "SAMPLES": 16, "RUN": 1, "RADIX_BITS": 8, "CAP": 256, "SELECT_WARPS": 4},
+    "filter_split_threshold": {"FILTER": 1, "SPLIT_T": 1, "SAMPLES": 32, "RUN": 4, "RADIX_BITS": 8, "CAP": 128,
+                               "SELECT_WARPS": 4},
 }
 
 
@@ -175,21 +177,22 @@ def _filter_case(device, rows=12, S=400):
     return scores, torch.full((rows,), S, device=device)
 
 
-def _filtered_topk(scores, K, cap, samples=64, run=4):
+def _filtered_topk(scores, K, cap, samples=64, run=4, split_t=False):
     from kernels import topk_filter as tf
     from kernels.topk import _radix_schedule
     rows, S = scores.shape
     cand, count = tf.filter_rows(scores, 0, rows, S - 1, S, K, samples=samples, run=run, block=64, cap=cap,
-                                 warps=4, stages=1)
+                                 warps=4, stages=1, split_t=split_t)
     out = torch.full((rows, K), -2, device=scores.device, dtype=torch.int32)
     shifts, masks = _radix_schedule(8, scores.device)
     tf.select_rows(scores, cand, count, 0, rows, S - 1, S, K, out, shifts, masks, radix_bits=8, warps=4)
     return out, count
 
 
-def test_filter_select_is_exact_when_candidates_fit(device):
+@pytest.mark.parametrize("split_t", [False, True], ids=["threshold_inline", "threshold_kernel"])
+def test_filter_select_is_exact_when_candidates_fit(device, split_t):
     scores, n = _filter_case(device)
-    out, count = _filtered_topk(scores, K=16, cap=128)
+    out, count = _filtered_topk(scores, K=16, cap=128, split_t=split_t)
     assert ((count >= 16) & (count <= 128)).all(), count  # the premise: no row took the fallback
     assert torch.equal(out, select_topk(scores, n, 16, stable=True))
 
