@@ -32,3 +32,16 @@ def test_a_missing_argument_is_named():
         kr.compile_sm90(_delta_kernel, {"do_ptr": kr.Ptr("bf16"), "out_ptr": kr.Ptr("bf16"),
                                         "delta_ptr": kr.Ptr("fp32"), "stride_dot": 1, "stride_doh": 1,
                                         "stride_ot": 1, "stride_oh": 1}, {"HEADS": 4, "D_V": 16, "BLOCK_H": 4}, 4, 1)
+
+
+def test_the_topk_filter_streams_through_cp_async_and_split_thresholds_free_registers():
+    cases = [c for c in kr._topk_cases() if c[0] == "topk_filter"]
+    res = {}
+    for _, fn, args, constexprs, configs in cases:
+        cfg, _ = configs[0]
+        key = (cfg.constexprs["BLOCK"], cfg.num_warps, cfg.num_stages, cfg.constexprs["SPLIT_T"])
+        if key in {(1024, 4, 3, False), (1024, 4, 3, True)} and key not in res:
+            res[key] = kr.compile_sm90(fn, args, {**constexprs, **cfg.constexprs}, cfg.num_warps, cfg.num_stages)
+    inline, split = res[(1024, 4, 3, False)], res[(1024, 4, 3, True)]
+    assert inline["cp_async"] > 0 and split["cp_async"] > 0  # the row's blocks are pipelined, not loaded in turn
+    assert split["registers"] < inline["registers"] and split["spill_stack_bytes"] == 0
