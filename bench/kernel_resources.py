@@ -123,6 +123,7 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
 def _topk_cases() -> list[tuple[str, Any, dict, dict, list]]:
     """The filter-then-select top-k's two kernels for each FILTER shape of both tuner lists (the last
     4096 rows of a 64K context, k = 2048)."""
+    from kernels._tuning import KernelConfig
     from kernels.topk import EXPERIMENTAL_TOPK_CONFIGS, TOPK_CONFIGS
     from kernels.topk_filter import _filter_kernel, _select_kernel
 
@@ -130,38 +131,20 @@ def _topk_cases() -> list[tuple[str, Any, dict, dict, list]]:
     shapes = [dict(c.params) | {"warps": c.num_warps, "stages": c.num_stages}
               for c in TOPK_CONFIGS + EXPERIMENTAL_TOPK_CONFIGS if "FILTER" in dict(c.params)]
     common = {"score_ptr": Ptr("fp32"), "cand_ptr": Ptr("u64"), "count_ptr": Ptr("i32"), "t_ptr": Ptr("u32"),
-              "row0": S - 4096,
-              "offset": 0, "S": S, "stride_s": S}
+              "row0": S - 4096, "offset": 0, "S": S, "stride_s": S}
     cases = []
     for p in shapes:
         cap = p["CAP"]
-        filt = KernelConfigLike(p["warps"], p["stages"], {"BLOCK": p["BLOCK"], "SAMPLES": p["SAMPLES"],
-                                                          "RUN": p["RUN"], "CAP": cap, "STAGES": p["stages"],
-                                                          "SPLIT_T": bool(p.get("SPLIT_T", 0))})
-        sel = KernelConfigLike(p["SELECT_WARPS"], 1, {"CAP": cap, "BLOCK": 1024, "RADIX_BITS": p["RADIX_BITS"],
-                                                      "N_PASSES": -(-32 // p["RADIX_BITS"])})
+        # the kernels' constexprs and launch, from the tuner config that drives both
+        filt = KernelConfig.make(p["warps"], p["stages"], BLOCK=p["BLOCK"], SAMPLES=p["SAMPLES"], RUN=p["RUN"],
+                                 CAP=cap, STAGES=p["stages"], SPLIT_T=bool(p.get("SPLIT_T", 0)))
+        sel = KernelConfig.make(p["SELECT_WARPS"], 1, CAP=cap, BLOCK=1024, RADIX_BITS=p["RADIX_BITS"],
+                                N_PASSES=-(-32 // p["RADIX_BITS"]))
         cases.append(("topk_filter", _filter_kernel, {**common, "stride_c": cap}, {"K": K}, [(filt, {})]))
         cases.append(("topk_select", _select_kernel,
                       {**common, "out_ptr": Ptr("i32"), "shift_ptr": Ptr("i32"), "dmask_ptr": Ptr("i32"),
                        "stride_c": cap, "stride_o": K}, {"K": K}, [(sel, {})]))
     return cases
-
-
-@dataclass(frozen=True)
-class KernelConfigLike:
-    """A launch (warps, stages) and constexprs, for kernels whose tuner config is not their constexprs."""
-
-    num_warps: int
-    num_stages: int
-    constexprs: dict
-
-    @property
-    def params(self) -> tuple:
-        return tuple(sorted(self.constexprs.items()))
-
-    def describe(self) -> str:
-        inner = ",".join(f"{k}={v}" for k, v in self.params)
-        return f"{inner},warps={self.num_warps},stages={self.num_stages}"
 
 
 CASES = {"sparse_mla": _sparse_mla_bwd_cases, "topk": _topk_cases}

@@ -129,6 +129,20 @@ def threshold_at_count(keys, ok, need):
 
 
 @triton.jit
+def sampled_threshold(row, n, K: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr):
+    """t such that about 1.5 k of the row's n keys are >= t, from SAMPLES keys taken in runs of RUN
+    neighbours at a fixed stride (RUN 8: a run is one 32-byte sector; RUN 1: single strided keys)."""
+    N_RUNS: tl.constexpr = SAMPLES // RUN
+    run_stride = tl.maximum((n + N_RUNS - 1) // N_RUNS, RUN)  # keys between the starts of two runs
+    i = tl.arange(0, SAMPLES)
+    pos = (i // RUN) * run_stride + (i % RUN)
+    ok = pos < n
+    keys = ordered_key(tl.load(row + pos, mask=ok, other=0.0))
+    # each sample stands for run_stride / RUN keys: ask for ~1.5 k of them plus 4 samples of margin
+    return threshold_at_count(keys, ok, (3 * K * RUN) // (2 * run_stride) + 4)
+
+
+@triton.jit
 def lowest_tie_cutoff(ckey_row, cidx_row, n_cand, tie_key, need, idx_bits, BLOCK: tl.constexpr):
     """The need-th smallest index among the candidates whose key == tie_key (need >= 1 of them).
 

@@ -27,21 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.topk_common import emit_full, emit_short_row, ordered_key, select_in_registers, threshold_at_count
-
-
-@triton.jit
-def _run_sampled_threshold(row, n, K: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr):
-    """t such that about 1.5 k keys of the row are >= t: SAMPLES keys in runs of RUN at a fixed stride."""
-    N_RUNS: tl.constexpr = SAMPLES // RUN
-    run_stride = tl.maximum(n // N_RUNS, RUN)  # keys between the starts of two runs
-    i = tl.arange(0, SAMPLES)
-    pos = (i // RUN) * run_stride + (i % RUN)
-    ok = pos < n
-    keys = ordered_key(tl.load(row + pos, mask=ok, other=0.0))
-    # each sample stands for run_stride / RUN keys: ask for ~1.5 k of them plus 4 samples of margin
-    need = (3 * K * RUN) // (2 * run_stride) + 4
-    return threshold_at_count(keys, ok, need)
+from kernels.topk_common import emit_full, emit_short_row, ordered_key, sampled_threshold, select_in_registers
 
 
 @triton.jit
@@ -52,7 +38,7 @@ def _threshold_kernel(score_ptr, t_ptr, row0, offset, S, stride_s, K: tl.constex
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)
     if n > CAP:
-        tl.store(t_ptr + r, _run_sampled_threshold(score_ptr + r.to(tl.int64) * stride_s, n, K, SAMPLES, RUN))
+        tl.store(t_ptr + r, sampled_threshold(score_ptr + r.to(tl.int64) * stride_s, n, K, SAMPLES, RUN))
 
 
 @triton.jit
@@ -66,7 +52,7 @@ def _filter_kernel(score_ptr, cand_ptr, count_ptr, t_ptr, row0, offset, S, strid
         if SPLIT_T:
             t = tl.load(t_ptr + r)
         else:
-            t = _run_sampled_threshold(row, n, K, SAMPLES, RUN)
+            t = sampled_threshold(row, n, K, SAMPLES, RUN)
         cand_row = cand_ptr + r.to(tl.int64) * stride_c
         n_full = (n // BLOCK) * BLOCK
         n_cand = tl.zeros([], tl.int32)

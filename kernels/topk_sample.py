@@ -17,22 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.topk_common import emit_full, emit_short_row, finish_candidates, ordered_key
-
-
-@triton.jit
-def _sample_threshold(row, n, K: tl.constexpr, SAMPLES: tl.constexpr):
-    stride = tl.maximum((n + SAMPLES - 1) // SAMPLES, 1)
-    pos = tl.arange(0, SAMPLES) * stride
-    ok = pos < n
-    keys = ordered_key(tl.load(row + pos, mask=ok, other=0.0))
-    r = (3 * K) // (2 * stride) + 4  # expected keys >= t: ~1.5 k + 4 strides
-    t = tl.zeros([], tl.uint32)
-    for b in tl.static_range(32):
-        cand = t | tl.full([], 1 << (31 - b), tl.uint32)
-        count = tl.sum((ok & (keys >= cand)).to(tl.int32), axis=0)
-        t = tl.where(count >= r, cand, t)
-    return t
+from kernels.topk_common import emit_full, emit_short_row, finish_candidates, ordered_key, sampled_threshold
 
 
 @triton.jit
@@ -48,7 +33,7 @@ def _topk_sample_kernel(score_ptr, out_ptr, ckey_ptr, cidx_ptr, shift_ptr, dmask
     else:
         t = tl.zeros([], tl.uint32)
         if n > CAP:
-            t = _sample_threshold(row, n, K, SAMPLES)
+            t = sampled_threshold(row, n, K, SAMPLES, 1)
         ckey_row = ckey_ptr + r.to(tl.int64) * stride_c
         cidx_row = cidx_ptr + r.to(tl.int64) * stride_c
         n_cand = tl.zeros([], tl.int32)

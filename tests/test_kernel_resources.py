@@ -39,9 +39,9 @@ def test_the_topk_filter_streams_through_cp_async_and_split_thresholds_free_regi
     res = {}
     for _, fn, args, constexprs, configs in cases:
         cfg, _ = configs[0]
-        key = (cfg.constexprs["BLOCK"], cfg.num_warps, cfg.num_stages, cfg.constexprs["SPLIT_T"])
+        key = (cfg["BLOCK"], cfg.num_warps, cfg.num_stages, cfg["SPLIT_T"])
         if key in {(1024, 4, 3, False), (1024, 4, 3, True)} and key not in res:
-            res[key] = kr.compile_sm90(fn, args, {**constexprs, **cfg.constexprs}, cfg.num_warps, cfg.num_stages)
+            res[key] = kr.compile_sm90(fn, args, {**constexprs, **dict(cfg.params)}, cfg.num_warps, cfg.num_stages)
     inline, split = res[(1024, 4, 3, False)], res[(1024, 4, 3, True)]
     assert inline["cp_async"] > 0 and split["cp_async"] > 0  # the row's blocks are pipelined, not loaded in turn
     assert split["registers"] < inline["registers"] and split["spill_stack_bytes"] == 0
