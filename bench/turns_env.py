@@ -3,7 +3,9 @@
 Agentic episodes spend their time generating turn after turn, and their length is heavy-tailed: a
 few run many times longer than the median, across several weight updates. Each episode here plays
 T turns, T drawn from a lognormal with median `median_turns` and shape `sigma`, capped at
-`max_turns`; T depends only on (seed, episode id), so a replayed episode has the same length. Every
+`max_turns`; T depends only on (seed, the reset seed), or without a reset seed on (seed, episode id):
+the run loop gives the k-th group of every run of one seed the same reset seeds
+(agentrl/policy/seeding.py), so two runs play the same lengths, and a replayed episode keeps its length. Every
 turn the model replies (agent.action_format=text: the whole reply is the action) and the env
 answers with a short fixed observation; with `sandbox` it first runs one command in the
 episode's real sandbox (`printf %s WORD | wc -c`, WORD the reply's first word), so a resumed episode
@@ -55,9 +57,11 @@ class TurnsEnv:
     def task_ids(self) -> list[str]:
         return [f"turns-{i}" for i in range(self.num_tasks)]
 
-    def draw_turns(self, episode_id: str) -> int:
-        """Turns of the episode: round(lognormal(log(median_turns), sigma)), in [1, max_turns]."""
-        digest = hashlib.sha256(f"{self.seed}:{episode_id}".encode()).digest()
+    def draw_turns(self, episode_id: str, reset_seed: int | None = None) -> int:
+        """Turns of the episode: round(lognormal(log(median_turns), sigma)), in [1, max_turns]; drawn
+        from the reset seed when there is one, else from the episode id."""
+        key = f"{self.seed}:seed:{reset_seed}" if reset_seed is not None else f"{self.seed}:{episode_id}"
+        digest = hashlib.sha256(key.encode()).digest()
         rng = random.Random(int.from_bytes(digest[:8], "big"))
         return max(1, min(self.max_turns, round(rng.lognormvariate(math.log(self.median_turns), self.sigma))))
 
@@ -69,7 +73,7 @@ class TurnsEnv:
             raise ValueError(f"TurnsEnv: unknown task {task_id!r}; ids are turns-<i>, i < {self.num_tasks}")
         await self.close()
         self._state = State(episode_id=episode_id, step_count=0, task_id=task_id)
-        self.turns, self.replies = self.draw_turns(episode_id or task_id), []
+        self.turns, self.replies = self.draw_turns(episode_id or task_id, seed), []
         if self.use_sandbox:
             if self.provider is None:  # a run builds it with one; only a check of the tasks goes without
                 raise ValueError("TurnsEnv(sandbox=True) needs a sandbox provider: build it with TurnsEnv.from_config")

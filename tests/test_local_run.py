@@ -50,6 +50,15 @@ def test_local_run_trains_and_resumes(tmp_path, mode):
                if '"type":"trained"' in x]
     groups = [g for rec in trained for g in rec["groups"]]
     assert len(groups) == len(set(groups)) == 3 * 2  # 3 steps x prompts_per_step, none twice
+    # Every group was admitted once, with its own draw and seeds: the resumed run reused neither
+    # a group id nor a seed of the first run (agentrl/policy/seeding.py).
+    admitted = [json.loads(x) for x in (run / "replay.log.jsonl").read_text().splitlines()
+                if '"type":"admitted"' in x]
+    assert set(groups) <= {a["group"] for a in admitted}
+    assert len({a["group"] for a in admitted}) == len(admitted)
+    assert len({(a["draw"], a["attempt"]) for a in admitted}) == len(admitted)
+    seeds = [s for a in admitted for s in a["seeds"]]
+    assert len(seeds) == len(set(seeds)) == 2 * len(admitted)
 
 
 @pytest.mark.slow

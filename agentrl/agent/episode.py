@@ -317,20 +317,22 @@ async def run_episode(
     partial: bool = False,
     recorder: ProgressRecorder | None = None,
     resume: EpisodeSnapshot | None = None,
+    seed: int | None = None,
 ) -> Trajectory:
     """Play one episode of `task_id` and return its Trajectory; closes `env` whatever happens.
 
     `tokenizer` is a transformers tokenizer with a chat template. `sampling.max_new_tokens` is
     the per-turn limit (lowered near the context limit). Infrastructure failures become the
     outcome `infra_error:<kind>`; programming errors (e.g. a tokenizer without a chat template),
-    ResumeDiverged and cancellation propagate, after the env is closed.
+    ResumeDiverged and cancellation propagate, after the env is closed. `seed` is the env's reset
+    seed (the run loop's per-episode seed, agentrl/policy/seeding.py; None: the env's own choice).
     """
     ep = _Episode(env, generator, tokenizer, cfg, sampling, episode_id, partial, recorder)
     started = time.perf_counter()
     outcome, reward = SCORED, None
     try:
         try:
-            first = await ep.env_call("reset", env.reset(task_id, episode_id=episode_id))
+            first = await ep.env_call("reset", env.reset(task_id, episode_id=episode_id, seed=seed))
             prompt = ep.chat.prompt_ids(first.text)
             ep.prompt_len = len(prompt)
             if not first.done and len(prompt) >= cfg.max_context_tokens:

@@ -101,10 +101,11 @@ class EpisodeRunner:
         return list(env.task_ids()), dict(env.splits()) if isinstance(env, SplitEnv) else {}
 
     async def run(self, task_id: str, episode_id: str, group_id: str, *, evaluate: bool = False,
-                  resume: Any = None, recorder: Any = None) -> tuple[Trajectory, EpisodeSummary]:
+                  resume: Any = None, recorder: Any = None, seed: int | None = None) -> tuple[Trajectory, EpisodeSummary]:
         """`resume` (an agentrl.agent.resume.EpisodeSnapshot) continues a recorded episode in a fresh
         sandbox, or plays it again from the start when the sandbox does not reproduce it; `recorder`
-        (a ProgressRecorder) records this one as it runs."""
+        (a ProgressRecorder) records this one as it runs; `seed` goes to the env's reset
+        (agentrl/policy/seeding.py)."""
         from agentrl.agent.episode import run_episode
         from agentrl.agent.resume import ResumeDiverged
 
@@ -112,7 +113,7 @@ class EpisodeRunner:
         def play(snapshot: Any):
             return run_episode(self.make_env(), self.generator, self.tokenizer, task_id, self.cfg.agent,
                                self.sampling, episode_id, group_id, partial=self.cfg.rollout.partial,
-                               recorder=recorder, resume=snapshot)
+                               recorder=recorder, resume=snapshot, seed=seed)
 
         try:
             traj = await play(resume)

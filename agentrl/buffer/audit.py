@@ -75,6 +75,8 @@ def audit_log(directory: str | Path, resume_step: int | None = None) -> LogAudit
             all_steps.append(int(rec["step"]))
         elif kind == "rollback":
             trained_records = [(s, gs) for s, gs in trained_records if s <= int(rec["to_step"])]
+        elif kind == "admitted":
+            pass  # a group's start and seeds: no trajectory's state depends on it
         else:
             raise ValueError(f"replay log {Path(directory) / LOG_NAME}: unknown record type {kind!r}")
     step = max((s for s, _ in trained_records), default=0) if resume_step is None else resume_step

@@ -5,9 +5,12 @@ importing it has no side effects. It stores and reports facts; what to do about 
 untrained (run it again or drop it) is the run loop's policies' call (agentrl/policy/).
 
 Records in the log:
+  {"type": "admitted", "group", "task",      a group about to start, with its episodes' reset seeds
+   "draw", "attempt", "seeds"}               (agentrl/policy/seeding.py; written before it starts)
   {"type": "traj", ...Trajectory}            accepted (written and fsynced before `add` returns)
   {"type": "retired", "group", "reason"}      left untrained: stale, an infra error in the group,
-                                              its worker lost, or incomplete at a resume
+                                              its worker lost, cancelled by the run loop, or
+                                              incomplete at a resume
   {"type": "trained", "step", "groups"}       trained by optimizer step `step`
   {"type": "rollback", "to_step", "steps"}    a resume from the checkpoint of `to_step`: the updates
                                               of `steps` were lost with the crash; their groups
@@ -94,6 +97,8 @@ class ReplayBuffer:
         self.path = Path(directory) / LOG_NAME
         self._partial = PartialLog(Path(directory) / PARTIAL_LOG_NAME, fsync) if resume_in_flight else None
         self._resumable: list[dict] = []  # groups the run loop is to continue, collected once
+        self._admitted: dict[str, list[int]] = {}  # at recovery: group id -> its episodes' seeds, as logged
+        self.next_draw = 0  # past every draw number the log holds (agentrl/policy/seeding.py)
         self._pending: dict[str, Group] = {}  # incomplete groups
         self._ready: OrderedDict[str, Group] = OrderedDict()  # complete, not yet trained
         self._taken: dict[str, list[Group]] = {}  # batch id -> groups given to the trainer
@@ -105,7 +110,7 @@ class ReplayBuffer:
         self.counters = {"accepted": 0, "duplicates": 0, "stale_retired": 0, "infra_groups_retired": 0,
                          "trained_groups": 0, "recovered_trajectories": 0, "recovered_untrained_groups": 0,
                          "incomplete_at_resume": 0, "rolled_back_steps": 0, "malformed_log_lines": 0,
-                         "resumable_groups": 0, "resumable_episodes": 0, "progress_records": 0}
+                         "resumable_groups": 0, "resumable_episodes": 0, "progress_records": 0, "cancelled_groups": 0}
         self.malformed: list[str] = []  # one line per skipped log line: file, line number, why
         self._log = DurableLog(self.path, fsync=fsync)  # opening drops a torn, unacknowledged tail
         self._recover(resume_step)
@@ -121,7 +126,11 @@ class ReplayBuffer:
     def _recover(self, resume_step: int) -> None:
         done, rolled_back = self._surviving_history(resume_step)
         for rec in DurableLog.read(self.path, self._on_malformed):
-            if rec["type"] == "traj":
+            if rec["type"] == "admitted":
+                self.next_draw = max(self.next_draw, int(rec.get("draw", -1)) + 1)
+                if rec.get("group") not in done:
+                    self._admitted[rec["group"]] = list(rec.get("seeds") or [])
+            elif rec["type"] == "traj":
                 rec.pop("type")
                 try:
                     t = Trajectory.from_dict(rec)
@@ -145,6 +154,7 @@ class ReplayBuffer:
             self._check_infra(g)  # a crash may have come between a trajectory and its group's retirement
         self.counters["recovered_untrained_groups"] = len(self._ready)
         self.counters["malformed_log_lines"] = len(self.malformed)
+        self._admitted.clear()  # only the groups continued now needed their seeds
 
     def _keep_in_flight(self) -> dict[str, Group]:
         """resume_in_flight: the incomplete groups and the groups of recorded episodes (neither trained
@@ -161,7 +171,7 @@ class ReplayBuffer:
                 continue  # it can never train: retired with the incomplete ones, the retry policy decides
             snaps = {e: c.to_record() for e, c in live.items() if c.group_id == gid}
             self._resumable.append({"group_id": gid, "task_id": task, "accepted": sorted(g.trajectories),
-                                    "snapshots": snaps})
+                                    "snapshots": snaps, "seeds": self._admitted.get(gid) or None})
             self.counters["resumable_episodes"] += len(snaps)
         self.counters["resumable_groups"] = len(self._resumable)
         kept = {r["group_id"] for r in self._resumable}
@@ -203,6 +213,13 @@ class ReplayBuffer:
         return True
 
     # -- ingest --------------------------------------------------------------------------------
+    def admitted(self, group_id: str, task_id: str, draw: int, attempt: int, seeds: list[int]) -> None:
+        """Log a group about to start (before any of its episodes runs), so that a resumed run draws
+        new seeds and a group continued after a crash gets its own back. Raises LogWriteError."""
+        self._log.append({"type": "admitted", "group": group_id, "task": task_id, "draw": draw,
+                          "attempt": attempt, "seeds": list(seeds)})
+        self.next_draw = max(self.next_draw, draw + 1)
+
     def add(self, trajectory: Trajectory | dict) -> bool:
         """Accept one trajectory: logged durably, then acknowledged (True). A repeat of an
         accepted episode id is acknowledged without a second copy. Raises LogWriteError when
@@ -305,6 +322,18 @@ class ReplayBuffer:
         self._retire(g, reason)
         return len(g.trajectories)
 
+    def retire_cancelled(self, group_id: str, task_id: str, reason: str) -> bool:
+        """Retire a group the run loop cancelled (agentrl/policy/stale_cancel.py), complete or not,
+        with accepted trajectories or none: the fact comes back through `pop_retired` (one per group)
+        and a late trajectory of it is dropped. False when it was already trained, taken or retired
+        (its fact, if any, was given then)."""
+        if group_id in self._done or any(g.group_id == group_id for gs in self._taken.values() for g in gs):
+            return False
+        g = self._pending.get(group_id) or self._ready.get(group_id) or Group(group_id, task_id)
+        self.counters["cancelled_groups"] += 1
+        self._retire(g, reason)
+        return True
+
     def retire_ready(self, group_id: str, reason: str) -> bool:
         """Retire a complete group that is still waiting to train (a policy left it out, e.g. dynamic
         sampling's zero-variance filter); False if it is not waiting (already taken or gone)."""
@@ -340,7 +369,7 @@ class ReplayBuffer:
         """What the buffer found in its log when it opened (for the run's resume note)."""
         keys = ("recovered_trajectories", "recovered_untrained_groups", "incomplete_at_resume", "rolled_back_steps",
                 "malformed_log_lines")
-        return {**{k: self.counters[k] for k in keys}, "malformed": list(self.malformed)}
+        return {**{k: self.counters[k] for k in keys}, "malformed": list(self.malformed), "next_draw": self.next_draw}
 
     def stats(self) -> dict:
         return {**self.counters, "ready_groups": len(self._ready), "pending_groups": len(self._pending)}
