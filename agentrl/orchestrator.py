@@ -5,6 +5,12 @@ aware capacity allows (agentrl.policy.admission); the trainer takes a batch as s
 complete groups are in the buffer; weights go to the engines after every step while episodes keep
 running. sync mode (for comparison): admit one step's groups, wait for all of them, train, sync.
 
+Without partial rollout a group whose oldest token is already past the staleness bound can never
+train; it is cancelled as soon as the run loop learns so (agentrl/policy/stale_cancel.py,
+buffer.cancel_stale_groups), not left to generate to its end. Every group is admitted with a draw
+number and its episodes' reset seeds (agentrl/policy/seeding.py), so that the k-th group of two runs
+of one seed plays the same task with the same seeds.
+
 Everything is built from the resolved plan: the trainer ranks (TrainerGroup), the engines
 (EngineGroup), the weight transport. The loop sleeps until something happens (a group completes
 or retires in the buffer, a group's episodes end, a step finishes), at most LOOP_TICK_S.
@@ -28,12 +34,17 @@ from agentrl.loggers import RunLoggers
 from agentrl.policy.admission import AdmissionPolicy
 from agentrl.policy.dynamic_sampling import DynamicSampler
 from agentrl.policy.retry import RetryPolicy, UnplayableTasks, failure_kind
+from agentrl.policy.seeding import GroupSeeds, SeedSchedule
+from agentrl.policy.stale_cancel import CANCELLED, StaleCancelPolicy
 from agentrl.progress import Progress
 
 LOOP_TICK_S = 1.0  # longest the loop sleeps with nothing happening (progress panel, health checks)
 ENGINE_CHECK_INTERVAL_S = 5.0  # how often dead engines are looked for (and server info refreshed)
 PLOT_EVERY_STEPS = 5  # curves.png redrawn every this many steps, and at the end
 ZERO_VARIANCE = "zero_variance"  # the retirement reason of a group dynamic sampling left out
+# How often running groups are checked for staleness between weight updates (always right after one):
+# a group's oldest token becomes known only when its first generation returns, possibly after an update.
+DOOM_CHECK_INTERVAL_S = 2.0
 
 
 class Orchestrator:
@@ -49,7 +60,12 @@ class Orchestrator:
         self.unplayable = UnplayableTasks()
         self.dynamic = DynamicSampler.from_config(a)
         self.outcomes: Counter[str] = Counter()
-        self.generated_tokens = 0
+        self.generated_tokens = 0  # by episodes that ended (finished, failed or cancelled)
+        self.generated_unfinished = 0  # by episodes still running when the loop ended (set at its end)
+        self.seeds = SeedSchedule(cfg.seed, a.group_size)
+        self.stale_cancel = StaleCancelPolicy(cfg.buffer.max_staleness, per_token=cfg.rollout.partial)
+        self.cancelled = Counter()  # groups_cancelled_stale, episodes_cancelled, tokens_cancelled
+        self._doom_checked: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of the last check
         self.readmit: list[tuple[str, str]] = []  # (task, lineage) of groups to run again
         self.version = 0
         self.step = 0
@@ -158,6 +174,7 @@ class Orchestrator:
         if rec["incomplete_at_resume"]:
             self.progress.note(f"{rec['incomplete_at_resume']} group(s) were incomplete at the crash: retired and "
                                "admitted again")
+        self.seeds.on_resume(rec["next_draw"])
         retired = await self.buffer.pop_retired.remote()
         self.admission.on_resume(self.version, rec["recovered_untrained_groups"] + len(retired))
         self._handle_retired(retired)
@@ -222,12 +239,18 @@ class Orchestrator:
 
     def _launch_group(self, task_id: str, lineage: str | None, resume: dict | None = None) -> None:
         n = self.cfg.algorithm.group_size
-        gid = resume["group_id"] if resume else f"g{uuid.uuid4().hex[:10]}"
+        seeds: GroupSeeds | list[int] | None
+        if resume:
+            gid, seeds = resume["group_id"], resume.get("seeds")  # a continued group keeps its logged seeds
+        else:
+            gid = f"g{uuid.uuid4().hex[:10]}"  # unique across restarts; the seeds carry the reproducibility
+            seeds = self.seeds.assign(lineage)
+            self.seeds.started(lineage or gid, seeds)
         self._lineage[gid] = lineage or gid
         w = min(range(len(self.workers)), key=lambda i: self._worker_load[i])
         self._worker_load[w] += n
         self.admission.on_start()  # a resumed group counts whole, its accepted episodes too
-        t = asyncio.create_task(self._run_group(w, task_id, gid, n, resume))
+        t = asyncio.create_task(self._run_group(w, task_id, gid, n, resume, seeds))
         self._group_tasks.add(t)
         t.add_done_callback(self._group_done)
 
@@ -235,9 +258,20 @@ class Orchestrator:
         self._group_tasks.discard(t)
         self._wake.set()
 
-    async def _run_group(self, w: int, task_id: str, gid: str, n: int, resume: dict | None = None) -> None:
+    async def _run_group(self, w: int, task_id: str, gid: str, n: int, resume: dict | None = None,
+                         seeds: GroupSeeds | list[int] | None = None) -> None:
+        if isinstance(seeds, GroupSeeds):
+            try:  # logged before any episode runs: a resumed run never draws these seeds again
+                await self.buffer.admitted.remote(gid, task_id, seeds.draw, seeds.attempt, list(seeds.seeds))
+            except Exception as e:  # the replay log cannot be written: nothing durable can follow
+                self._worker_load[w] -= n
+                self.admission.on_episodes_end(n)
+                self.admission.on_group_retired()
+                self.request_stop(f"the replay log refused group {gid}'s admission: {e}")
+                return
+            seeds = list(seeds.seeds)
         try:
-            summaries = await self.workers[w].run_group.remote(task_id, gid, n, False, resume)
+            summaries = await self.workers[w].run_group.remote(task_id, gid, n, False, resume, seeds)
         except Exception as e:  # the worker actor died: the group cannot complete
             self.admission.on_episodes_end(n)
             self._handled.add(gid)
@@ -256,8 +290,10 @@ class Orchestrator:
         self.admission.on_episodes_end(n)
         for s in summaries:
             self.metrics.on_episode(s)
-            self.outcomes[s["outcome"]] += 1
             self.generated_tokens += s["generated"]
+            if s["outcome"] == CANCELLED:
+                continue
+            self.outcomes[s["outcome"]] += 1
             if failure_kind(s["outcome"]) == "data" and s.get("error"):
                 self.unplayable.note_error(task_id, s["error"])  # why, should the task be left out
             if s["outcome"] == INFRA_ERROR_PREFIX + "engine":
@@ -268,10 +304,43 @@ class Orchestrator:
                 # The first failure of each kind says why, once (the rest are counted in metrics).
                 self._infra_seen.add(s["outcome"])
                 self.progress.note(f"first {s['outcome']} (task {task_id}): {s.get('error') or 'no detail'}")
+        stopped = [s for s in summaries if s["outcome"] == CANCELLED]
+        if stopped:
+            await self._retire_cancelled(gid, task_id, summaries, stopped[0].get("error") or CANCELLED)
+            return
         trainable = [s["reward"] or 0.0 for s in summaries if not s["outcome"].startswith("infra_error")]
         if len(trainable) == n:
             self.sampler.observe(task_id, trainable)
             await self._filter_zero_variance(gid, task_id, trainable)
+
+    async def _retire_cancelled(self, gid: str, task_id: str, summaries: list[dict], reason: str) -> None:
+        """A group the stale-cancellation policy stopped: the buffer retires it (its accepted
+        trajectories stay in the log, accounted for by the record), and the fact comes back through
+        _handle_retired like a stale group's (its admission slot frees up; stale_policy decides)."""
+        self.cancelled["groups_cancelled_stale"] += 1
+        self.cancelled["episodes_cancelled"] += sum(1 for s in summaries if s["outcome"] == CANCELLED)
+        self.cancelled["tokens_cancelled"] += sum(s["generated"] for s in summaries)
+        try:
+            await self.buffer.retire_cancelled.remote(gid, task_id, reason)
+        except Exception as err:  # noqa: BLE001 - the log keeps the trajectories; resume retires the group
+            self.progress.note(f"could not retire cancelled group {gid}: {err}")
+
+    async def _cancel_doomed(self) -> None:
+        """Cancel the running groups that can never train (agentrl/policy/stale_cancel.py): right after
+        a weight update, and every DOOM_CHECK_INTERVAL_S while their first tokens come back."""
+        if (not self.cfg.buffer.cancel_stale_groups or self.cfg.mode != "async" or self.stale_cancel.per_token
+                or not getattr(self, "workers", None)):
+            return
+        version, at = self._doom_checked
+        if version == self.version and time.monotonic() - at < DOOM_CHECK_INTERVAL_S:
+            return
+        self._doom_checked = (self.version, time.monotonic())
+        facts = await asyncio.gather(*(w.oldest_versions.remote() for w in self.workers), return_exceptions=True)
+        cancels = [self.workers[w].cancel_group.remote(gid, self.stale_cancel.reason(oldest, self.version))
+                   for w, groups in enumerate(facts) if isinstance(groups, dict)  # a failed worker: _run_group's
+                   for gid, oldest in groups.items() if self.stale_cancel.doomed(oldest, self.version)]
+        if cancels:
+            await asyncio.gather(*cancels, return_exceptions=True)  # each cancelled group's _run_group follows up
 
     async def _filter_zero_variance(self, gid: str, task_id: str, rewards: list[float]) -> None:
         """Dynamic sampling: a group whose rewards are all equal carries no gradient; when the policy
@@ -296,6 +365,12 @@ class Orchestrator:
         it runs again (returned; when not, their reason is noted)."""
         self.admission.on_group_retired()
         lineage = self._lineage.pop(gid, gid)
+        again = self._run_again(task_id, lineage, outcomes, stale, reason)
+        if not again:
+            self.seeds.forget(lineage)
+        return again
+
+    def _run_again(self, task_id: str, lineage: str, outcomes: list[str], stale: bool, reason: str) -> bool:
         if reason == ZERO_VARIANCE:
             return False  # dynamic sampling: the freed slot admits a new group, not this one again
         if stale:
@@ -346,7 +421,9 @@ class Orchestrator:
         step = self.step + 1
         await self.buffer.mark_trained.remote(step, batch.batch_id)
         for g in batch.group_ids:
-            self.retry.on_trained(self._lineage.pop(g, g))
+            lineage = self._lineage.pop(g, g)
+            self.retry.on_trained(lineage)
+            self.seeds.forget(lineage)
         sync = await self.trainers.push_weights(self._in_rotation())
         failed = sync.pop("failed_engines")
         if failed:
@@ -397,6 +474,8 @@ class Orchestrator:
                "episodes_infra_error": sum(v for k, v in self.outcomes.items() if k.startswith("infra_error")),
                "episodes_finished": sum(self.outcomes.values()), "outcomes": dict(self.outcomes),
                "episodes_per_s": sum(self.outcomes.values()) / wall, "gen_tokens_per_s": self.generated_tokens / wall,
+               "generated_tokens": self.generated_tokens, **{k: self.cancelled[k] for k in
+                                                             ("groups_cancelled_stale", "episodes_cancelled", "tokens_cancelled")},
                # Over the loop only: start-up (model load, engine start) is its own field.
                "trainer_idle_ratio": 1.0 - self.trainer_busy_s / max(loop, 1e-9), "startup_s": self.startup_s,
                "trainer_busy_s": self.trainer_busy_s,  # cumulative over the loop: idle between any two rows
@@ -429,6 +508,7 @@ class Orchestrator:
                 self._handle_retired(await self.buffer.pop_retired.remote())
                 self._ready_cache = await self.buffer.ready_groups.remote()
                 self._admit()
+                await self._cancel_doomed()
                 self._update_gauges()
                 if (self._training is None and self.step < self.cfg.train.max_steps and not self.stop_requested
                         and self._ready_cache >= B):
@@ -449,6 +529,7 @@ class Orchestrator:
                     await self._check_engines()
                     last_health = time.monotonic()
                 await self._sleep(B)
+            self.generated_unfinished = await self._tokens_in_flight()
             if self.stop_requested:
                 await self._stop_early()
             else:
@@ -457,7 +538,8 @@ class Orchestrator:
                 await asyncio.gather(*self._eval_tasks)
             self._plot()
             summary = {"steps": self.step, "wall_s": time.perf_counter() - started, "startup_s": self.startup_s,
-                       "stopped": self.stop_requested,
+                       "stopped": self.stop_requested, "generated_tokens": self.generated_tokens,
+                       "generated_tokens_unfinished": self.generated_unfinished, **self.cancelled,
                        "last": last_row,
                        "evals": sorted(self.eval_results.values(), key=lambda r: r.get("eval_version", 0)),
                        "buffer": await self.buffer.stats.remote(), "retries": dict(self.retry.counters)}
@@ -467,6 +549,11 @@ class Orchestrator:
             self.progress.end()
             self.loggers.close(failed=sys.exc_info()[0] is not None)
             await self._shutdown()
+
+    async def _tokens_in_flight(self) -> int:
+        """Tokens generated so far by the training episodes still running (counted nowhere else)."""
+        counts = await asyncio.gather(*(w.tokens_in_flight.remote() for w in self.workers), return_exceptions=True)
+        return sum(c for c in counts if isinstance(c, int))
 
     async def _stop_early(self) -> None:
         """request_stop's end: evals still running are dropped (their episodes are stopped with the

@@ -104,7 +104,7 @@ def partial(out: Path = typer.Option(RESULTS / "partial_rollout.json", help="Whe
             sandbox: bool = typer.Option(False, help="Run one real sandbox command per turn."),
             partial_lead_steps: int = typer.Option(2, help="The *_lead variants' admission lead in steps "
                                                            "(rollout.partial_lead_steps)."),
-            variant: list[str] = typer.Option(["off", "mask"], help="Variants: off, mask, tis, mask_lead, tis_lead (repeatable)."),
+            variant: list[str] = typer.Option(["off", "mask"], help="Variants: off, off_keep, mask, tis, mask_lead, tis_lead (repeatable)."),
             repeats: int = typer.Option(2, help="Interleaved rounds of the variants (the shared machine's load "
                                                 "changes; each variant reports its mean).")) -> None:
     """Partial rollout off vs on: the same multi-turn workload through the real run loop, one after the other."""

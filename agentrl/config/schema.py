@@ -354,6 +354,11 @@ class SandboxConfig(Section):
 class BufferConfig(Section):
     max_staleness: int = Field(4, ge=0, description="Max version lag of a group's oldest token at training time.")
     stale_policy: Literal["drop", "regenerate"] = "regenerate"
+    cancel_stale_groups: bool = Field(
+        True, description="Without partial rollout: cancel a running group as soon as its oldest known token is "
+        "past max_staleness (it could never train; agentrl/policy/stale_cancel.py), freeing its engine time and "
+        "admission slots; it is retired as stale_cancelled_lag_<k> and, like a stale group, handled by stale_policy. "
+        "Off: such a group runs to the end and is retired when it completes (what runs did before).")
     max_episodes_in_flight: int = Field(128, ge=1)
     fsync: bool = Field(True, description="fsync the log before acknowledging a trajectory.")
     resume_in_flight: bool = Field(

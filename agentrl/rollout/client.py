@@ -3,7 +3,9 @@
 One `EngineClient` per engine URL. Every call has an explicit timeout. `/generate` is never
 retried: a request that may have reached the engine could have sampled tokens already, so a
 timeout aborts it on the engine (best effort) and raises; only a refused connection (the request
-never left) is reported as `EngineUnavailable`, which a router may safely send elsewhere.
+never left) is reported as `EngineUnavailable`, which a router may safely send elsewhere. A caller
+cancelled while it waits (an episode of a cancelled group) aborts its request too: neither engine
+stops generating when the client goes away (aiohttp does not cancel a handler on disconnect).
 An aborted request is not an error: it returns its partial tokens with finish_reason "abort".
 
 Shapes are SGLang 0.5.23's: per-token weight versions come as `meta_info.weight_versions` spans
@@ -14,6 +16,7 @@ updates must sit between `begin_weight_update` and `end_weight_update`.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Self
 
@@ -108,6 +111,7 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.timeout_s, self.control_timeout_s = timeout_s, control_timeout_s
         self._connect = connect_timeout_s
+        self._aborts: set[asyncio.Task] = set()  # aborts of cancelled requests, still being sent
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
@@ -115,6 +119,7 @@ class EngineClient:
         return f"EngineClient({self.base_url!r})"
 
     async def aclose(self) -> None:
+        await asyncio.gather(*self._aborts, return_exceptions=True)
         await self._http.aclose()
 
     async def __aenter__(self) -> Self:
@@ -173,7 +178,19 @@ class EngineClient:
                 except EngineError:
                     pass  # the engine is unreachable; the timeout below is the error to report
             raise
+        except asyncio.CancelledError:
+            if isinstance(payload.get("rid"), str):  # sent in the background: this task is being cancelled
+                t = asyncio.ensure_future(self._abort_quietly(payload["rid"]))
+                self._aborts.add(t)
+                t.add_done_callback(self._aborts.discard)
+            raise
         return resp.json()
+
+    async def _abort_quietly(self, rid: str) -> None:
+        try:
+            await self.abort_request(rid)
+        except EngineError:
+            pass  # the engine is gone, and its request with it
 
     # ---- control -----------------------------------------------------------------------------
     async def pause_generation(self, mode: str = "retract") -> dict:
