@@ -29,10 +29,12 @@ class Ptr:
 
 # PTX instructions counted in the compiled kernel (static counts, not executions): the MMA kind, the
 # asynchronous copies the pipeliner made, and the fp32 reductions: scalar (red_f32, atom_f32) or
-# 16-byte (atom_v4_f32, what tl.atomic_add becomes when Triton proves the alignment).
+# 16-byte (atom_v4_f32, what tl.atomic_add becomes when Triton proves the alignment); warp shuffles
+# and block barriers (what a reduction or a prefix sum costs).
 INSTRUCTIONS = {"wgmma": r"wgmma\.mma_async", "mma_sync": r"\bmma\.sync", "cp_async": r"cp\.async\.",
                 "red_f32": r"red\.global[\w.]*\.add\.f32",
-                "atom_v4_f32": r"atom\.global[\w.]*\.add\.v4\.f32", "atom_f32": r"atom\.global[\w.]*\.add\.f32"}
+                "atom_v4_f32": r"atom\.global[\w.]*\.add\.v4\.f32", "atom_f32": r"atom\.global[\w.]*\.add\.f32",
+                "shfl": r"\bshfl\.sync", "bar_sync": r"\bbar\.sync"}
 
 
 def compile_sm90(fn, args: dict[str, Any], constexprs: dict[str, Any], num_warps: int, num_stages: int) -> dict:
@@ -130,16 +132,17 @@ def _topk_cases() -> list[tuple[str, Any, dict, dict, list]]:
     S, K = 65536, 2048
     shapes = [dict(c.params) | {"warps": c.num_warps, "stages": c.num_stages}
               for c in TOPK_CONFIGS + EXPERIMENTAL_TOPK_CONFIGS if "FILTER" in dict(c.params)]
-    common = {"score_ptr": Ptr("fp32"), "cand_ptr": Ptr("u64"), "count_ptr": Ptr("i32"), "t_ptr": Ptr("u32"),
+    common = {"score_ptr": Ptr("fp32"), "ckey_ptr": Ptr("fp32"), "cidx_ptr": Ptr("i32"), "count_ptr": Ptr("i32"),
+              "t_ptr": Ptr("u32"),
               "row0": S - 4096, "offset": 0, "S": S, "stride_s": S}
     cases = []
     for p in shapes:
         cap = p["CAP"]
         # the kernels' constexprs and launch, from the tuner config that drives both
         filt = KernelConfig.make(p["warps"], p["stages"], BLOCK=p["BLOCK"], SAMPLES=p["SAMPLES"], RUN=p["RUN"],
-                                 CAP=cap, STAGES=p["stages"], SPLIT_T=bool(p.get("SPLIT_T", 0)))
+                                 CAP=cap, STAGES=p["stages"], SPLIT_T=bool(p.get("SPLIT_T", 0)), ASM_STORE=True)
         sel = KernelConfig.make(p["SELECT_WARPS"], 1, CAP=cap, BLOCK=1024, RADIX_BITS=p["RADIX_BITS"],
-                                N_PASSES=-(-32 // p["RADIX_BITS"]))
+                                N_PASSES=-(-32 // p["RADIX_BITS"]), ASM_STORE=True)
         cases.append(("topk_filter", _filter_kernel, {**common, "stride_c": cap}, {"K": K}, [(filt, {})]))
         cases.append(("topk_select", _select_kernel,
                       {**common, "out_ptr": Ptr("i32"), "shift_ptr": Ptr("i32"), "dmask_ptr": Ptr("i32"),

@@ -60,9 +60,9 @@ FUSED_SCORE_CONFIGS = SCORE_CONFIGS
 FUSED_SCORE_TUNER = Autotuner("indexer_fused_score", FUSED_SCORE_CONFIGS)
 # The select over ~1.5 k candidates: topk_sample.py's two best shapes (2.46 / 2.34 ms there). The
 # 8-bit one first: what the CPU interpreter runs, one radix pass fewer.
-# REG: the candidates held in registers (topk_common.select_in_registers: 32 count passes, no radix
+# REG: the candidates held in registers (topk_common.select_in_registers: count passes, no radix
 # histograms, a sort of the k indices), 16 warps for the 8192-slot tile. H200, session 15, 4096 rows
-# of 64K: 0.99 ms against the radix shapes' 0.97 (8 bits) and 0.83 ms (7 bits): one program of 16
+# of 64K (with the 32-pass bitwise search): 0.99 ms against the radix shapes' 0.97 (8 bits) and 0.83 ms (7 bits): one program of 16
 # warps per SM at a time (121 registers) is too few rows in flight; the tuner keeps the 7-bit one.
 FUSED_SELECT_CONFIGS = [
     KernelConfig.make(BLOCK=1024, RADIX_BITS=8, num_warps=4, num_stages=1),
@@ -173,7 +173,7 @@ def _select_kernel(out_ptr, cnt_ptr, ckey_ptr, cidx_ptr, flag_ptr, shift_ptr, dm
                 ok = j < n_cand
                 key = tl.load(ckey_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0)
                 idx = tl.load(cidx_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0)
-                select_in_registers(key, idx, ok, out_row, idx_bits, K, False)
+                select_in_registers(key, idx, ok, out_row, idx_bits, K, False, False)
             else:
                 finish_unordered_candidates(out_row, ckey_ptr + r.to(tl.int64) * stride_c,
                                             cidx_ptr + r.to(tl.int64) * stride_c, n_cand, shift_ptr, dmask_ptr,

@@ -34,13 +34,14 @@ TOPK_CONFIGS = [
     # over the survivors. H200, the 4096 longest rows of 64K (bench indexer_topk_variants, 2026-12-01):
     # 2.34 ms (7 bits, BLOCK 512) against the compact variant's 3.33 ms; 10.5% of the copy rate.
     KernelConfig.make(SAMPLES=2048, BLOCK=512, RADIX_BITS=7, CAP=8192, num_warps=4, num_stages=1),
-    # filter then select (kernels/topk_filter.py): a lean pipelined filter program per row, then the
-    # exact select in registers. The 4096 longest rows of 64K (session 15, topk_filter_gpu.json):
-    # H200 run 1, filter 0.83 ms at BLOCK 1024 / 4 warps / 3 stages (8-16 warps, 2048-4096-key blocks
-    # 1.0-2.3 ms); H100 run 2, 1.18 ms in all (filter 0.92 + select 0.27) against the sampled select's
-    # 2.43 ms; 4096 samples kept every row's survivors in [k, CAP] (2390-3882).
-    KernelConfig.make(FILTER=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8, SELECT_WARPS=4,
-                      num_warps=4, num_stages=3),
+    # filter then select (kernels/topk_filter.py): thresholds from 4096 sampled keys (a kernel of their
+    # own, SPLIT_T: the streaming kernel then needs 56 registers, not 95), a lean pipelined filter
+    # program per row, then the exact select in registers. The 4096 longest rows of 64K on the H200
+    # (bench/results/topk_filter_gpu.json run 4): filter 0.59 + select 0.25 = 0.84 ms (29% of the copy
+    # rate; the loads alone take 0.26 ms) against the sampled select's 2.18 ms; over the whole 64K
+    # context 10.2 ms against 24.3. BLOCK 512 / 2048, 2 warps: 0.61-0.71 ms (filter).
+    KernelConfig.make(FILTER=1, SPLIT_T=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
+                      SELECT_WARPS=4, num_warps=4, num_stages=3),
 ]
 # Exact, CPU-interpreter tested, not in the default list (each costs a compile and a timing per tuning
 # key): the full and compact radix shapes and the sampled 8-bit one, which the sampled threshold beat
@@ -70,11 +71,9 @@ EXPERIMENTAL_TOPK_CONFIGS = [
                       num_warps=4, num_stages=3),
     KernelConfig.make(FILTER=1, SAMPLES=4096, RUN=8, BLOCK=512, CAP=4096, RADIX_BITS=8, SELECT_WARPS=4,
                       num_warps=2, num_stages=4),
-    # not yet timed: the thresholds by a kernel of their own (SPLIT_T), so that the streaming kernel
-    # needs 77 registers instead of 127 (bench/kernel_resources.py --only topk_filter): 6 programs per
-    # SM instead of 4, more rows in flight, which is what run 2 says the filter lacks
-    KernelConfig.make(FILTER=1, SPLIT_T=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
-                      SELECT_WARPS=4, num_warps=4, num_stages=3),
+    # the thresholds inside the filter program: 0.74 ms against 0.59 split (H200, run 4)
+    KernelConfig.make(FILTER=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8, SELECT_WARPS=4,
+                      num_warps=4, num_stages=3),
 ]
 TOPK_TUNER = Autotuner("indexer_topk", TOPK_CONFIGS)
 

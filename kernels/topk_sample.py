@@ -4,8 +4,8 @@ Measured on the H200: the radix variants are bound by per-key instructions (a hi
 digit pass), not by HBM, and splitting rows over more programs did not help. This variant
 touches each key once with cheap work:
   1. threshold: SAMPLES keys at a fixed stride; t = the r-th largest sample key, with r chosen so
-     that about 1.5 k keys of the row are >= t (bitwise binary search over the samples, in
-     registers: 32 count passes over SAMPLES values, no histogram);
+     that about 1.5 k keys of the row are >= t (topk_common.threshold_at_count: a search over the
+     samples in registers, no histogram);
   2. one read of the row: keys >= t are compacted (key, index; index order) into scratch;
   3. exact select on the candidates only (radix passes + ties to the lowest index, as topk.py).
 Exact whatever the sample: a row whose candidate count is < k (threshold too high) or > CAP

@@ -45,3 +45,14 @@ def test_the_topk_filter_streams_through_cp_async_and_split_thresholds_free_regi
     inline, split = res[(1024, 4, 3, False)], res[(1024, 4, 3, True)]
     assert inline["cp_async"] > 0 and split["cp_async"] > 0  # the row's blocks are pipelined, not loaded in turn
     assert split["registers"] < inline["registers"] and split["spill_stack_bytes"] == 0
+
+
+def test_the_filter_prefix_sum_stays_in_the_load_layout_with_ptx_stores():
+    """topk_common.scatter_b32: with tl.store the scattered candidate stores pulled the prefix sum into
+    a one-key-per-thread layout (a warp scan per key); through the PTX store it is scanned per thread."""
+    case = next(c for c in kr._topk_cases() if c[0] == "topk_filter" and c[4][0][0]["SPLIT_T"])
+    _, fn, args, constexprs, configs = case
+    cfg, _ = configs[0]
+    res = {asm: kr.compile_sm90(fn, args, {**constexprs, **dict(cfg.params), "ASM_STORE": asm}, cfg.num_warps,
+                                cfg.num_stages) for asm in (False, True)}
+    assert res[True]["shfl"] * 2 < res[False]["shfl"] and res[True]["bar_sync"] < res[False]["bar_sync"], res

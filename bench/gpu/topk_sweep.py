@@ -23,11 +23,15 @@ COPY_GBPS = 4240.0
 # rows), larger blocks and 8-16 warps were slower; here the small-program side of it.
 # Run 2 (an H100): 1024 / 4 / 3-4 led (filter 0.92 ms); 1-2 warps were slower (1.6-2.3 ms). Next: the
 # thresholds by a kernel of their own (SPLIT_T: 77 registers in the streaming kernel instead of 127).
-FILTER_GRID = [  # (BLOCK, filter warps, filter stages, SAMPLES, RUN, SPLIT_T)
-    (1024, 4, 3, 4096, 8, False), (1024, 4, 3, 4096, 8, True), (1024, 4, 4, 4096, 8, True),
-    (512, 4, 4, 4096, 8, True), (2048, 8, 3, 4096, 8, True), (1024, 8, 3, 4096, 8, True),
+# Session 16: candidates as two 32-bit lists and a float compare; the floor kernels beside them.
+# Then (session 16, run 3 on an H100): the floor 0.36 ms against the filter's 0.84: the filter waits on
+# its own instructions (the prefix sum in a one-key-per-thread layout); the stores by inline PTX
+# (topk_common.scatter_b32, ASM) keep it in the load's layout. ASM=False: tl.store's path, side by side.
+FILTER_GRID = [  # (BLOCK, filter warps, filter stages, SAMPLES, RUN, SPLIT_T, ASM)
+    (1024, 4, 3, 4096, 8, True, False), (1024, 4, 3, 4096, 8, False, True), (1024, 4, 3, 4096, 8, True, True),
+    (2048, 4, 3, 4096, 8, True, True), (512, 4, 4, 4096, 8, True, True), (1024, 2, 4, 4096, 8, True, True),
 ]
-SELECT_GRID = [(4096, 4), (4096, 8), (8192, 8), (4096, 2)]  # (CAP, select warps)
+SELECT_GRID = [(4096, 4), (4096, 8), (4096, 2)]  # (CAP, select warps); ASM stores, and tl.store's at 4 warps
 FILTER_CAP = 4096  # candidate slots per row in the filter grid
 
 
@@ -98,13 +102,29 @@ def main() -> int:
         for cfg in TOPK_CONFIGS:
             run(cfg.describe(), lambda out, cfg=cfg: ix.topk_rows_chunk(scores, row0, rows, 0, S, K, out, config=cfg))
 
+        # the filter's access pattern alone (bench/gpu/stream_floor.py): loads only, then loads + compare
+        from bench.gpu.stream_floor import stream_floor
+        for block, warps, stages, *_ in FILTER_GRID[:1]:
+            for count in (0, 1):
+                kw = dict(block=block, warps=warps, stages=stages, count=count)
+                try:
+                    stream_floor(scores, row0, rows, 0, S, **kw)
+                    ms = timer(lambda kw=kw: stream_floor(scores, row0, rows, 0, S, **kw), min_iters=5)
+                except Exception as exc:  # noqa: BLE001
+                    entry.setdefault("stream_floor", []).append({**kw, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                    continue
+                entry.setdefault("stream_floor", []).append(
+                    {**kw, "ms": round(ms, 4), "read_fraction_of_copy": round(read_bytes / ms / 1e6 / COPY_GBPS, 4)})
+                print("floor", kw, ms, flush=True)
+                save()
+
         shifts8, masks8 = _radix_schedule(8, dev)
         best_filter = None
-        for block, warps, stages, samples, run_len, split_t in FILTER_GRID:
+        for block, warps, stages, samples, run_len, split_t, asm in FILTER_GRID:
             kw = dict(samples=samples, run=run_len, block=block, cap=FILTER_CAP, warps=warps, stages=stages,
-                      split_t=split_t)
+                      split_t=split_t, asm_store=asm)
             try:
-                cand, count = tf.filter_rows(scores, row0, rows, 0, S, K, **kw)
+                count = tf.filter_rows(scores, row0, rows, 0, S, K, **kw).counts
                 torch.cuda.synchronize() if dev.type == "cuda" else None
                 f_ms = timer(lambda kw=kw: tf.filter_rows(scores, row0, rows, 0, S, K, **kw), min_iters=5)
             except Exception as exc:  # noqa: BLE001
@@ -116,25 +136,25 @@ def main() -> int:
                 cand_stats.update(mean=round(float(filtered.mean()), 1), max=int(filtered.max()), min=int(filtered.min()),
                                   fallback_rows=int(((filtered < K) | (filtered > FILTER_CAP)).sum()))
             label = (f"FILTER block={block} warps={warps} stages={stages} samples={samples} run={run_len} "
-                     f"split_t={int(split_t)} cap={FILTER_CAP} sel_warps={SELECT_GRID[0][1]}")
-            row = run(label, lambda out, kw=kw: tf.select_rows(
-                scores, *tf.filter_rows(scores, row0, rows, 0, S, K, **kw), row0, rows, 0, S, K, out,
-                shifts8, masks8, radix_bits=8, warps=SELECT_GRID[0][1]),
+                     f"split_t={int(split_t)} asm={int(asm)} cap={FILTER_CAP} sel_warps={SELECT_GRID[0][1]}")
+            row = run(label, lambda out, kw=kw, asm=asm: tf.select_rows(
+                scores, tf.filter_rows(scores, row0, rows, 0, S, K, **kw), row0, rows, 0, S, K, out,
+                shifts8, masks8, radix_bits=8, warps=SELECT_GRID[0][1], asm_store=asm),
                 filter_ms=round(f_ms, 4), candidates=cand_stats)
-            if row and row["rows_same"] == rows and (best_filter is None or f_ms < best_filter[0]):
+            if asm and row and row["rows_same"] == rows and (best_filter is None or f_ms < best_filter[0]):
                 best_filter = (f_ms, kw)
         if best_filter is not None:
             kw = best_filter[1]
-            for cap, sw in SELECT_GRID:
+            for cap, sw, asm in [(c, w, True) for c, w in SELECT_GRID] + [(*SELECT_GRID[0], False)]:
                 kwc = {**kw, "cap": cap}
-                cand, count = tf.filter_rows(scores, row0, rows, 0, S, K, **kwc)
+                cand = tf.filter_rows(scores, row0, rows, 0, S, K, **kwc)
                 out = torch.full((T, K), -2, device=dev, dtype=torch.int32)
-                s_ms = timer(lambda: tf.select_rows(scores, cand, count, row0, rows, 0, S, K, out, shifts8,
-                                                    masks8, radix_bits=8, warps=sw), min_iters=5)
+                s_ms = timer(lambda: tf.select_rows(scores, cand, row0, rows, 0, S, K, out, shifts8,
+                                                    masks8, radix_bits=8, warps=sw, asm_store=asm), min_iters=5)
                 same = int((out[row0:] == ref[row0:]).all(dim=1).sum())
-                entry.setdefault("select", []).append({"cap": cap, "warps": sw, "ms": round(s_ms, 4),
+                entry.setdefault("select", []).append({"cap": cap, "warps": sw, "asm": asm, "ms": round(s_ms, 4),
                                                        "rows_same": same, "filter": kwc})
-                print("select", cap, sw, s_ms, same, flush=True)
+                print("select", cap, sw, asm, s_ms, same, flush=True)
                 save()
 
         # the fused impl's select (kernels/indexer_fused.py) on the same rows: each select config,
@@ -161,7 +181,7 @@ def main() -> int:
 
         if ns.pipeline and best_filter is not None:
             kw = best_filter[1]
-            sel = min(entry.get("select", []), key=lambda e: e["ms"], default={"cap": 4096, "warps": 16})
+            sel = min((e for e in entry.get("select", []) if e["asm"]), key=lambda e: e["ms"], default={"cap": 4096, "warps": 4})
             fcfg = KernelConfig.make(FILTER=1, SPLIT_T=int(kw["split_t"]), SAMPLES=kw["samples"], RUN=kw["run"],
                                      BLOCK=kw["block"],
                                      CAP=sel["cap"], RADIX_BITS=8, SELECT_WARPS=sel["warps"],
@@ -171,7 +191,7 @@ def main() -> int:
             valid = torch.clamp(torch.arange(T, device=dev) + 1, max=S)
             all_bytes = float(4 * valid[valid > K].sum())
             outs = {}
-            sampled = [c for c in TOPK_CONFIGS if "SAMPLES" in dict(c.params)]  # the list's fastest before
+            sampled = [c for c in TOPK_CONFIGS if "SAMPLES" in dict(c.params) and "FILTER" not in dict(c.params)]
             for name, configs in (("sampled", sampled), ("filter", [fcfg])):
                 TOPK_TUNER.configs = configs
                 TOPK_TUNER.records.clear()

@@ -3,11 +3,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import kernels.indexer as ix
+from kernels.topk_common import threshold_at_count
 from kernels.indexer_torch import reference_indexer_scores, reference_indexer_topk, select_topk
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@triton.jit
+def _threshold_at_count_kernel(key_ptr, n, need_ptr, out_ptr, BLOCK: tl.constexpr):
+    j = tl.arange(0, BLOCK)
+    ok = j < n
+    keys = tl.load(key_ptr + j, mask=ok, other=0)
+    tl.store(out_ptr + tl.program_id(0), threshold_at_count(keys, ok, tl.load(need_ptr + tl.program_id(0))))
 
 
 def _integer_inputs(device, T, S, heads, dim):
@@ -181,12 +192,12 @@ def _filtered_topk(scores, K, cap, samples=64, run=4, split_t=False):
     from kernels import topk_filter as tf
     from kernels.topk import _radix_schedule
     rows, S = scores.shape
-    cand, count = tf.filter_rows(scores, 0, rows, S - 1, S, K, samples=samples, run=run, block=64, cap=cap,
-                                 warps=4, stages=1, split_t=split_t)
+    cand = tf.filter_rows(scores, 0, rows, S - 1, S, K, samples=samples, run=run, block=64, cap=cap,
+                          warps=4, stages=1, split_t=split_t)
     out = torch.full((rows, K), -2, device=scores.device, dtype=torch.int32)
     shifts, masks = _radix_schedule(8, scores.device)
-    tf.select_rows(scores, cand, count, 0, rows, S - 1, S, K, out, shifts, masks, radix_bits=8, warps=4)
-    return out, count
+    tf.select_rows(scores, cand, 0, rows, S - 1, S, K, out, shifts, masks, radix_bits=8, warps=4)
+    return out, cand.counts
 
 
 @pytest.mark.parametrize("split_t", [False, True], ids=["threshold_inline", "threshold_kernel"])
@@ -230,3 +241,29 @@ def test_filter_gpu_long_rows_equal_the_full_select():
         got = torch.full((S, K), -2, device="cuda", dtype=torch.int32)
         ix.topk_rows_chunk(scores, S - rows, rows, 0, S, K, got, config=cfg)
         assert torch.equal(got[S - rows:], want[S - rows:]), cfg.describe()
+
+
+def test_threshold_at_count_is_the_largest_key_with_enough_keys_at_or_above_it(device):
+    """The ternary search over [min, max] (topk_common.threshold_at_count) against a brute force:
+    ties, keys spanning the whole uint32 range, too few valid keys, need <= 0."""
+    def brute(keys, need):
+        if need <= 0:
+            return 0xFFFFFFFF
+        if len(keys) < need:
+            return 0
+        return sorted(keys, reverse=True)[need - 1]  # the need-th largest: count(>= it) >= need, and no larger
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [
+        torch.randint(0, 2**32, (50,), generator=gen, dtype=torch.int64),  # the whole range
+        torch.randint(3_000_000_000, 3_000_000_040, (50,), generator=gen, dtype=torch.int64),  # a narrow span, ties
+        torch.full((50,), 7, dtype=torch.int64),  # all equal
+        torch.tensor([0, 2**32 - 1] * 25, dtype=torch.int64),  # the two ends
+    ]
+    for keys in cases:
+        for n, need in [(50, 1), (50, 17), (50, 50), (30, 31), (40, 0), (1, 1)]:
+            k32 = keys.to(torch.uint32).to(device)
+            out = torch.zeros(1, dtype=torch.uint32, device=device)
+            _threshold_at_count_kernel[(1,)](k32, n, torch.tensor([need], dtype=torch.int32, device=device), out, BLOCK=64)
+            want = brute(keys[:n].tolist(), need)
+            assert int(out.to(torch.int64).item()) & 0xFFFFFFFF == want, (keys[:4].tolist(), n, need)
