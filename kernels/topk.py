@@ -74,6 +74,10 @@ EXPERIMENTAL_TOPK_CONFIGS = [
     # the thresholds inside the filter program: 0.74 ms against 0.59 split (H200, run 4)
     KernelConfig.make(FILTER=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8, SELECT_WARPS=4,
                       num_warps=4, num_stages=3),
+    # not yet timed: one contiguous range of the row per warp (SEGS), so that the filter's prefix sums
+    # and counts stay inside a warp (16 shuffles, 32 registers: bench/kernel_resources.py)
+    KernelConfig.make(FILTER=1, SPLIT_T=1, SEGS=4, SAMPLES=4096, RUN=8, BLOCK=512, CAP=4096, RADIX_BITS=8,
+                      SELECT_WARPS=4, num_warps=4, num_stages=3),
 ]
 TOPK_TUNER = Autotuner("indexer_topk", TOPK_CONFIGS)
 
@@ -175,7 +179,8 @@ def topk_rows_chunk(scores, row0, rows, offset, S, topk, out, config: KernelConf
             topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, samples=p["SAMPLES"],
                                run=p["RUN"], block=p["BLOCK"], cap=p["CAP"], radix_bits=p["RADIX_BITS"],
                                filter_warps=cfg.num_warps, filter_stages=cfg.num_stages,
-                               select_warps=p["SELECT_WARPS"], split_t=bool(p.get("SPLIT_T", 0)))
+                               select_warps=p["SELECT_WARPS"], split_t=bool(p.get("SPLIT_T", 0)),
+                               segs=p.get("SEGS", 1))
             return
         if "SAMPLES" in p:
             from kernels.topk_sample import topk_rows_sampled

@@ -3,12 +3,15 @@
 One program per row, the same pipelined loop of unmasked BLOCK loads as kernels/topk_filter.py's
 filter, but with nothing appended: COUNT=0 keeps only a running max (the loads' floor), COUNT=1 also
 counts the keys >= a fixed threshold (the compare without the prefix sum and the stores). The filter's
-time over these floors says whether it waits on memory or on its own instructions.
+time over these floors says whether it waits on memory or on its own instructions. The same for the
+select: its tile loaded (SEARCH=0), then the k-th key searched (SEARCH=1), against the whole select.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from kernels.topk_common import ordered_key, threshold_at_count
 
 
 @triton.jit
@@ -36,4 +39,32 @@ def stream_floor(scores, row0, rows, offset, S, *, block, warps, stages, count, 
     out = torch.empty((rows,), device=scores.device, dtype=torch.float32)
     _stream_floor_kernel[(rows,)](scores, out, row0, offset, S, scores.stride(0), t_f, BLOCK=block, STAGES=stages,
                                   COUNT=bool(count), num_warps=warps, num_stages=stages)
+    return out
+
+
+@triton.jit
+def _select_floor_kernel(ckey_ptr, cidx_ptr, count_ptr, out_ptr, stride_c, K: tl.constexpr, CAP: tl.constexpr,
+                         SEARCH: tl.constexpr):
+    """The select's tile without the select: load the CAP-slot candidate lists of a row (SEARCH=0), or
+    also find the k-th key with topk_common.threshold_at_count (SEARCH=1), and store one word a row."""
+    r = tl.program_id(0)
+    j = tl.arange(0, CAP)
+    count = tl.load(count_ptr + r)
+    ok = j < count
+    key = ordered_key(tl.load(ckey_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0.0))
+    idx = tl.load(cidx_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0)
+    if SEARCH:
+        res = threshold_at_count(key, ok, K) + tl.max(idx, axis=0).to(tl.uint32)
+    else:
+        res = tl.max(key, axis=0) + tl.max(idx, axis=0).to(tl.uint32)
+    tl.store(out_ptr + r, res)
+
+
+def select_floor(cand, rows, topk, *, warps, search):
+    """Launch over the rows of a topk_filter.Candidates; returns the per-row word."""
+    import torch
+
+    out = torch.empty((rows,), device=cand.scores.device, dtype=torch.uint32)
+    _select_floor_kernel[(rows,)](cand.scores, cand.indices, cand.counts, out, cand.scores.stride(0), K=topk,
+                                  CAP=cand.scores.shape[1], SEARCH=bool(search), num_warps=warps, num_stages=1)
     return out

@@ -27,10 +27,12 @@ COPY_GBPS = 4240.0
 # Then (session 16, run 3 on an H100): the floor 0.36 ms against the filter's 0.84: the filter waits on
 # its own instructions (the prefix sum in a one-key-per-thread layout); the stores by inline PTX
 # (topk_common.scatter_b32, ASM) keep it in the load's layout. ASM=False: tl.store's path, side by side.
-FILTER_GRID = [  # (BLOCK, filter warps, filter stages, SAMPLES, RUN, SPLIT_T, ASM)
-    (1024, 4, 3, 4096, 8, True, False), (1024, 4, 3, 4096, 8, False, True), (1024, 4, 3, 4096, 8, True, True),
-    (2048, 4, 3, 4096, 8, True, True), (512, 4, 4, 4096, 8, True, True), (1024, 2, 4, 4096, 8, True, True),
-]
+# SEGS > 1: the row cut into one contiguous range per warp, so the prefix sums never cross warps.
+FILTER_GRID = [  # (BLOCK, filter warps, filter stages, SAMPLES, RUN, SPLIT_T, ASM, SEGS)
+    (1024, 4, 3, 4096, 8, True, False, 1), (1024, 4, 3, 4096, 8, True, True, 1),
+    (512, 4, 3, 4096, 8, True, True, 4), (512, 4, 4, 4096, 8, True, True, 4), (1024, 8, 3, 4096, 8, True, True, 8),
+    (1024, 4, 3, 4096, 8, True, True, 4),
+]  # run 4 (H200): 2048-key blocks 0.66 ms, 2 warps 0.71, against 0.59 for BLOCK 1024 / 4 warps / 3 stages
 SELECT_GRID = [(4096, 4), (4096, 8), (4096, 2)]  # (CAP, select warps); ASM stores, and tl.store's at 4 warps
 FILTER_CAP = 4096  # candidate slots per row in the filter grid
 
@@ -42,6 +44,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--pipeline", action="store_true", help="also time indexer_topk over the whole context")
+    ap.add_argument("--fused", action="store_true", help="also time the fused impl's selects on the same rows")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to try the script under TRITON_INTERPRET=1")
     ns = ap.parse_args()
 
@@ -120,31 +123,53 @@ def main() -> int:
 
         shifts8, masks8 = _radix_schedule(8, dev)
         best_filter = None
-        for block, warps, stages, samples, run_len, split_t, asm in FILTER_GRID:
+        for block, warps, stages, samples, run_len, split_t, asm, segs in FILTER_GRID:
             kw = dict(samples=samples, run=run_len, block=block, cap=FILTER_CAP, warps=warps, stages=stages,
-                      split_t=split_t, asm_store=asm)
+                      split_t=split_t, asm_store=asm, segs=segs)
             try:
-                count = tf.filter_rows(scores, row0, rows, 0, S, K, **kw).counts
+                counts = tf.filter_rows(scores, row0, rows, 0, S, K, **kw).counts
                 torch.cuda.synchronize() if dev.type == "cuda" else None
                 f_ms = timer(lambda kw=kw: tf.filter_rows(scores, row0, rows, 0, S, K, **kw), min_iters=5)
             except Exception as exc:  # noqa: BLE001
                 entry["configs"].append({"config": f"filter {kw}", "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 continue
-            filtered = count[n_valid > FILTER_CAP].float()
+            long_rows = n_valid > FILTER_CAP
+            filtered = counts.sum(1)[long_rows].float()
             cand_stats = {"rows_filtered": filtered.numel()}
             if filtered.numel():
+                over = counts.max(1).values[long_rows] > FILTER_CAP // segs
                 cand_stats.update(mean=round(float(filtered.mean()), 1), max=int(filtered.max()), min=int(filtered.min()),
-                                  fallback_rows=int(((filtered < K) | (filtered > FILTER_CAP)).sum()))
+                                  fallback_rows=int(((filtered < K) | over).sum()))
             label = (f"FILTER block={block} warps={warps} stages={stages} samples={samples} run={run_len} "
-                     f"split_t={int(split_t)} asm={int(asm)} cap={FILTER_CAP} sel_warps={SELECT_GRID[0][1]}")
+                     f"split_t={int(split_t)} asm={int(asm)} segs={segs} cap={FILTER_CAP} sel_warps={SELECT_GRID[0][1]}")
             row = run(label, lambda out, kw=kw, asm=asm: tf.select_rows(
                 scores, tf.filter_rows(scores, row0, rows, 0, S, K, **kw), row0, rows, 0, S, K, out,
                 shifts8, masks8, radix_bits=8, warps=SELECT_GRID[0][1], asm_store=asm),
                 filter_ms=round(f_ms, 4), candidates=cand_stats)
-            if asm and row and row["rows_same"] == rows and (best_filter is None or f_ms < best_filter[0]):
-                best_filter = (f_ms, kw)
-        if best_filter is not None:
+            if asm and row and row["rows_same"] == rows and (best_filter is None or row["ms"] < best_filter[0]):
+                best_filter = (row["ms"], kw)  # by filter + select: SEGS changes both
+        if best_filter is not None:  # the best shape's phases alone, and the select's floors beside it
+            from bench.gpu.stream_floor import select_floor
             kw = best_filter[1]
+            tkw = dict(samples=kw["samples"], run=kw["run"], cap=kw["cap"])
+            th = tf.row_thresholds(scores, row0, rows, 0, S, K, **tkw)
+            cand = tf.filter_rows(scores, row0, rows, 0, S, K, **{**kw, "split_t": True}, thresh=th)
+            cand1 = tf.filter_rows(scores, row0, rows, 0, S, K, **{**kw, "split_t": True, "segs": 1}, thresh=th)
+            out = torch.full((T, K), -2, device=dev, dtype=torch.int32)
+            phases = {
+                "thresholds": timer(lambda: tf.row_thresholds(scores, row0, rows, 0, S, K, **tkw), min_iters=5),
+                "filter_given_thresholds": timer(lambda: tf.filter_rows(
+                    scores, row0, rows, 0, S, K, **{**kw, "split_t": True}, thresh=th), min_iters=5),
+                "select": timer(lambda: tf.select_rows(scores, cand, row0, rows, 0, S, K, out, shifts8, masks8,
+                                                       radix_bits=8, warps=4), min_iters=5),
+                "select_one_list": timer(lambda: tf.select_rows(scores, cand1, row0, rows, 0, S, K, out, shifts8,
+                                                                masks8, radix_bits=8, warps=4), min_iters=5),
+                "select_floor_load": timer(lambda: select_floor(cand1, rows, K, warps=4, search=False), min_iters=5),
+                "select_floor_search": timer(lambda: select_floor(cand1, rows, K, warps=4, search=True), min_iters=5),
+            }
+            entry["phases_ms"] = {k: round(v, 4) for k, v in phases.items()}
+            print("phases", entry["phases_ms"], flush=True)
+            save()
             for cap, sw, asm in [(c, w, True) for c, w in SELECT_GRID] + [(*SELECT_GRID[0], False)]:
                 kwc = {**kw, "cap": cap}
                 cand = tf.filter_rows(scores, row0, rows, 0, S, K, **kwc)
@@ -159,30 +184,31 @@ def main() -> int:
 
         # the fused impl's select (kernels/indexer_fused.py) on the same rows: each select config,
         # after its thresholds and candidate phases (its candidates: survivors of the scoring tiles)
-        from kernels import indexer_fused as fx
-        job = fx.FusedIndexerTopk(q, k, w, K, row0, rows)
-        job.thresholds(0, rows)
-        job.candidates(0, rows)
-        torch.cuda.synchronize() if dev.type == "cuda" else None
-        counts = job.count[:rows].float()
-        entry["fused_candidates"] = {"mean": round(float(counts.mean()), 1), "max": int(counts.max())}
-        for cfg in fx.FUSED_SELECT_CONFIGS:
-            fx.FUSED_SELECT_TUNER.configs = [cfg]
+        if ns.fused:
+            from kernels import indexer_fused as fx
+            job = fx.FusedIndexerTopk(q, k, w, K, row0, rows)
+            job.thresholds(0, rows)
+            job.candidates(0, rows)
+            torch.cuda.synchronize() if dev.type == "cuda" else None
+            counts = job.count[:rows].float()
+            entry["fused_candidates"] = {"mean": round(float(counts.mean()), 1), "max": int(counts.max())}
+            for cfg in fx.FUSED_SELECT_CONFIGS:
+                fx.FUSED_SELECT_TUNER.configs = [cfg]
+                fx.FUSED_SELECT_TUNER.records.clear()
+                job.out.fill_(-2)
+                job.select(0, rows)
+                same = int((job.out[:rows] == ref[row0:]).all(dim=1).sum())
+                ms = timer(lambda: job.select(0, rows), min_iters=5)
+                entry.setdefault("fused_select", []).append({"config": cfg.describe(), "ms": round(ms, 4), "rows_same": same})
+                print("fused select", cfg.describe(), ms, same, flush=True)
+                save()
+            fx.FUSED_SELECT_TUNER.configs = list(fx.FUSED_SELECT_CONFIGS)
             fx.FUSED_SELECT_TUNER.records.clear()
-            job.out.fill_(-2)
-            job.select(0, rows)
-            same = int((job.out[:rows] == ref[row0:]).all(dim=1).sum())
-            ms = timer(lambda: job.select(0, rows), min_iters=5)
-            entry.setdefault("fused_select", []).append({"config": cfg.describe(), "ms": round(ms, 4), "rows_same": same})
-            print("fused select", cfg.describe(), ms, same, flush=True)
-            save()
-        fx.FUSED_SELECT_TUNER.configs = list(fx.FUSED_SELECT_CONFIGS)
-        fx.FUSED_SELECT_TUNER.records.clear()
 
         if ns.pipeline and best_filter is not None:
             kw = best_filter[1]
             sel = min((e for e in entry.get("select", []) if e["asm"]), key=lambda e: e["ms"], default={"cap": 4096, "warps": 4})
-            fcfg = KernelConfig.make(FILTER=1, SPLIT_T=int(kw["split_t"]), SAMPLES=kw["samples"], RUN=kw["run"],
+            fcfg = KernelConfig.make(FILTER=1, SPLIT_T=int(kw["split_t"]), SEGS=kw["segs"], SAMPLES=kw["samples"], RUN=kw["run"],
                                      BLOCK=kw["block"],
                                      CAP=sel["cap"], RADIX_BITS=8, SELECT_WARPS=sel["warps"],
                                      num_warps=kw["warps"], num_stages=kw["stages"])
