@@ -42,6 +42,10 @@ TOPK_CONFIGS = [
     # context 10.2 ms against 24.3. BLOCK 512 / 2048, 2 warps: 0.61-0.71 ms (filter).
     KernelConfig.make(FILTER=1, SPLIT_T=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
                       SELECT_WARPS=4, num_warps=4, num_stages=3),
+    # the same with the thresholds' search in one warp a row (T_WARPS=1: its reductions are shuffles,
+    # no barrier; 189 registers): the thresholds took 0.25 ms of the H100's 0.95 at 4 warps (run 6)
+    KernelConfig.make(FILTER=1, SPLIT_T=1, T_WARPS=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
+                      SELECT_WARPS=4, num_warps=4, num_stages=3),
 ]
 # Exact, CPU-interpreter tested, not in the default list (each costs a compile and a timing per tuning
 # key): the full and compact radix shapes and the sampled 8-bit one, which the sampled threshold beat
@@ -180,7 +184,7 @@ def topk_rows_chunk(scores, row0, rows, offset, S, topk, out, config: KernelConf
                                run=p["RUN"], block=p["BLOCK"], cap=p["CAP"], radix_bits=p["RADIX_BITS"],
                                filter_warps=cfg.num_warps, filter_stages=cfg.num_stages,
                                select_warps=p["SELECT_WARPS"], split_t=bool(p.get("SPLIT_T", 0)),
-                               segs=p.get("SEGS", 1))
+                               segs=p.get("SEGS", 1), t_warps=p.get("T_WARPS", 4))
             return
         if "SAMPLES" in p:
             from kernels.topk_sample import topk_rows_sampled

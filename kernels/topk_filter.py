@@ -215,16 +215,18 @@ def asm_stores(t: torch.Tensor) -> bool:
     return t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
-def row_thresholds(scores, row0, rows, offset, S, topk, *, samples, run, cap):
-    """SPLIT_T's first kernel: each row's sampled threshold (uint32 ordered key; unset for rows of <= CAP keys)."""
+def row_thresholds(scores, row0, rows, offset, S, topk, *, samples, run, cap, warps=4):
+    """SPLIT_T's first kernel: each row's sampled threshold (uint32 ordered key; unset for rows of <= CAP keys).
+    ``warps``: fewer warps a row make the search's reductions cheaper (one warp: shuffles only, no
+    barrier) and hold more samples a thread."""
     thresh = torch.empty((rows,), device=scores.device, dtype=torch.uint32)
     _threshold_kernel[(rows,)](scores, thresh, row0, offset, S, scores.stride(0), K=topk, SAMPLES=samples,
-                               RUN=run, CAP=cap, num_warps=4, num_stages=1)
+                               RUN=run, CAP=cap, num_warps=warps, num_stages=1)
     return thresh
 
 
 def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap, warps, stages, split_t=False,
-                asm_store=None, thresh=None, segs=1):
+                asm_store=None, thresh=None, segs=1, t_warps=4):
     """Phase 1: the rows' candidates, Candidates(scores [rows, CAP] fp32, indices [rows, CAP] int32,
     counts [rows, segs] int32: per row the keys >= t of each of its segs lists of CAP / segs slots;
     0 for rows with <= CAP keys, which the select reads from the scores).
@@ -240,7 +242,8 @@ def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap
     cidx = torch.empty((rows, cap), device=scores.device, dtype=torch.int32)
     count = torch.zeros((rows, segs), device=scores.device, dtype=torch.int32)
     if split_t and thresh is None:
-        thresh = row_thresholds(scores, row0, rows, offset, S, topk, samples=samples, run=run, cap=cap)
+        thresh = row_thresholds(scores, row0, rows, offset, S, topk, samples=samples, run=run, cap=cap,
+                                warps=t_warps)
     if not split_t:
         thresh = count  # unread
     _filter_kernel[(rows,)](scores, ckey, cidx, count, thresh, row0, offset, S, scores.stride(0), ckey.stride(0),
@@ -261,9 +264,10 @@ def select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, *
 
 
 def topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, *, samples, run, block, cap,
-                       radix_bits, filter_warps, filter_stages, select_warps, split_t=False, segs=1):
+                       radix_bits, filter_warps, filter_stages, select_warps, split_t=False, segs=1, t_warps=4):
     """Same contract as topk.topk_rows_chunk: filter_rows, then select_rows."""
     cand = filter_rows(scores, row0, rows, offset, S, topk, samples=samples, run=run, block=block,
-                       cap=cap, warps=filter_warps, stages=filter_stages, split_t=split_t, segs=segs)
+                       cap=cap, warps=filter_warps, stages=filter_stages, split_t=split_t, segs=segs,
+                       t_warps=t_warps)
     select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
                 warps=select_warps)

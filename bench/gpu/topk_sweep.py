@@ -28,10 +28,16 @@ COPY_GBPS = 4240.0
 # its own instructions (the prefix sum in a one-key-per-thread layout); the stores by inline PTX
 # (topk_common.scatter_b32, ASM) keep it in the load's layout. ASM=False: tl.store's path, side by side.
 # SEGS > 1: the row cut into one contiguous range per warp, so the prefix sums never cross warps.
-FILTER_GRID = [  # (BLOCK, filter warps, filter stages, SAMPLES, RUN, SPLIT_T, ASM, SEGS)
-    (1024, 4, 3, 4096, 8, True, False, 1), (1024, 4, 3, 4096, 8, True, True, 1),
-    (512, 4, 3, 4096, 8, True, True, 4), (512, 4, 4, 4096, 8, True, True, 4), (1024, 8, 3, 4096, 8, True, True, 8),
-    (1024, 4, 3, 4096, 8, True, True, 4),
+# Run 6 (H100): SEGS 4 filter 0.74 ms against 0.78 (both with the thresholds' 0.25 ms), but its
+# select 0.62 ms against 0.20 (the reshape of the segment tile), so SEGS stays experimental; the phases:
+# thresholds 0.25, filter 0.48 (its floor 0.40), select 0.27 (of which the k-th key search ~0.14).
+# Next: fewer samples for the thresholds (their search is a quarter of the time).
+# Run 7 (H100): 2048 samples, filter phase 0.62 ms against 0.72 but 6 rows outside [k, CAP] (their
+# fallback: 1.28 ms in all against 0.95); 1024 samples, 154 rows. Next: the thresholds' search with
+# fewer warps a row (T_WARPS; one warp: its reductions are shuffles only).
+FILTER_GRID = [  # (BLOCK, filter warps, filter stages, SAMPLES, RUN, SPLIT_T, ASM, SEGS, T_WARPS)
+    (1024, 4, 3, 4096, 8, True, True, 1, 4), (1024, 4, 3, 4096, 8, True, True, 1, 1),
+    (1024, 4, 3, 4096, 8, True, True, 1, 2),
 ]  # run 4 (H200): 2048-key blocks 0.66 ms, 2 warps 0.71, against 0.59 for BLOCK 1024 / 4 warps / 3 stages
 SELECT_GRID = [(4096, 4), (4096, 8), (4096, 2)]  # (CAP, select warps); ASM stores, and tl.store's at 4 warps
 FILTER_CAP = 4096  # candidate slots per row in the filter grid
@@ -123,9 +129,9 @@ def main() -> int:
 
         shifts8, masks8 = _radix_schedule(8, dev)
         best_filter = None
-        for block, warps, stages, samples, run_len, split_t, asm, segs in FILTER_GRID:
+        for block, warps, stages, samples, run_len, split_t, asm, segs, t_warps in FILTER_GRID:
             kw = dict(samples=samples, run=run_len, block=block, cap=FILTER_CAP, warps=warps, stages=stages,
-                      split_t=split_t, asm_store=asm, segs=segs)
+                      split_t=split_t, asm_store=asm, segs=segs, t_warps=t_warps)
             try:
                 counts = tf.filter_rows(scores, row0, rows, 0, S, K, **kw).counts
                 torch.cuda.synchronize() if dev.type == "cuda" else None
@@ -141,7 +147,7 @@ def main() -> int:
                 cand_stats.update(mean=round(float(filtered.mean()), 1), max=int(filtered.max()), min=int(filtered.min()),
                                   fallback_rows=int(((filtered < K) | over).sum()))
             label = (f"FILTER block={block} warps={warps} stages={stages} samples={samples} run={run_len} "
-                     f"split_t={int(split_t)} asm={int(asm)} segs={segs} cap={FILTER_CAP} sel_warps={SELECT_GRID[0][1]}")
+                     f"split_t={int(split_t)} asm={int(asm)} segs={segs} t_warps={t_warps} cap={FILTER_CAP} sel_warps={SELECT_GRID[0][1]}")
             row = run(label, lambda out, kw=kw, asm=asm: tf.select_rows(
                 scores, tf.filter_rows(scores, row0, rows, 0, S, K, **kw), row0, rows, 0, S, K, out,
                 shifts8, masks8, radix_bits=8, warps=SELECT_GRID[0][1], asm_store=asm),
@@ -151,7 +157,7 @@ def main() -> int:
         if best_filter is not None:  # the best shape's phases alone, and the select's floors beside it
             from bench.gpu.stream_floor import select_floor
             kw = best_filter[1]
-            tkw = dict(samples=kw["samples"], run=kw["run"], cap=kw["cap"])
+            tkw = dict(samples=kw["samples"], run=kw["run"], cap=kw["cap"], warps=kw["t_warps"])
             th = tf.row_thresholds(scores, row0, rows, 0, S, K, **tkw)
             cand = tf.filter_rows(scores, row0, rows, 0, S, K, **{**kw, "split_t": True}, thresh=th)
             cand1 = tf.filter_rows(scores, row0, rows, 0, S, K, **{**kw, "split_t": True, "segs": 1}, thresh=th)
@@ -208,7 +214,8 @@ def main() -> int:
         if ns.pipeline and best_filter is not None:
             kw = best_filter[1]
             sel = min((e for e in entry.get("select", []) if e["asm"]), key=lambda e: e["ms"], default={"cap": 4096, "warps": 4})
-            fcfg = KernelConfig.make(FILTER=1, SPLIT_T=int(kw["split_t"]), SEGS=kw["segs"], SAMPLES=kw["samples"], RUN=kw["run"],
+            fcfg = KernelConfig.make(FILTER=1, SPLIT_T=int(kw["split_t"]), SEGS=kw["segs"], T_WARPS=kw["t_warps"],
+                                     SAMPLES=kw["samples"], RUN=kw["run"],
                                      BLOCK=kw["block"],
                                      CAP=sel["cap"], RADIX_BITS=8, SELECT_WARPS=sel["warps"],
                                      num_warps=kw["warps"], num_stages=kw["stages"])
