@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.topk_common import (emit_full, emit_short_row, ordered_key, sampled_threshold, scatter_b32,
-                                 select_in_registers)
+from kernels.topk_common import (emit_full, emit_in_order, emit_short_row, ordered_key, sampled_threshold,
+                                 scatter_b32, select_in_registers, threshold_at_count)
 
 
 class Candidates(NamedTuple):
@@ -169,7 +169,7 @@ def _append_hits(ckey_row, cidx_row, n_cand, x, idx, hit, CAP: tl.constexpr, ASM
 def _select_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, out_ptr, shift_ptr, dmask_ptr, row0, offset, S,
                    stride_s, stride_c, stride_o, K: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
                    RADIX_BITS: tl.constexpr, N_PASSES: tl.constexpr, ASM_STORE: tl.constexpr,
-                   SEGS: tl.constexpr):
+                   SEGS: tl.constexpr, EMIT_CHUNK: tl.constexpr):
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)
     row = score_ptr + r.to(tl.int64) * stride_s
@@ -201,9 +201,20 @@ def _select_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, out_ptr, shift_ptr,
             ok = tl.reshape(ok2, [CAP])
             key = tl.reshape(ordered_key(tl.load(ckey_ptr + off, mask=ok2, other=0.0)), [CAP])
             idx = tl.reshape(tl.load(cidx_ptr + off, mask=ok2, other=0), [CAP])
-        if (count >= K) & fits:
-            select_in_registers(key, idx, ok, out_row, 0, K, True, ASM_STORE)
-        else:  # the sampled threshold missed (or heavy ties): full radix select over the row
+        in_tile = (count >= K) & fits
+        if EMIT_CHUNK == 0:
+            if in_tile:
+                select_in_registers(key, idx, ok, out_row, 0, K, True, ASM_STORE)
+        else:
+            if in_tile:  # the k-th key from the keys alone, then the indices streamed back (one warp a row)
+                kth = threshold_at_count(key, ok, K)
+                need = K - tl.sum((ok & (key > kth)).to(tl.int32), axis=0)
+                if n <= CAP:
+                    emit_in_order(row, row, n, kth, need, out_row, True, EMIT_CHUNK, ASM_STORE)
+                else:
+                    emit_in_order(ckey_ptr + r.to(tl.int64) * stride_c, cidx_ptr + r.to(tl.int64) * stride_c,
+                                  count, kth, need, out_row, False, EMIT_CHUNK, ASM_STORE)
+        if not in_tile:  # the sampled threshold missed (or heavy ties): full radix select over the row
             zero = tl.zeros([], tl.uint32)
             emit_full(row, out_row, n, zero, zero, tl.full([], K, tl.int32), shift_ptr, dmask_ptr,
                       0, N_PASSES, RADIX_BITS, BLOCK)
@@ -253,21 +264,28 @@ def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap
     return Candidates(ckey, cidx, count)
 
 
-def select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, *, radix_bits, warps, asm_store=None):
-    """Phase 2: the exact top-k of each row from its Candidates (or its scores) into out[row0 + r]."""
+def select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, *, radix_bits, warps, asm_store=None,
+                emit_chunk=0):
+    """Phase 2: the exact top-k of each row from its Candidates (or its scores) into out[row0 + r].
+    ``emit_chunk`` > 0: only the keys stay in registers for the k-th key's search, and the indices are
+    emitted reading the lists back that many at a time (for a select of one warp a row)."""
+    if emit_chunk and cand.counts.shape[1] > 1:
+        raise ValueError("emit_chunk reads one candidate list a row: filter with segs=1")
     _select_kernel[(rows,)](scores, cand.scores, cand.indices, cand.counts, out, shifts, masks, row0, offset, S,
                             scores.stride(0), cand.scores.stride(0), out.stride(0), K=topk,
                             CAP=cand.scores.shape[1], BLOCK=1024,
                             RADIX_BITS=radix_bits, N_PASSES=shifts.numel(), SEGS=cand.counts.shape[1],
+                            EMIT_CHUNK=emit_chunk,
                             ASM_STORE=asm_stores(scores) if asm_store is None else asm_store,
                             num_warps=warps, num_stages=1)
 
 
 def topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, *, samples, run, block, cap,
-                       radix_bits, filter_warps, filter_stages, select_warps, split_t=False, segs=1, t_warps=4):
+                       radix_bits, filter_warps, filter_stages, select_warps, split_t=False, segs=1, t_warps=4,
+                       emit_chunk=0):
     """Same contract as topk.topk_rows_chunk: filter_rows, then select_rows."""
     cand = filter_rows(scores, row0, rows, offset, S, topk, samples=samples, run=run, block=block,
                        cap=cap, warps=filter_warps, stages=filter_stages, split_t=split_t, segs=segs,
                        t_warps=t_warps)
     select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
-                warps=select_warps)
+                warps=select_warps, emit_chunk=emit_chunk)

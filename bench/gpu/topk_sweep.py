@@ -39,7 +39,9 @@ FILTER_GRID = [  # (BLOCK, filter warps, filter stages, SAMPLES, RUN, SPLIT_T, A
     (1024, 4, 3, 4096, 8, True, True, 1, 4), (1024, 4, 3, 4096, 8, True, True, 1, 1),
     (1024, 4, 3, 4096, 8, True, True, 1, 2),
 ]  # run 4 (H200): 2048-key blocks 0.66 ms, 2 warps 0.71, against 0.59 for BLOCK 1024 / 4 warps / 3 stages
-SELECT_GRID = [(4096, 4), (4096, 8), (4096, 2)]  # (CAP, select warps); ASM stores, and tl.store's at 4 warps
+# (CAP, select warps, EMIT_CHUNK); ASM stores. EMIT_CHUNK > 0: only the keys in registers, the indices
+# streamed back that many at a time, so that one warp can hold a row (its search: shuffles, no barrier)
+SELECT_GRID = [(4096, 4, 0), (4096, 8, 0), (4096, 4, 512), (4096, 2, 512), (4096, 1, 512), (4096, 1, 1024)]
 FILTER_CAP = 4096  # candidate slots per row in the filter grid
 
 
@@ -176,16 +178,23 @@ def main() -> int:
             entry["phases_ms"] = {k: round(v, 4) for k, v in phases.items()}
             print("phases", entry["phases_ms"], flush=True)
             save()
-            for cap, sw, asm in [(c, w, True) for c, w in SELECT_GRID] + [(*SELECT_GRID[0], False)]:
+            for cap, sw, chunk in SELECT_GRID:
                 kwc = {**kw, "cap": cap}
                 cand = tf.filter_rows(scores, row0, rows, 0, S, K, **kwc)
                 out = torch.full((T, K), -2, device=dev, dtype=torch.int32)
-                s_ms = timer(lambda: tf.select_rows(scores, cand, row0, rows, 0, S, K, out, shifts8,
-                                                    masks8, radix_bits=8, warps=sw, asm_store=asm), min_iters=5)
+                try:
+                    tf.select_rows(scores, cand, row0, rows, 0, S, K, out, shifts8, masks8, radix_bits=8, warps=sw,
+                                   emit_chunk=chunk)
+                    s_ms = timer(lambda: tf.select_rows(scores, cand, row0, rows, 0, S, K, out, shifts8, masks8,
+                                                        radix_bits=8, warps=sw, emit_chunk=chunk), min_iters=5)
+                except Exception as exc:  # noqa: BLE001
+                    entry.setdefault("select", []).append({"cap": cap, "warps": sw, "emit_chunk": chunk,
+                                                           "error": f"{type(exc).__name__}: {exc}"[:300]})
+                    continue
                 same = int((out[row0:] == ref[row0:]).all(dim=1).sum())
-                entry.setdefault("select", []).append({"cap": cap, "warps": sw, "asm": asm, "ms": round(s_ms, 4),
-                                                       "rows_same": same, "filter": kwc})
-                print("select", cap, sw, asm, s_ms, same, flush=True)
+                entry.setdefault("select", []).append({"cap": cap, "warps": sw, "emit_chunk": chunk, "asm": True,
+                                                       "ms": round(s_ms, 4), "rows_same": same, "filter": kwc})
+                print("select", cap, sw, chunk, s_ms, same, flush=True)
                 save()
 
         # the fused impl's select (kernels/indexer_fused.py) on the same rows: each select config,
@@ -213,11 +222,13 @@ def main() -> int:
 
         if ns.pipeline and best_filter is not None:
             kw = best_filter[1]
-            sel = min((e for e in entry.get("select", []) if e["asm"]), key=lambda e: e["ms"], default={"cap": 4096, "warps": 4})
+            sel = min((e for e in entry.get("select", []) if "ms" in e and e["rows_same"] == rows),
+                      key=lambda e: e["ms"], default={"cap": 4096, "warps": 4, "emit_chunk": 0})
             fcfg = KernelConfig.make(FILTER=1, SPLIT_T=int(kw["split_t"]), SEGS=kw["segs"], T_WARPS=kw["t_warps"],
                                      SAMPLES=kw["samples"], RUN=kw["run"],
                                      BLOCK=kw["block"],
                                      CAP=sel["cap"], RADIX_BITS=8, SELECT_WARPS=sel["warps"],
+                                     EMIT_CHUNK=sel["emit_chunk"],
                                      num_warps=kw["warps"], num_stages=kw["stages"])
             qf = torch.randn(T, 32, 128, device=dev).to(torch.bfloat16)
             wf = torch.randn(T, 32, device=dev) / 32

@@ -77,6 +77,12 @@ VARIANTS = {
                                "SELECT_WARPS": 4},
     "filter_segments": {"FILTER": 1, "SPLIT_T": 1, "SEGS": 4, "SAMPLES": 32, "RUN": 4, "RADIX_BITS": 8, "CAP": 128,
                         "SELECT_WARPS": 4},
+    # the select's indices streamed back in chunks (kernels/topk_common.emit_in_order), rows filtered
+    # or within CAP
+    "filter_emit_chunks": {"FILTER": 1, "SPLIT_T": 1, "T_WARPS": 1, "EMIT_CHUNK": 32, "SAMPLES": 32, "RUN": 4,
+                           "RADIX_BITS": 8, "CAP": 128, "SELECT_WARPS": 1},
+    "filter_emit_chunks_short_rows": {"FILTER": 1, "EMIT_CHUNK": 64, "SAMPLES": 16, "RUN": 1, "RADIX_BITS": 8,
+                                      "CAP": 256, "SELECT_WARPS": 1},
 }
 
 
