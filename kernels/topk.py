@@ -42,14 +42,6 @@ TOPK_CONFIGS = [
     # context 10.2 ms against 24.3. BLOCK 512 / 2048, 2 warps: 0.61-0.71 ms (filter).
     KernelConfig.make(FILTER=1, SPLIT_T=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
                       SELECT_WARPS=4, num_warps=4, num_stages=3),
-    # the same with the thresholds' search in one warp a row (T_WARPS=1: its reductions are shuffles,
-    # no barrier; 189 registers): the thresholds took 0.25 ms of the H100's 0.95 at 4 warps (run 6)
-    KernelConfig.make(FILTER=1, SPLIT_T=1, T_WARPS=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
-                      SELECT_WARPS=4, num_warps=4, num_stages=3),
-    # and the select's search in one warp a row too (EMIT_CHUNK: the indices streamed back 512 at a
-    # time; the search was 0.2 ms of the select's 0.27 at 4 warps, run 6)
-    KernelConfig.make(FILTER=1, SPLIT_T=1, T_WARPS=1, EMIT_CHUNK=512, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096,
-                      RADIX_BITS=8, SELECT_WARPS=1, num_warps=4, num_stages=3),
 ]
 # Exact, CPU-interpreter tested, not in the default list (each costs a compile and a timing per tuning
 # key): the full and compact radix shapes and the sampled 8-bit one, which the sampled threshold beat
@@ -82,10 +74,18 @@ EXPERIMENTAL_TOPK_CONFIGS = [
     # the thresholds inside the filter program: 0.74 ms against 0.59 split (H200, run 4)
     KernelConfig.make(FILTER=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8, SELECT_WARPS=4,
                       num_warps=4, num_stages=3),
-    # not yet timed: one contiguous range of the row per warp (SEGS), so that the filter's prefix sums
-    # and counts stay inside a warp (16 shuffles, 32 registers: bench/kernel_resources.py)
+    # one contiguous range of the row per warp (SEGS), so that the filter's prefix sums and counts stay
+    # inside a warp (16 shuffles, 32 registers): filter 0.74 ms against 0.78, but its select 0.62 ms
+    # against 0.20 (the segment tile's reshape) and 1-2 rows over a segment's slots (run 6, H100)
     KernelConfig.make(FILTER=1, SPLIT_T=1, SEGS=4, SAMPLES=4096, RUN=8, BLOCK=512, CAP=4096, RADIX_BITS=8,
                       SELECT_WARPS=4, num_warps=4, num_stages=3),
+    # the searches in one warp a row (run 8, H100): the thresholds (T_WARPS=1, shuffles only, 189
+    # registers) 0.83 ms for the filter phase against 0.69; the select with its indices streamed back
+    # (EMIT_CHUNK) 0.28 ms at 1 warp, 0.26 at 2, against 0.26 at 4 in registers: no gain
+    KernelConfig.make(FILTER=1, SPLIT_T=1, T_WARPS=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
+                      SELECT_WARPS=4, num_warps=4, num_stages=3),
+    KernelConfig.make(FILTER=1, SPLIT_T=1, T_WARPS=1, EMIT_CHUNK=512, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096,
+                      RADIX_BITS=8, SELECT_WARPS=1, num_warps=4, num_stages=3),
 ]
 TOPK_TUNER = Autotuner("indexer_topk", TOPK_CONFIGS)
 

@@ -35,13 +35,16 @@ COPY_GBPS = 4240.0
 # Run 7 (H100): 2048 samples, filter phase 0.62 ms against 0.72 but 6 rows outside [k, CAP] (their
 # fallback: 1.28 ms in all against 0.95); 1024 samples, 154 rows. Next: the thresholds' search with
 # fewer warps a row (T_WARPS; one warp: its reductions are shuffles only).
+# Run 8 (H100): T_WARPS 1 / 2 slower (filter phase 0.83 / 0.76 ms against 0.69), and the thresholds
+# took 0.25 / 0.26 / 0.29 ms at 4 / 8 / 16 warps and 0.14 / 0.26 / 0.59 ms at 2048 / 4096 / 8192
+# samples: the search's cost follows the keys. Next: the sampled search stops within need / 32.
 FILTER_GRID = [  # (BLOCK, filter warps, filter stages, SAMPLES, RUN, SPLIT_T, ASM, SEGS, T_WARPS)
-    (1024, 4, 3, 4096, 8, True, True, 1, 4), (1024, 4, 3, 4096, 8, True, True, 1, 1),
-    (1024, 4, 3, 4096, 8, True, True, 1, 2),
+    (1024, 4, 3, 4096, 8, True, True, 1, 4), (1024, 4, 3, 4096, 8, False, True, 1, 4),
 ]  # run 4 (H200): 2048-key blocks 0.66 ms, 2 warps 0.71, against 0.59 for BLOCK 1024 / 4 warps / 3 stages
 # (CAP, select warps, EMIT_CHUNK); ASM stores. EMIT_CHUNK > 0: only the keys in registers, the indices
 # streamed back that many at a time, so that one warp can hold a row (its search: shuffles, no barrier)
-SELECT_GRID = [(4096, 4, 0), (4096, 8, 0), (4096, 4, 512), (4096, 2, 512), (4096, 1, 512), (4096, 1, 1024)]
+# Run 8 (H100): 4 warps 0.262 ms, 8 warps 0.234; chunked emission 0.266 (4 warps), 0.257 (2), 0.281 (1).
+SELECT_GRID = [(4096, 4, 0), (4096, 8, 0)]
 FILTER_CAP = 4096  # candidate slots per row in the filter grid
 
 

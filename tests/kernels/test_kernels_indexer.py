@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 import kernels.indexer as ix
-from kernels.topk_common import threshold_at_count
+from kernels.topk_common import search_count, threshold_at_count
 from kernels.indexer_torch import reference_indexer_scores, reference_indexer_topk, select_topk
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -19,6 +19,14 @@ def _threshold_at_count_kernel(key_ptr, n, need_ptr, out_ptr, BLOCK: tl.constexp
     ok = j < n
     keys = tl.load(key_ptr + j, mask=ok, other=0)
     tl.store(out_ptr + tl.program_id(0), threshold_at_count(keys, ok, tl.load(need_ptr + tl.program_id(0))))
+
+
+@triton.jit
+def _search_count_kernel(key_ptr, n, need, slack, out_ptr, BLOCK: tl.constexpr):
+    j = tl.arange(0, BLOCK)
+    ok = j < n
+    keys = tl.load(key_ptr + j, mask=ok, other=0)
+    tl.store(out_ptr, search_count(keys, ok, need, slack))
 
 
 def _integer_inputs(device, T, S, heads, dim):
@@ -296,3 +304,17 @@ def test_threshold_at_count_is_the_largest_key_with_enough_keys_at_or_above_it(d
             _threshold_at_count_kernel[(1,)](k32, n, torch.tensor([need], dtype=torch.int32, device=device), out, BLOCK=64)
             want = brute(keys[:n].tolist(), need)
             assert int(out.to(torch.int64).item()) & 0xFFFFFFFF == want, (keys[:4].tolist(), n, need)
+
+
+def test_search_count_with_slack_stops_within_it_or_at_the_exact_threshold(device):
+    """sampled_threshold's early stop: count(>= t) within need +- slack, or (ties) the exact threshold."""
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(6):
+        keys = torch.randint(0, 2**32 if trial % 2 else 1000, (256,), generator=gen, dtype=torch.int64)
+        for need, slack in [(40, 4), (100, 0), (10, 3), (200, 20)]:
+            out = torch.zeros(1, dtype=torch.uint32, device=device)
+            _search_count_kernel[(1,)](keys.to(torch.uint32).to(device), 256, need, slack, out, BLOCK=256)
+            t = int(out.to(torch.int64).item()) & 0xFFFFFFFF
+            count = int((keys >= t).sum())
+            exact = sorted(keys.tolist(), reverse=True)[need - 1]
+            assert abs(count - need) <= slack or t == exact, (trial, need, slack, count, t, exact)
