@@ -68,6 +68,18 @@ def key_to_float(t):
 
 
 @triton.jit
+def _row_threshold(score_ptr, t_ptr, r, n, stride_s, K: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr,
+                   SPLIT_T: tl.constexpr):
+    """Row r's scores and its threshold as a float (from SPLIT_T's kernel, or sampled here)."""
+    row = score_ptr + r.to(tl.int64) * stride_s
+    if SPLIT_T:
+        t = tl.load(t_ptr + r)
+    else:
+        t = sampled_threshold(row, n, K, SAMPLES, RUN)
+    return row, key_to_float(t)
+
+
+@triton.jit
 def _filter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, t_ptr, row0, offset, S, stride_s, stride_c,
                    K: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr,
                    CAP: tl.constexpr, STAGES: tl.constexpr, SPLIT_T: tl.constexpr, ASM_STORE: tl.constexpr,
@@ -79,12 +91,7 @@ def _filter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, t_ptr, row0, offset
             _filter_row_in_segments(score_ptr, ckey_ptr, cidx_ptr, count_ptr, t_ptr, r, n, stride_s, stride_c, K,
                                     BLOCK, SAMPLES, RUN, CAP, STAGES, SPLIT_T, ASM_STORE, SEGS)
     elif n > CAP:  # shorter rows are selected straight from the scores
-        row = score_ptr + r.to(tl.int64) * stride_s
-        if SPLIT_T:
-            t = tl.load(t_ptr + r)
-        else:
-            t = sampled_threshold(row, n, K, SAMPLES, RUN)
-        t_f = key_to_float(t)
+        row, t_f = _row_threshold(score_ptr, t_ptr, r, n, stride_s, K, SAMPLES, RUN, SPLIT_T)
         ckey_row = ckey_ptr + r.to(tl.int64) * stride_c
         cidx_row = cidx_ptr + r.to(tl.int64) * stride_c
         n_full = (n // BLOCK) * BLOCK
@@ -113,12 +120,7 @@ def _filter_row_in_segments(score_ptr, ckey_ptr, cidx_ptr, count_ptr, t_ptr, r, 
     index order."""
     W: tl.constexpr = BLOCK // SEGS
     SEG_CAP: tl.constexpr = CAP // SEGS
-    row = score_ptr + r.to(tl.int64) * stride_s
-    if SPLIT_T:
-        t = tl.load(t_ptr + r)
-    else:
-        t = sampled_threshold(row, n, K, SAMPLES, RUN)
-    t_f = key_to_float(t)
+    row, t_f = _row_threshold(score_ptr, t_ptr, r, n, stride_s, K, SAMPLES, RUN, SPLIT_T)
     ckey_row = ckey_ptr + r.to(tl.int64) * stride_c
     cidx_row = cidx_ptr + r.to(tl.int64) * stride_c
     q = (n // BLOCK) * W  # keys per range: whole blocks only
