@@ -64,7 +64,9 @@ class Orchestrator:
         self.generated_unfinished = 0  # by episodes still running when the loop ended (set at its end)
         self.seeds = SeedSchedule(cfg.seed, a.group_size)
         self.stale_cancel = StaleCancelPolicy(cfg.buffer.max_staleness, per_token=cfg.rollout.partial)
-        self.cancelled = Counter()  # groups_cancelled_stale, episodes_cancelled, tokens_cancelled
+        # groups_cancelled_stale, episodes_cancelled (stopped mid-run), tokens_cancelled (every token the
+        # cancelled groups generated, finished episodes' too: all of it wasted)
+        self.cancelled: Counter[str] = Counter()
         self._doom_checked: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of the last check
         self.readmit: list[tuple[str, str]] = []  # (task, lineage) of groups to run again
         self.version = 0

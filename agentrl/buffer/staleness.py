@@ -11,7 +11,8 @@ max + 1 is not). Which tokens the lag is taken from depends on how episodes meet
   masked out, so the bound still holds for every trained token, or kept with its TIS weight).
   Under `mask` a trajectory that is stale throughout still gives its reward to the group's
   baseline but no gradient: the gradient then leans to the group's later, longer episodes.
-How many groups may start so that the bound holds is admission's business (agentrl/policy/admission.py).
+How many groups may start so that the bound holds is admission's business (agentrl/policy/admission.py);
+stopping a running group the whole-group rule already condemns is agentrl/policy/stale_cancel.py's.
 """
 
 from __future__ import annotations
