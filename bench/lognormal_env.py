@@ -4,8 +4,9 @@ Agentic episodes have heavy-tailed durations (most end in minutes, a few run to 
 timeout); a synchronous trainer waits for the slowest episode of every batch. This env reproduces
 that shape with real sandboxes: each episode creates one sandbox in `reset`, and its one action
 runs `sleep D` inside that sandbox, D drawn from a lognormal with median `median_s` and shape
-`sigma`, capped at `max_s` (the episode time limit). D depends only on (seed, episode id), so a
-rerun of the same episode takes the same time.
+`sigma`, capped at `max_s` (the episode time limit). D depends only on (seed, the reset seed), or
+without a reset seed on (seed, episode id): two runs of one seed play the same durations
+(agentrl/policy/seeding.py), and a rerun of the same episode takes the same time.
 
 Reward is a checkable rule on the model's reply, so a policy can learn it: 1.0 when the reply's
 first non-space character is one of `target_chars` (default: a vowel; ~23% of the tiny
@@ -18,13 +19,13 @@ A benchmark's env, not a product one: runs name it by import path, env.name="ben
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 from typing import Any
 
 from agentrl.envs.base import Action, Observation, State
 from agentrl.sandbox.base import Sandbox, SandboxError, SandboxProvider, SandboxSpec
+from bench.episode_draw import episode_rng
 
 PROMPT = "Answer with one word."
 ENV_NAME = "bench.lognormal_env:LognormalEnv"  # what a run config sets env.name to
@@ -64,10 +65,10 @@ class LognormalEnv:
     def task_ids(self) -> list[str]:
         return [f"lognormal-{i}" for i in range(self.num_tasks)]
 
-    def draw_duration(self, episode_id: str) -> float:
-        """Seconds the episode's action takes: lognormal(log(median_s), sigma), capped at max_s."""
-        digest = hashlib.sha256(f"{self.seed}:{episode_id}".encode()).digest()
-        rng = random.Random(int.from_bytes(digest[:8], "big"))
+    def draw_duration(self, episode_id: str, reset_seed: int | None = None) -> float:
+        """Seconds the episode's action takes: lognormal(log(median_s), sigma), capped at max_s; drawn
+        from the reset seed when there is one, else from the episode id (bench/episode_draw.py)."""
+        rng = episode_rng(self.seed, episode_id, reset_seed)
         return min(self.max_s, rng.lognormvariate(math.log(self.median_s), self.sigma))
 
     async def reset(self, task_id: str, *, episode_id: str | None = None, seed: int | None = None) -> Observation:
@@ -76,7 +77,7 @@ class LognormalEnv:
         await self.close()
         self._state = State(episode_id=episode_id, step_count=0, task_id=task_id)
         self._reply = None
-        self.duration_s = self.draw_duration(episode_id or task_id)
+        self.duration_s = self.draw_duration(episode_id or task_id, seed)
         self._sandbox = await self.provider.create(SandboxSpec(labels={"env": "lognormal", "task": task_id}))
         return Observation(text=f"{PROMPT} ({task_id})" + self.context(task_id))
 

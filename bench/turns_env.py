@@ -16,14 +16,13 @@ A benchmark's env: runs name it by import path, env.name = ENV_NAME (no entry po
 
 from __future__ import annotations
 
-import hashlib
 import math
-import random
 import shlex
 from typing import Any
 
 from agentrl.envs.base import Action, Observation, State
 from agentrl.sandbox.base import Sandbox, SandboxError, SandboxProvider, SandboxSpec
+from bench.episode_draw import episode_rng
 
 ENV_NAME = "bench.turns_env:TurnsEnv"
 PROMPT = "Answer every turn with one word."
@@ -60,9 +59,7 @@ class TurnsEnv:
     def draw_turns(self, episode_id: str, reset_seed: int | None = None) -> int:
         """Turns of the episode: round(lognormal(log(median_turns), sigma)), in [1, max_turns]; drawn
         from the reset seed when there is one, else from the episode id."""
-        key = f"{self.seed}:seed:{reset_seed}" if reset_seed is not None else f"{self.seed}:{episode_id}"
-        digest = hashlib.sha256(key.encode()).digest()
-        rng = random.Random(int.from_bytes(digest[:8], "big"))
+        rng = episode_rng(self.seed, episode_id, reset_seed)
         return max(1, min(self.max_turns, round(rng.lognormvariate(math.log(self.median_turns), self.sigma))))
 
     def _ask(self, k: int) -> str:

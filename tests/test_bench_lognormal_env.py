@@ -109,3 +109,19 @@ async def test_context_words_make_a_fixed_per_task_prompt():
     assert a == b != c and len(a.split("Context: ")[1].split()) == 50
     with pytest.raises(ValueError, match="context_words"):
         LognormalEnv(_Recorder(), context_words=-1)
+
+
+async def test_durations_come_from_the_reset_seed_when_there_is_one():
+    """Two runs of one seed give their k-th groups the same reset seeds (agentrl/policy/seeding.py):
+    the async-vs-sync bench then plays the same durations on both sides, whatever the episode ids."""
+    from bench.lognormal_env import LognormalEnv
+
+    env = LognormalEnv(_Recorder(), median_s=1.0, sigma=1.0, max_s=60.0)
+    seeds = [11, 12, 13, 2**62]
+    durations = [env.draw_duration(f"run-a-{i}", s) for i, s in enumerate(seeds)]
+    assert durations == [env.draw_duration(f"run-b-{i}", s) for i, s in enumerate(seeds)]
+    assert len(set(durations)) == len(durations)  # the seed is what is drawn from
+    assert env.draw_duration("x") == env.draw_duration("x") != env.draw_duration("y")  # no seed: the id
+    await env.reset("lognormal-0", episode_id="run-c-0", seed=seeds[0])  # what reset plays is that draw
+    assert env.duration_s == durations[0]
+    await env.close()
