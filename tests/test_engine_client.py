@@ -1,8 +1,9 @@
-"""EngineClient: SGLang response mapping, request shape, typed errors, timeouts that abort."""
+"""EngineClient: SGLang response mapping, request shape, typed errors, timeouts and cancellations that abort."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import pytest
@@ -95,15 +96,24 @@ async def fake_sglang():
     async def update(request):
         return web.json_response({"success": False, "message": "shape mismatch"}, status=200)
 
+    async with serve_posts({"/generate": generate, "/update_weights_from_tensor": update}) as url:
+        yield url, seen
+
+
+@contextlib.asynccontextmanager
+async def serve_posts(handlers: dict):
+    """An aiohttp app on a free local port answering POSTs at these paths; yields its URL."""
     app = web.Application()
-    app.router.add_post("/generate", generate)
-    app.router.add_post("/update_weights_from_tensor", update)
+    for path, handler in handlers.items():
+        app.router.add_post(path, handler)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}", seen
-    await runner.cleanup()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
 
 
 async def test_generate_request_shape_and_errors(fake_sglang):
@@ -159,3 +169,29 @@ async def test_timeout_aborts_the_request_on_the_engine():
             assert await client.health() and await client.ready()
     finally:
         await server.stop()
+
+
+async def test_a_cancelled_generate_aborts_its_request_on_the_engine():
+    # an episode of a cancelled group (agentrl/policy/stale_cancel.py): the engine would run on, since
+    # neither engine stops a request when its client goes away
+    aborted, started, stopped = [], asyncio.Event(), asyncio.Event()
+
+    async def generate(request):
+        started.set()
+        await asyncio.wait_for(stopped.wait(), 30)
+        return web.json_response({})
+
+    async def abort(request):
+        aborted.append((await request.json())["rid"])
+        stopped.set()
+        return web.json_response({"success": True})
+
+    async with serve_posts({"/generate": generate, "/abort_request": abort}) as url:
+        client = EngineClient(url, timeout_s=60)
+        call = asyncio.ensure_future(client.generate([1, 2], SamplingParams(max_new_tokens=4), session_id="s", rid="r-1"))
+        await asyncio.wait_for(started.wait(), 5)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await client.aclose()  # waits for the abort it sent
+    assert aborted == ["r-1"]

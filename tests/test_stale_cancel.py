@@ -1,6 +1,6 @@
 """Stale cancellation: the doomed-group rule (agentrl/policy/stale_cancel.py), the episode worker's
 facts and cancellation (agentrl/cluster/episode_worker.py), the buffer's retirement of a cancelled
-group (agentrl/buffer/replay.py), and a cancelled request aborted on its engine (agentrl/rollout/client.py)."""
+group (agentrl/buffer/replay.py). A cancelled request's abort on its engine: tests/test_engine_client.py."""
 
 from __future__ import annotations
 
@@ -175,45 +175,3 @@ def test_a_group_taken_for_training_is_not_retired_by_a_late_cancel(tmp_path):
     assert batch is not None and not buf.retire_cancelled("g1", "t", "late")
     buf.mark_trained(1, batch.batch_id)
     assert not buf.retire_cancelled("g1", "t", "late") and buf.pop_retired() == []
-
-
-# -- the engine client ---------------------------------------------------------------------------
-
-
-def test_a_cancelled_generate_aborts_its_request_on_the_engine():
-    from aiohttp import web
-
-    from agentrl.rollout.client import EngineClient
-
-    async def go():
-        aborted, started, stopped = [], asyncio.Event(), asyncio.Event()
-
-        async def generate(request):  # like the engines: runs on after the client went away
-            started.set()
-            await asyncio.wait_for(stopped.wait(), 30)
-            return web.json_response({})
-
-        async def abort(request):
-            aborted.append((await request.json())["rid"])
-            stopped.set()
-            return web.json_response({"success": True})
-
-        app = web.Application()
-        app.router.add_post("/generate", generate)
-        app.router.add_post("/abort_request", abort)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        client = EngineClient(url, timeout_s=60)
-        call = asyncio.ensure_future(client.generate([1, 2], SamplingParams(max_new_tokens=4), session_id="s", rid="r-1"))
-        await asyncio.wait_for(started.wait(), 5)
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
-        await client.aclose()  # waits for the abort it sent
-        await runner.cleanup()
-        assert aborted == ["r-1"]
-
-    asyncio.run(go())

@@ -12,6 +12,7 @@ its engine (agentrl/rollout/client.py)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 from agentrl.config.schema import RunConfig
@@ -100,8 +101,6 @@ class EpisodeWorker:
         a restart: accepted episode ids, progress records) runs only the episodes not yet accepted,
         continuing the recorded ones. With buffer.resume_in_flight every episode records its progress.
         `seeds`: episode k's env reset seed (agentrl/policy/seeding.py)."""
-        import time
-
         from agentrl.agent.resume import EpisodeSnapshot, ProgressRecorder
         from agentrl.agent.runner import EpisodeSummary
         from agentrl.policy.stale_cancel import CANCELLED
