@@ -74,18 +74,11 @@ EXPERIMENTAL_TOPK_CONFIGS = [
     # the thresholds inside the filter program: 0.74 ms against 0.59 split (H200, run 4)
     KernelConfig.make(FILTER=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8, SELECT_WARPS=4,
                       num_warps=4, num_stages=3),
-    # one contiguous range of the row per warp (SEGS), so that the filter's prefix sums and counts stay
-    # inside a warp (16 shuffles, 32 registers): filter 0.74 ms against 0.78, but its select 0.62 ms
-    # against 0.20 (the segment tile's reshape) and 1-2 rows over a segment's slots (run 6, H100)
-    KernelConfig.make(FILTER=1, SPLIT_T=1, SEGS=4, SAMPLES=4096, RUN=8, BLOCK=512, CAP=4096, RADIX_BITS=8,
-                      SELECT_WARPS=4, num_warps=4, num_stages=3),
-    # the searches in one warp a row (run 8, H100): the thresholds (T_WARPS=1, shuffles only, 189
-    # registers) 0.83 ms for the filter phase against 0.69; the select with its indices streamed back
-    # (EMIT_CHUNK) 0.28 ms at 1 warp, 0.26 at 2, against 0.26 at 4 in registers: no gain
-    KernelConfig.make(FILTER=1, SPLIT_T=1, T_WARPS=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
-                      SELECT_WARPS=4, num_warps=4, num_stages=3),
-    KernelConfig.make(FILTER=1, SPLIT_T=1, T_WARPS=1, EMIT_CHUNK=512, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096,
-                      RADIX_BITS=8, SELECT_WARPS=1, num_warps=4, num_stages=3),
+    # Measured and removed (session 16, bench/results/topk_filter_gpu.json runs 6-8, H100): warp
+    # segments (one contiguous range of the row per warp, the prefix sums inside a warp: filter -5%,
+    # select 3x slower from the segment tile's reshape), the thresholds' search in 1-2 warps a row (the
+    # filter phase 0.83 / 0.76 ms against 0.69) and a 1-2-warp select that streams its indices back
+    # (0.26-0.28 ms against 0.26).
 ]
 TOPK_TUNER = Autotuner("indexer_topk", TOPK_CONFIGS)
 
@@ -187,8 +180,7 @@ def topk_rows_chunk(scores, row0, rows, offset, S, topk, out, config: KernelConf
             topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, samples=p["SAMPLES"],
                                run=p["RUN"], block=p["BLOCK"], cap=p["CAP"], radix_bits=p["RADIX_BITS"],
                                filter_warps=cfg.num_warps, filter_stages=cfg.num_stages,
-                               select_warps=p["SELECT_WARPS"], split_t=bool(p.get("SPLIT_T", 0)),
-                               segs=p.get("SEGS", 1), t_warps=p.get("T_WARPS", 4), emit_chunk=p.get("EMIT_CHUNK", 0))
+                               select_warps=p["SELECT_WARPS"], split_t=bool(p.get("SPLIT_T", 0)))
             return
         if "SAMPLES" in p:
             from kernels.topk_sample import topk_rows_sampled

@@ -292,32 +292,3 @@ def select_in_registers(key, idx, ok, out_row, idx_bits, K: tl.constexpr, ORDERE
         tl.debug_barrier()
         kk = tl.arange(0, K)
         tl.store(out_row + kk, tl.sort(tl.load(out_row + kk), dim=0))
-
-
-@triton.jit
-def emit_in_order(key_ptr, idx_ptr, n, kth, need, out_row, FROM_SCORES: tl.constexpr, CHUNK: tl.constexpr,
-                  ASM_STORE: tl.constexpr):
-    """Write, ascending, the indices of the n keys (in index order) above kth and the first `need` equal
-    to it, reading them back CHUNK at a time: select_in_registers' emission for a program that
-    cannot also hold the indices (one warp a row). FROM_SCORES: key_ptr is the row's fp32 scores and
-    the index is the position (idx_ptr unread); else key_ptr / idx_ptr are the candidate lists."""
-    written = tl.zeros([], tl.int32)
-    ties = tl.zeros([], tl.int32)
-    for start in range(0, n, CHUNK):
-        j = start + tl.arange(0, CHUNK)
-        ok = j < n
-        key = ordered_key(tl.load(key_ptr + j, mask=ok, other=0.0))
-        if FROM_SCORES:
-            idx = j
-        else:
-            idx = tl.load(idx_ptr + j, mask=ok, other=0)
-        tied = ok & (key == kth)
-        take = (ok & (key > kth)) | (tied & (ties + tl.cumsum(tied.to(tl.int32), axis=0) <= need))
-        take_i = take.to(tl.int32)
-        pos = written + tl.cumsum(take_i, axis=0) - 1
-        if ASM_STORE:
-            scatter_b32(out_row + pos, idx, take)
-        else:
-            tl.store(out_row + pos, idx, mask=take)
-        written += tl.sum(take_i, axis=0)
-        ties += tl.sum(tied.to(tl.int32), axis=0)

@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.topk_common import (emit_full, emit_in_order, emit_short_row, ordered_key, sampled_threshold,
-                                 scatter_b32, select_in_registers, threshold_at_count)
+from kernels.topk_common import (emit_full, emit_short_row, ordered_key, sampled_threshold, scatter_b32,
+                                 select_in_registers)
 
 
 class Candidates(NamedTuple):
@@ -45,7 +45,7 @@ class Candidates(NamedTuple):
     order, and how many keys passed the threshold (past CAP when they overflowed)."""
     scores: torch.Tensor
     indices: torch.Tensor
-    counts: torch.Tensor  # [rows, SEGS]: SEGS lists of CAP / SEGS slots a row (kernels' SEGS)
+    counts: torch.Tensor
 
 
 @triton.jit
@@ -68,30 +68,18 @@ def key_to_float(t):
 
 
 @triton.jit
-def _row_threshold(score_ptr, t_ptr, r, n, stride_s, K: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr,
-                   SPLIT_T: tl.constexpr):
-    """Row r's scores and its threshold as a float (from SPLIT_T's kernel, or sampled here)."""
-    row = score_ptr + r.to(tl.int64) * stride_s
-    if SPLIT_T:
-        t = tl.load(t_ptr + r)
-    else:
-        t = sampled_threshold(row, n, K, SAMPLES, RUN)
-    return row, key_to_float(t)
-
-
-@triton.jit
 def _filter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, t_ptr, row0, offset, S, stride_s, stride_c,
                    K: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr,
-                   CAP: tl.constexpr, STAGES: tl.constexpr, SPLIT_T: tl.constexpr, ASM_STORE: tl.constexpr,
-                   SEGS: tl.constexpr):
+                   CAP: tl.constexpr, STAGES: tl.constexpr, SPLIT_T: tl.constexpr, ASM_STORE: tl.constexpr):
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)
-    if SEGS > 1:
-        if n > CAP:
-            _filter_row_in_segments(score_ptr, ckey_ptr, cidx_ptr, count_ptr, t_ptr, r, n, stride_s, stride_c, K,
-                                    BLOCK, SAMPLES, RUN, CAP, STAGES, SPLIT_T, ASM_STORE, SEGS)
-    elif n > CAP:  # shorter rows are selected straight from the scores
-        row, t_f = _row_threshold(score_ptr, t_ptr, r, n, stride_s, K, SAMPLES, RUN, SPLIT_T)
+    if n > CAP:  # shorter rows are selected straight from the scores
+        row = score_ptr + r.to(tl.int64) * stride_s
+        if SPLIT_T:
+            t = tl.load(t_ptr + r)
+        else:
+            t = sampled_threshold(row, n, K, SAMPLES, RUN)
+        t_f = key_to_float(t)
         ckey_row = ckey_ptr + r.to(tl.int64) * stride_c
         cidx_row = cidx_ptr + r.to(tl.int64) * stride_c
         n_full = (n // BLOCK) * BLOCK
@@ -106,48 +94,6 @@ def _filter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, t_ptr, row0, offset
         x = tl.load(row + idx, mask=ok, other=0.0)
         n_cand = _append_hits(ckey_row, cidx_row, n_cand, x, idx, ok & ((x >= t_f) | (x != x)), CAP, ASM_STORE)
         tl.store(count_ptr + r, n_cand)
-
-
-@triton.jit
-def _filter_row_in_segments(score_ptr, ckey_ptr, cidx_ptr, count_ptr, t_ptr, r, n, stride_s, stride_c,
-                            K: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr,
-                            CAP: tl.constexpr, STAGES: tl.constexpr, SPLIT_T: tl.constexpr,
-                            ASM_STORE: tl.constexpr, SEGS: tl.constexpr):
-    """SEGS > 1: the row's whole blocks cut into SEGS contiguous ranges, scanned side by side as the
-    rows of a [SEGS, BLOCK / SEGS] tile (one warp a row when BLOCK / SEGS = 128 and SEGS = warps), each
-    appending to its own CAP / SEGS slots, so that the prefix sums and counts never cross warps (no
-    barrier per block); the tail goes after the last range's. The segments, read in order, are in
-    index order."""
-    W: tl.constexpr = BLOCK // SEGS
-    SEG_CAP: tl.constexpr = CAP // SEGS
-    row, t_f = _row_threshold(score_ptr, t_ptr, r, n, stride_s, K, SAMPLES, RUN, SPLIT_T)
-    ckey_row = ckey_ptr + r.to(tl.int64) * stride_c
-    cidx_row = cidx_ptr + r.to(tl.int64) * stride_c
-    q = (n // BLOCK) * W  # keys per range: whole blocks only
-    seg = tl.arange(0, SEGS)
-    lane = seg[:, None] * q + tl.arange(0, W)[None, :]
-    slot = seg[:, None] * SEG_CAP
-    cnt = tl.zeros([SEGS], tl.int32)
-    for start in tl.range(0, q, W, num_stages=STAGES):
-        idx = lane + start
-        x = tl.load(row + idx)
-        hit = ((x >= t_f) | (x != x)).to(tl.int32)
-        pos = cnt[:, None] + tl.cumsum(hit, axis=1) - 1
-        keep = (hit != 0) & (pos < SEG_CAP)
-        if ASM_STORE:
-            scatter_b32(ckey_row + slot + pos, x.to(tl.int32, bitcast=True), keep)
-            scatter_b32(cidx_row + slot + pos, idx, keep)
-        else:
-            tl.store(ckey_row + slot + pos, x, mask=keep)
-            tl.store(cidx_row + slot + pos, idx, mask=keep)
-        cnt += tl.sum(hit, axis=1)
-    last = tl.sum(tl.where(seg == SEGS - 1, cnt, 0), axis=0)
-    idx = q * SEGS + tl.arange(0, BLOCK)
-    ok = idx < n
-    x = tl.load(row + idx, mask=ok, other=0.0)
-    last = _append_hits(ckey_row + (SEGS - 1) * SEG_CAP, cidx_row + (SEGS - 1) * SEG_CAP, last, x, idx,
-                        ok & ((x >= t_f) | (x != x)), SEG_CAP, ASM_STORE)
-    tl.store(count_ptr + r * SEGS + seg, tl.where(seg == SEGS - 1, last, cnt))
 
 
 @triton.jit
@@ -170,8 +116,7 @@ def _append_hits(ckey_row, cidx_row, n_cand, x, idx, hit, CAP: tl.constexpr, ASM
 @triton.jit
 def _select_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, out_ptr, shift_ptr, dmask_ptr, row0, offset, S,
                    stride_s, stride_c, stride_o, K: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
-                   RADIX_BITS: tl.constexpr, N_PASSES: tl.constexpr, ASM_STORE: tl.constexpr,
-                   SEGS: tl.constexpr, EMIT_CHUNK: tl.constexpr):
+                   RADIX_BITS: tl.constexpr, N_PASSES: tl.constexpr, ASM_STORE: tl.constexpr):
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)
     row = score_ptr + r.to(tl.int64) * stride_s
@@ -185,38 +130,14 @@ def _select_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, out_ptr, shift_ptr,
             ok = j < n
             key = ordered_key(tl.load(row + j, mask=ok, other=0.0))
             idx = j
-            fits = count <= CAP
-        elif SEGS == 1:
+        else:
             count = tl.load(count_ptr + r)
-            fits = count <= CAP
             ok = j < count
             key = ordered_key(tl.load(ckey_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0.0))
             idx = tl.load(cidx_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0)
-        else:  # SEGS lists of CAP / SEGS slots, read in order: index order, with gaps masked
-            SEG_CAP: tl.constexpr = CAP // SEGS
-            cnts = tl.load(count_ptr + r * SEGS + tl.arange(0, SEGS))
-            count = tl.sum(cnts, axis=0)
-            fits = tl.max(cnts, axis=0) <= SEG_CAP
-            jj = tl.arange(0, SEG_CAP)[None, :]
-            ok2 = jj < cnts[:, None]
-            off = r.to(tl.int64) * stride_c + tl.arange(0, SEGS)[:, None] * SEG_CAP + jj
-            ok = tl.reshape(ok2, [CAP])
-            key = tl.reshape(ordered_key(tl.load(ckey_ptr + off, mask=ok2, other=0.0)), [CAP])
-            idx = tl.reshape(tl.load(cidx_ptr + off, mask=ok2, other=0), [CAP])
-        in_tile = (count >= K) & fits
-        if EMIT_CHUNK == 0:
-            if in_tile:
-                select_in_registers(key, idx, ok, out_row, 0, K, True, ASM_STORE)
-        else:
-            if in_tile:  # the k-th key from the keys alone, then the indices streamed back (one warp a row)
-                kth = threshold_at_count(key, ok, K)
-                need = K - tl.sum((ok & (key > kth)).to(tl.int32), axis=0)
-                if n <= CAP:
-                    emit_in_order(row, row, n, kth, need, out_row, True, EMIT_CHUNK, ASM_STORE)
-                else:
-                    emit_in_order(ckey_ptr + r.to(tl.int64) * stride_c, cidx_ptr + r.to(tl.int64) * stride_c,
-                                  count, kth, need, out_row, False, EMIT_CHUNK, ASM_STORE)
-        if not in_tile:  # the sampled threshold missed (or heavy ties): full radix select over the row
+        if (count >= K) & (count <= CAP):
+            select_in_registers(key, idx, ok, out_row, 0, K, True, ASM_STORE)
+        else:  # the sampled threshold missed (or heavy ties): full radix select over the row
             zero = tl.zeros([], tl.uint32)
             emit_full(row, out_row, n, zero, zero, tl.full([], K, tl.int32), shift_ptr, dmask_ptr,
                       0, N_PASSES, RADIX_BITS, BLOCK)
@@ -228,66 +149,54 @@ def asm_stores(t: torch.Tensor) -> bool:
     return t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
-def row_thresholds(scores, row0, rows, offset, S, topk, *, samples, run, cap, warps=4):
+def row_thresholds(scores, row0, rows, offset, S, topk, *, samples, run, cap):
     """SPLIT_T's first kernel: each row's sampled threshold (uint32 ordered key; unset for rows of <= CAP keys).
-    ``warps``: fewer warps a row make the search's reductions cheaper (one warp: shuffles only, no
-    barrier) and hold more samples a thread."""
+    4 warps a row: 1, 2, 8 or 16 were slower (H100, 4096 x 64K rows: bench/results/topk_filter_gpu.json
+    run 8; the search's cost follows its keys, not its reductions' barriers)."""
     thresh = torch.empty((rows,), device=scores.device, dtype=torch.uint32)
     _threshold_kernel[(rows,)](scores, thresh, row0, offset, S, scores.stride(0), K=topk, SAMPLES=samples,
-                               RUN=run, CAP=cap, num_warps=warps, num_stages=1)
+                               RUN=run, CAP=cap, num_warps=4, num_stages=1)
     return thresh
 
 
 def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap, warps, stages, split_t=False,
-                asm_store=None, thresh=None, segs=1, t_warps=4):
+                asm_store=None, thresh=None):
     """Phase 1: the rows' candidates, Candidates(scores [rows, CAP] fp32, indices [rows, CAP] int32,
-    counts [rows, segs] int32: per row the keys >= t of each of its segs lists of CAP / segs slots;
-    0 for rows with <= CAP keys, which the select reads from the scores).
-    ``split_t``: the thresholds by a kernel of their own first (row_thresholds; or ``thresh``, given). ``asm_store`` (default: asm_stores(scores))
-    picks the candidates' store path (benchmarks compare both)."""
+    counts [rows] int32: the keys >= t, past CAP when they overflowed; 0 for rows with <= CAP keys,
+    which the select reads from the scores). ``split_t``: the thresholds by a kernel of their own
+    first (row_thresholds; or ``thresh``, given). ``asm_store`` (default: asm_stores(scores)) picks
+    the candidates' store path (benchmarks compare both)."""
     if cap < topk or cap & (cap - 1):
         raise ValueError(f"CAP ({cap}) must be a power of two >= topk ({topk})")
     if samples % run or samples & (samples - 1):
         raise ValueError(f"SAMPLES ({samples}) must be a power of two and a multiple of RUN ({run})")
-    if segs < 1 or segs & (segs - 1) or block % segs or cap % segs:
-        raise ValueError(f"SEGS ({segs}) must be a power of two dividing BLOCK ({block}) and CAP ({cap})")
     ckey = torch.empty((rows, cap), device=scores.device, dtype=torch.float32)
     cidx = torch.empty((rows, cap), device=scores.device, dtype=torch.int32)
-    count = torch.zeros((rows, segs), device=scores.device, dtype=torch.int32)
+    count = torch.zeros((rows,), device=scores.device, dtype=torch.int32)
     if split_t and thresh is None:
-        thresh = row_thresholds(scores, row0, rows, offset, S, topk, samples=samples, run=run, cap=cap,
-                                warps=t_warps)
+        thresh = row_thresholds(scores, row0, rows, offset, S, topk, samples=samples, run=run, cap=cap)
     if not split_t:
         thresh = count  # unread
     _filter_kernel[(rows,)](scores, ckey, cidx, count, thresh, row0, offset, S, scores.stride(0), ckey.stride(0),
                             K=topk, BLOCK=block, SAMPLES=samples, RUN=run, CAP=cap, STAGES=stages,
-                            SPLIT_T=bool(split_t), SEGS=segs,
-                            ASM_STORE=asm_stores(scores) if asm_store is None else asm_store, num_warps=warps, num_stages=stages)
+                            SPLIT_T=bool(split_t), ASM_STORE=asm_stores(scores) if asm_store is None else asm_store,
+                            num_warps=warps, num_stages=stages)
     return Candidates(ckey, cidx, count)
 
 
-def select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, *, radix_bits, warps, asm_store=None,
-                emit_chunk=0):
-    """Phase 2: the exact top-k of each row from its Candidates (or its scores) into out[row0 + r].
-    ``emit_chunk`` > 0: only the keys stay in registers for the k-th key's search, and the indices are
-    emitted reading the lists back that many at a time (for a select of one warp a row)."""
-    if emit_chunk and cand.counts.shape[1] > 1:
-        raise ValueError("emit_chunk reads one candidate list a row: filter with segs=1")
+def select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, *, radix_bits, warps, asm_store=None):
+    """Phase 2: the exact top-k of each row from its Candidates (or its scores) into out[row0 + r]."""
     _select_kernel[(rows,)](scores, cand.scores, cand.indices, cand.counts, out, shifts, masks, row0, offset, S,
                             scores.stride(0), cand.scores.stride(0), out.stride(0), K=topk,
-                            CAP=cand.scores.shape[1], BLOCK=1024,
-                            RADIX_BITS=radix_bits, N_PASSES=shifts.numel(), SEGS=cand.counts.shape[1],
-                            EMIT_CHUNK=emit_chunk,
+                            CAP=cand.scores.shape[1], BLOCK=1024, RADIX_BITS=radix_bits, N_PASSES=shifts.numel(),
                             ASM_STORE=asm_stores(scores) if asm_store is None else asm_store,
                             num_warps=warps, num_stages=1)
 
 
 def topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, *, samples, run, block, cap,
-                       radix_bits, filter_warps, filter_stages, select_warps, split_t=False, segs=1, t_warps=4,
-                       emit_chunk=0):
+                       radix_bits, filter_warps, filter_stages, select_warps, split_t=False):
     """Same contract as topk.topk_rows_chunk: filter_rows, then select_rows."""
     cand = filter_rows(scores, row0, rows, offset, S, topk, samples=samples, run=run, block=block,
-                       cap=cap, warps=filter_warps, stages=filter_stages, split_t=split_t, segs=segs,
-                       t_warps=t_warps)
+                       cap=cap, warps=filter_warps, stages=filter_stages, split_t=split_t)
     select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
-                warps=select_warps, emit_chunk=emit_chunk)
+                warps=select_warps)

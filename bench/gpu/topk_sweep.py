@@ -19,32 +19,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 COPY_GBPS = 4240.0
-# Session 15's first run (H200): BLOCK 1024 / 4 warps / 3 stages led (filter 0.83 ms per 4096 x 64K
-# rows), larger blocks and 8-16 warps were slower; here the small-program side of it.
-# Run 2 (an H100): 1024 / 4 / 3-4 led (filter 0.92 ms); 1-2 warps were slower (1.6-2.3 ms). Next: the
-# thresholds by a kernel of their own (SPLIT_T: 77 registers in the streaming kernel instead of 127).
-# Session 16: candidates as two 32-bit lists and a float compare; the floor kernels beside them.
-# Then (session 16, run 3 on an H100): the floor 0.36 ms against the filter's 0.84: the filter waits on
-# its own instructions (the prefix sum in a one-key-per-thread layout); the stores by inline PTX
-# (topk_common.scatter_b32, ASM) keep it in the load's layout. ASM=False: tl.store's path, side by side.
-# SEGS > 1: the row cut into one contiguous range per warp, so the prefix sums never cross warps.
-# Run 6 (H100): SEGS 4 filter 0.74 ms against 0.78 (both with the thresholds' 0.25 ms), but its
-# select 0.62 ms against 0.20 (the reshape of the segment tile), so SEGS stays experimental; the phases:
-# thresholds 0.25, filter 0.48 (its floor 0.40), select 0.27 (of which the k-th key search ~0.14).
-# Next: fewer samples for the thresholds (their search is a quarter of the time).
-# Run 7 (H100): 2048 samples, filter phase 0.62 ms against 0.72 but 6 rows outside [k, CAP] (their
-# fallback: 1.28 ms in all against 0.95); 1024 samples, 154 rows. Next: the thresholds' search with
-# fewer warps a row (T_WARPS; one warp: its reductions are shuffles only).
-# Run 8 (H100): T_WARPS 1 / 2 slower (filter phase 0.83 / 0.76 ms against 0.69), and the thresholds
-# took 0.25 / 0.26 / 0.29 ms at 4 / 8 / 16 warps and 0.14 / 0.26 / 0.59 ms at 2048 / 4096 / 8192
-# samples: the search's cost follows the keys. Next: the sampled search stops within need / 32.
-FILTER_GRID = [  # (BLOCK, filter warps, filter stages, SAMPLES, RUN, SPLIT_T, ASM, SEGS, T_WARPS)
-    (1024, 4, 3, 4096, 8, True, True, 1, 4), (1024, 4, 3, 4096, 8, False, True, 1, 4),
-]  # run 4 (H200): 2048-key blocks 0.66 ms, 2 warps 0.71, against 0.59 for BLOCK 1024 / 4 warps / 3 stages
-# (CAP, select warps, EMIT_CHUNK); ASM stores. EMIT_CHUNK > 0: only the keys in registers, the indices
-# streamed back that many at a time, so that one warp can hold a row (its search: shuffles, no barrier)
-# Run 8 (H100): 4 warps 0.262 ms, 8 warps 0.234; chunked emission 0.266 (4 warps), 0.257 (2), 0.281 (1).
-SELECT_GRID = [(4096, 4, 0), (4096, 8, 0)]
+# What each run found is in bench/results/topk_filter_gpu.json (a note per run) and kernels/README.md.
+# Session 16's last grid: the filter with split and inline thresholds (stores by inline PTX, ASM), and
+# tl.store's path beside the first (ASM False); the select at 4 and 8 warps.
+FILTER_GRID = [  # (BLOCK, filter warps, filter stages, SAMPLES, RUN, SPLIT_T, ASM)
+    (1024, 4, 3, 4096, 8, True, True), (1024, 4, 3, 4096, 8, False, True), (1024, 4, 3, 4096, 8, True, False),
+]
+SELECT_GRID = [(4096, 4), (4096, 8)]  # (CAP, select warps)
 FILTER_CAP = 4096  # candidate slots per row in the filter grid
 
 
@@ -134,9 +115,9 @@ def main() -> int:
 
         shifts8, masks8 = _radix_schedule(8, dev)
         best_filter = None
-        for block, warps, stages, samples, run_len, split_t, asm, segs, t_warps in FILTER_GRID:
+        for block, warps, stages, samples, run_len, split_t, asm in FILTER_GRID:
             kw = dict(samples=samples, run=run_len, block=block, cap=FILTER_CAP, warps=warps, stages=stages,
-                      split_t=split_t, asm_store=asm, segs=segs, t_warps=t_warps)
+                      split_t=split_t, asm_store=asm)
             try:
                 counts = tf.filter_rows(scores, row0, rows, 0, S, K, **kw).counts
                 torch.cuda.synchronize() if dev.type == "cuda" else None
@@ -145,27 +126,25 @@ def main() -> int:
                 entry["configs"].append({"config": f"filter {kw}", "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 continue
             long_rows = n_valid > FILTER_CAP
-            filtered = counts.sum(1)[long_rows].float()
+            filtered = counts[long_rows].float()
             cand_stats = {"rows_filtered": filtered.numel()}
             if filtered.numel():
-                over = counts.max(1).values[long_rows] > FILTER_CAP // segs
                 cand_stats.update(mean=round(float(filtered.mean()), 1), max=int(filtered.max()), min=int(filtered.min()),
-                                  fallback_rows=int(((filtered < K) | over).sum()))
+                                  fallback_rows=int(((filtered < K) | (filtered > FILTER_CAP)).sum()))
             label = (f"FILTER block={block} warps={warps} stages={stages} samples={samples} run={run_len} "
-                     f"split_t={int(split_t)} asm={int(asm)} segs={segs} t_warps={t_warps} cap={FILTER_CAP} sel_warps={SELECT_GRID[0][1]}")
+                     f"split_t={int(split_t)} asm={int(asm)} cap={FILTER_CAP} sel_warps={SELECT_GRID[0][1]}")
             row = run(label, lambda out, kw=kw, asm=asm: tf.select_rows(
                 scores, tf.filter_rows(scores, row0, rows, 0, S, K, **kw), row0, rows, 0, S, K, out,
                 shifts8, masks8, radix_bits=8, warps=SELECT_GRID[0][1], asm_store=asm),
                 filter_ms=round(f_ms, 4), candidates=cand_stats)
             if asm and row and row["rows_same"] == rows and (best_filter is None or row["ms"] < best_filter[0]):
-                best_filter = (row["ms"], kw)  # by filter + select: SEGS changes both
+                best_filter = (row["ms"], kw)
         if best_filter is not None:  # the best shape's phases alone, and the select's floors beside it
             from bench.gpu.stream_floor import select_floor
             kw = best_filter[1]
-            tkw = dict(samples=kw["samples"], run=kw["run"], cap=kw["cap"], warps=kw["t_warps"])
+            tkw = dict(samples=kw["samples"], run=kw["run"], cap=kw["cap"])
             th = tf.row_thresholds(scores, row0, rows, 0, S, K, **tkw)
             cand = tf.filter_rows(scores, row0, rows, 0, S, K, **{**kw, "split_t": True}, thresh=th)
-            cand1 = tf.filter_rows(scores, row0, rows, 0, S, K, **{**kw, "split_t": True, "segs": 1}, thresh=th)
             out = torch.full((T, K), -2, device=dev, dtype=torch.int32)
             phases = {
                 "thresholds": timer(lambda: tf.row_thresholds(scores, row0, rows, 0, S, K, **tkw), min_iters=5),
@@ -173,31 +152,28 @@ def main() -> int:
                     scores, row0, rows, 0, S, K, **{**kw, "split_t": True}, thresh=th), min_iters=5),
                 "select": timer(lambda: tf.select_rows(scores, cand, row0, rows, 0, S, K, out, shifts8, masks8,
                                                        radix_bits=8, warps=4), min_iters=5),
-                "select_one_list": timer(lambda: tf.select_rows(scores, cand1, row0, rows, 0, S, K, out, shifts8,
-                                                                masks8, radix_bits=8, warps=4), min_iters=5),
-                "select_floor_load": timer(lambda: select_floor(cand1, rows, K, warps=4, search=False), min_iters=5),
-                "select_floor_search": timer(lambda: select_floor(cand1, rows, K, warps=4, search=True), min_iters=5),
+                "select_floor_load": timer(lambda: select_floor(cand, rows, K, warps=4, search=False), min_iters=5),
+                "select_floor_search": timer(lambda: select_floor(cand, rows, K, warps=4, search=True), min_iters=5),
             }
             entry["phases_ms"] = {k: round(v, 4) for k, v in phases.items()}
             print("phases", entry["phases_ms"], flush=True)
             save()
-            for cap, sw, chunk in SELECT_GRID:
+            for cap, sw in SELECT_GRID:
                 kwc = {**kw, "cap": cap}
                 cand = tf.filter_rows(scores, row0, rows, 0, S, K, **kwc)
                 out = torch.full((T, K), -2, device=dev, dtype=torch.int32)
                 try:
-                    tf.select_rows(scores, cand, row0, rows, 0, S, K, out, shifts8, masks8, radix_bits=8, warps=sw,
-                                   emit_chunk=chunk)
+                    tf.select_rows(scores, cand, row0, rows, 0, S, K, out, shifts8, masks8, radix_bits=8, warps=sw)
                     s_ms = timer(lambda: tf.select_rows(scores, cand, row0, rows, 0, S, K, out, shifts8, masks8,
-                                                        radix_bits=8, warps=sw, emit_chunk=chunk), min_iters=5)
+                                                        radix_bits=8, warps=sw), min_iters=5)
                 except Exception as exc:  # noqa: BLE001
-                    entry.setdefault("select", []).append({"cap": cap, "warps": sw, "emit_chunk": chunk,
+                    entry.setdefault("select", []).append({"cap": cap, "warps": sw,
                                                            "error": f"{type(exc).__name__}: {exc}"[:300]})
                     continue
                 same = int((out[row0:] == ref[row0:]).all(dim=1).sum())
-                entry.setdefault("select", []).append({"cap": cap, "warps": sw, "emit_chunk": chunk, "asm": True,
+                entry.setdefault("select", []).append({"cap": cap, "warps": sw, "asm": True,
                                                        "ms": round(s_ms, 4), "rows_same": same, "filter": kwc})
-                print("select", cap, sw, chunk, s_ms, same, flush=True)
+                print("select", cap, sw, s_ms, same, flush=True)
                 save()
 
         # the fused impl's select (kernels/indexer_fused.py) on the same rows: each select config,
@@ -226,12 +202,11 @@ def main() -> int:
         if ns.pipeline and best_filter is not None:
             kw = best_filter[1]
             sel = min((e for e in entry.get("select", []) if "ms" in e and e["rows_same"] == rows),
-                      key=lambda e: e["ms"], default={"cap": 4096, "warps": 4, "emit_chunk": 0})
-            fcfg = KernelConfig.make(FILTER=1, SPLIT_T=int(kw["split_t"]), SEGS=kw["segs"], T_WARPS=kw["t_warps"],
+                      key=lambda e: e["ms"], default={"cap": 4096, "warps": 4})
+            fcfg = KernelConfig.make(FILTER=1, SPLIT_T=int(kw["split_t"]),
                                      SAMPLES=kw["samples"], RUN=kw["run"],
                                      BLOCK=kw["block"],
                                      CAP=sel["cap"], RADIX_BITS=8, SELECT_WARPS=sel["warps"],
-                                     EMIT_CHUNK=sel["emit_chunk"],
                                      num_warps=kw["warps"], num_stages=kw["stages"])
             qf = torch.randn(T, 32, 128, device=dev).to(torch.bfloat16)
             wf = torch.randn(T, 32, device=dev) / 32

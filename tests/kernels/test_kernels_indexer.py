@@ -83,14 +83,6 @@ VARIANTS = {
     "filter_rows_within_cap": {"FILTER": 1, "SAMPLES": 16, "RUN": 1, "RADIX_BITS": 8, "CAP": 256, "SELECT_WARPS": 4},
     "filter_split_threshold": {"FILTER": 1, "SPLIT_T": 1, "SAMPLES": 32, "RUN": 4, "RADIX_BITS": 8, "CAP": 128,
                                "SELECT_WARPS": 4},
-    "filter_segments": {"FILTER": 1, "SPLIT_T": 1, "SEGS": 4, "SAMPLES": 32, "RUN": 4, "RADIX_BITS": 8, "CAP": 128,
-                        "SELECT_WARPS": 4},
-    # the select's indices streamed back in chunks (kernels/topk_common.emit_in_order), rows filtered
-    # or within CAP
-    "filter_emit_chunks": {"FILTER": 1, "SPLIT_T": 1, "T_WARPS": 1, "EMIT_CHUNK": 32, "SAMPLES": 32, "RUN": 4,
-                           "RADIX_BITS": 8, "CAP": 128, "SELECT_WARPS": 1},
-    "filter_emit_chunks_short_rows": {"FILTER": 1, "EMIT_CHUNK": 64, "SAMPLES": 16, "RUN": 1, "RADIX_BITS": 8,
-                                      "CAP": 256, "SELECT_WARPS": 1},
 }
 
 
@@ -204,60 +196,54 @@ def _filter_case(device, rows=12, S=400):
     return scores, torch.full((rows,), S, device=device)
 
 
-def _filtered_topk(scores, K, cap, samples=64, run=4, split_t=False, segs=1):
+def _filtered_topk(scores, K, cap, samples=64, run=4, split_t=False):
     from kernels import topk_filter as tf
     from kernels.topk import _radix_schedule
     rows, S = scores.shape
     cand = tf.filter_rows(scores, 0, rows, S - 1, S, K, samples=samples, run=run, block=64, cap=cap,
-                          warps=4, stages=1, split_t=split_t, segs=segs)
+                          warps=4, stages=1, split_t=split_t)
     out = torch.full((rows, K), -2, device=scores.device, dtype=torch.int32)
     shifts, masks = _radix_schedule(8, scores.device)
     tf.select_rows(scores, cand, 0, rows, S - 1, S, K, out, shifts, masks, radix_bits=8, warps=4)
     return out, cand.counts
 
 
-@pytest.mark.parametrize("split_t,segs", [(False, 1), (True, 1), (True, 4)],
-                         ids=["threshold_inline", "threshold_kernel", "four_segments"])
-def test_filter_select_is_exact_when_candidates_fit(device, split_t, segs):
+@pytest.mark.parametrize("split_t", [False, True], ids=["threshold_inline", "threshold_kernel"])
+def test_filter_select_is_exact_when_candidates_fit(device, split_t):
     scores, n = _filter_case(device)
-    out, count = _filtered_topk(scores, K=16, cap=128, split_t=split_t, segs=segs)
-    assert count.shape == (12, segs)
-    # the premise: no row took the fallback (each segment within its 128 / segs slots)
-    assert ((count.sum(1) >= 16) & (count.max(1).values <= 128 // segs)).all(), count
+    out, count = _filtered_topk(scores, K=16, cap=128, split_t=split_t)
+    assert ((count >= 16) & (count <= 128)).all(), count  # the premise: no row took the fallback
     assert torch.equal(out, select_topk(scores, n, 16, stable=True))
 
 
-def test_filter_segments_hold_every_key_at_or_above_the_threshold_in_index_order(device):
-    # the four lists, read in order, are exactly the row's keys >= t in index order (tail included)
+def test_the_candidates_are_every_key_at_or_above_the_threshold_in_index_order(device):
     from kernels import topk_filter as tf
     scores, _ = _filter_case(device, rows=4, S=437)  # 437 = 6 whole blocks of 64 + a 53-key tail
     t = tf.row_thresholds(scores, 0, 4, 436, 437, 16, samples=64, run=4, cap=128)
     cand = tf.filter_rows(scores, 0, 4, 436, 437, 16, samples=64, run=4, block=64, cap=128, warps=4, stages=1,
-                          split_t=True, segs=4, thresh=t)
+                          split_t=True, thresh=t)
     for r in range(4):
         t_f = torch.tensor([int(t[r])], dtype=torch.int64)
         t_f = (t_f ^ 0x80000000 if t_f >= 0x80000000 else ~t_f & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
         want = torch.nonzero(scores[r] >= t_f.to(device)).flatten()
-        got = torch.cat([cand.indices[r, s * 32: s * 32 + int(cand.counts[r, s])] for s in range(4)])
-        assert torch.equal(got.long(), want), (r, got, want)
-        assert torch.equal(torch.cat([cand.scores[r, s * 32: s * 32 + int(cand.counts[r, s])] for s in range(4)]),
-                           scores[r, want])
+        c = int(cand.counts[r])
+        assert torch.equal(cand.indices[r, :c].long(), want), r
+        assert torch.equal(cand.scores[r, :c], scores[r, want])
 
 
-@pytest.mark.parametrize("segs", [1, 4])
-def test_filter_select_falls_back_when_the_threshold_misses(device, segs):
+def test_filter_select_falls_back_when_the_threshold_misses(device):
     scores, n = _filter_case(device)
     # too many candidates for the slots (CAP 32 < ~44 expected survivors) ...
-    out, count = _filtered_topk(scores, K=16, cap=32, segs=segs)
-    assert (count.max(1).values > 32 // segs).any(), count
+    out, count = _filtered_topk(scores, K=16, cap=32)
+    assert (count > 32).any(), count
     assert torch.equal(out, select_topk(scores, n, 16, stable=True))
     # ... or too few: the sampled keys (runs of 4 every 25) are the row's largest, so t sits above all
     # but ~7 runs' keys and fewer than K keys survive
     pos = torch.arange(400, device=device)
     sampled = (pos % 25) < 4
     scores = torch.where(sampled, 100.0 + scores.abs(), scores)
-    out, count = _filtered_topk(scores, K=64, cap=128, segs=segs)
-    assert (count.sum(1) < 64).all(), count
+    out, count = _filtered_topk(scores, K=64, cap=128)
+    assert (count < 64).all(), count
     assert torch.equal(out, select_topk(scores, n, 64, stable=True))
 
 
