@@ -117,6 +117,14 @@ def finish_candidates(out_row, ckey_row, cidx_row, n_cand, prefix, pmask, remain
 # "the first `remaining` equal keys in buffer order", would depend on the scheduling).
 
 @triton.jit
+def key_to_float(t):
+    """The inverse of ordered_key: the fp32 whose ordered key is t."""
+    sign_bit = tl.full([], 0x80000000, tl.uint32)
+    bits = tl.where((t & sign_bit) != 0, t ^ sign_bit, t ^ tl.full([], 0xFFFFFFFF, tl.uint32))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def threshold_at_count(keys, ok, need):
     """Largest uint32 t with at least `need` of the valid `keys` >= t (0 when fewer than `need` keys
     are valid, i.e. everything survives; 0xFFFFFFFF when need <= 0)."""
@@ -127,15 +135,51 @@ def threshold_at_count(keys, ok, need):
 def search_count(keys, ok, need, slack):
     """slack < 0: threshold_at_count, exact. slack >= 0: a t with `need` +- `slack` of the valid keys
     >= t, found in fewer passes (the search stops as soon as one of its two bounds is that close;
-    for a sampled threshold, which only has to leave about 1.5 k keys, not exactly).
+    for a sampled threshold, which only has to leave about 1.5 k keys, not exactly)."""
+    lo, hi, n_lo, n_hi = search_bracket(keys, ok, need, slack, 0)
+    use_hi = (slack >= 0) & (n_lo - need > slack) & (need - n_hi <= slack)
+    return tl.where(use_hi, hi, lo).to(tl.uint32)
 
-    A search in registers over [min, max] of the valid keys rather than over all 32 bits, and
-    ternary: each pass counts the keys at or above two cut points in one reduction (the two counts
-    packed in the halves of an int32, so the tile must hold < 65536 keys): ~16 passes for the ~1.5 k
-    candidates of a filtered row, against 32 bit by bit. Its cost grows with the keys, not with the
-    barriers: over 4096 rows (H100) the sampled thresholds took 0.14 / 0.26 / 0.59 ms for 2048 /
-    4096 / 8192 samples a row, and one or two warps a row were slower than four."""
-    tl.static_assert(keys.numel < 65536, "search_count packs two counts in an int32")
+
+# The cut points of search_bracket (constants measured on the indexer's own score rows by a host
+# model of the search, /bench/gpu/topk_search_model.py: passes to the k-th key of ~3 k filtered
+# candidates 15.4 -> 5.5 + 2.5 for the last few keys; the sampled threshold 6.8 -> 4.9).
+FIRST_CUT_FRAC: tl.constexpr = tl.constexpr(0.2)  # first pass: cut at need x (1 +- 0.2) by the tail model
+CUT_Z: tl.constexpr = tl.constexpr(1.5)  # later passes: +- 1.5 binomial sd of the window's keys around need
+MODEL_MISSES: tl.constexpr = tl.constexpr(2)  # after two model cuts that missed, thirds only
+LAST_KEYS: tl.constexpr = tl.constexpr(32)  # kth_key finishes a window of <= 32 keys by ranking them
+
+
+@triton.jit
+def _tail_cut(lo, hi, n_lo, n_hi, c):
+    """The key where about c keys are >= it, with log(count) taken as linear in the score between
+    (lo, n_lo) and (hi, n_hi) (or (max key, 1) while n_hi is 0): an exponential tail, which is what
+    the top few percent of a row of indexer scores looks like. Any value is safe: callers clamp."""
+    top = tl.where(n_hi > 0, hi, hi - 1)
+    f_lo = key_to_float(lo.to(tl.uint32))
+    f_hi = key_to_float(top.to(tl.uint32))
+    ln_lo = tl.log(n_lo.to(tl.float32))
+    span = ln_lo - tl.log(tl.maximum(n_hi, 1).to(tl.float32))
+    frac = (ln_lo - tl.log(tl.maximum(c, 1.0))) / span
+    return ordered_key(f_lo + frac * (f_hi - f_lo)).to(tl.int64)
+
+
+@triton.jit
+def search_bracket(keys, ok, need, slack, stop_keys):
+    """[lo, hi) with n_lo = count(>= lo) >= need > count(>= hi) = n_hi, narrowed until it is one key
+    wide (slack < 0), or one bound within `slack` of need (slack >= 0), or it holds <= stop_keys keys.
+
+    Each pass counts the keys at or above two cut points in one reduction (the two counts packed in
+    the halves of an int32, so the tile must hold < 65536 keys). The cuts come from a tail model
+    (_tail_cut) around need, +- a margin that covers the model's error in the first pass and the
+    binomial spread of the window's keys after it: a hit leaves the few keys between the cuts. A pass
+    whose window did not halve makes the next one cut in thirds (and after MODEL_MISSES such passes,
+    all), so a score distribution the model fits badly (heavy ties, two clusters) costs at most twice
+    the ternary search over [min, max]. Passes, not barriers, set the cost: over 4096 rows (H100)
+    the sampled thresholds took 0.14 / 0.26 / 0.59 ms for 2048 / 4096 / 8192 samples a row."""
+    tl.static_assert(keys.numel < 65536, "search_bracket packs two counts in an int32")
+    need = tl.zeros([], tl.int32) + need  # a constexpr K or a runtime count
+    slack = tl.zeros([], tl.int32) + slack
     n_valid = tl.sum(ok.to(tl.int32), axis=0)
     lo = tl.min(tl.where(ok, keys, 0xFFFFFFFF), axis=0).to(tl.int64)  # count(>= lo) = n_valid
     hi = tl.max(tl.where(ok, keys, 0), axis=0).to(tl.int64) + 1  # count(>= hi) = 0
@@ -149,11 +193,21 @@ def search_count(keys, ok, need, slack):
         lo = tl.full([], 0xFFFFFFFF, tl.int64)
         hi = lo + 1
         n_lo = need
-    # invariant: n_lo = count(>= lo) >= need > count(>= hi) = n_hi
-    while (hi - lo > 1) & ((slack < 0) | ((n_lo - need > slack) & (need - n_hi > slack))):
-        third = tl.maximum((hi - lo) // 3, 1)
-        c1 = lo + third
-        c2 = tl.maximum(hi - third, c1)  # lo < c1 <= c2 < hi
+    model = tl.full([], 1, tl.int32)
+    misses = tl.zeros([], tl.int32)
+    while ((hi - lo > 1) & (n_lo - n_hi > stop_keys)
+           & ((slack < 0) | ((n_lo - need > slack) & (need - n_hi > slack)))):
+        span = hi - lo
+        w = (n_lo - n_hi).to(tl.float32)
+        p = ((n_lo - need).to(tl.float32) + 0.5) / w
+        margin = tl.where(n_hi == 0, need.to(tl.float32) * FIRST_CUT_FRAC, CUT_Z * tl.sqrt(w * p * (1.0 - p)) + 1.0)
+        margin = tl.maximum(margin, slack.to(tl.float32))
+        use_model = (model != 0) & (misses < MODEL_MISSES)
+        third = tl.maximum(span // 3, 1)
+        c1 = tl.where(use_model, _tail_cut(lo, hi, n_lo, n_hi, need.to(tl.float32) + margin), lo + third)
+        c2 = tl.where(use_model, _tail_cut(lo, hi, n_lo, n_hi, need.to(tl.float32) - margin), hi - third)
+        c1 = tl.minimum(tl.maximum(c1, lo + 1), hi - 1)
+        c2 = tl.minimum(tl.maximum(c2, c1), hi - 1)  # lo < c1 <= c2 < hi
         above = (ok & (keys >= c1.to(tl.uint32))).to(tl.int32) + ((ok & (keys >= c2.to(tl.uint32))).to(tl.int32) << 16)
         both = tl.sum(above, axis=0)
         n1 = both & 0xFFFF
@@ -162,8 +216,39 @@ def search_count(keys, ok, need, slack):
         at1 = n1 >= need
         lo, n_lo, hi, n_hi = (tl.where(at2, c2, tl.where(at1, c1, lo)), tl.where(at2, n2, tl.where(at1, n1, n_lo)),
                               tl.where(at2, hi, tl.where(at1, c2, c1)), tl.where(at2, n_hi, tl.where(at1, n2, n1)))
-    use_hi = (slack >= 0) & (n_lo - need > slack) & (need - n_hi <= slack)
-    return tl.where(use_hi, hi, lo).to(tl.uint32)
+        halved = (hi - lo) * 2 <= span
+        misses += (use_model & ~halved).to(tl.int32)
+        model = (~use_model | halved).to(tl.int32)
+    return lo, hi, n_lo, n_hi
+
+
+@triton.jit
+def kth_key(keys, ok, need, scratch, K: tl.constexpr, ASM_STORE: tl.constexpr):
+    """(threshold_at_count(keys, ok, need), how many valid keys are above it) for 1 <= need <= the
+    valid keys, with the search's last passes replaced by a rank: once the bracket holds <= LAST_KEYS
+    keys (at most K: `scratch`, K int32 this program may overwrite, holds them), they are compacted
+    there and the need-th largest is the largest window key with >= need - n_hi window keys at or
+    above it."""
+    E: tl.constexpr = LAST_KEYS if K >= LAST_KEYS else K
+    lo, hi, n_lo, n_hi = search_bracket(keys, ok, need, -1, E)
+    kth = lo.to(tl.uint32)
+    n_above = n_hi  # a one-key bracket: lo is the k-th key and count(> lo) = count(>= hi)
+    if hi - lo > 1:
+        inw = ok & (keys >= lo.to(tl.uint32)) & (keys <= (hi - 1).to(tl.uint32))
+        pos = tl.cumsum(inw.to(tl.int32), axis=0) - 1
+        if ASM_STORE:
+            scatter_b32(scratch + pos, keys.to(tl.int32, bitcast=True), inw)
+        else:
+            tl.store(scratch + pos, keys.to(tl.int32, bitcast=True), mask=inw)
+        tl.debug_barrier()
+        j = tl.arange(0, E)
+        valid = j < n_lo - n_hi
+        wk = tl.load(scratch + j, mask=valid, other=0).to(tl.uint32, bitcast=True)
+        ge = tl.sum(((wk[None, :] >= wk[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+        kth = tl.max(tl.where(valid & (ge >= need - n_hi), wk, 0), axis=0)
+        n_above = n_hi + tl.sum((valid & (wk > kth)).to(tl.int32), axis=0)
+        tl.debug_barrier()  # the caller's stores may overwrite scratch
+    return kth, n_above
 
 
 SLACK_DIV: tl.constexpr = tl.constexpr(32)  # sampled_threshold stops its search within need / SLACK_DIV
@@ -264,20 +349,25 @@ def select_in_registers(key, idx, ok, out_row, idx_bits, K: tl.constexpr, ORDERE
     """Exact top-K of the valid (key, index) pairs of a register tile (>= K valid, indices distinct):
     writes the K indices ascending to out_row.
 
-    The k-th key by threshold_at_count; of the keys equal to it, the lowest indices: by position
+    The k-th key by kth_key (out_row is its scratch); of the keys equal to it, the lowest indices: by position
     when the tile is in index order (ORDERED), else by a bitwise search over the index
     (idx_bits passes, only when more keys tie than are needed), then the K indices are sorted.
     ASM_STORE (ORDERED only): the indices go out through scatter_b32 (CUDA)."""
-    kth = threshold_at_count(key, ok, K)
+    kth, n_above = kth_key(key, ok, K, out_row, K, ASM_STORE)
     above = ok & (key > kth)
     tied = ok & (key == kth)
-    need = K - tl.sum(above.to(tl.int32), axis=0)
+    need = K - n_above
     if ORDERED:
-        take = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
+        # one prefix sum, the two running counts packed (the tile holds < 65536 keys): the first
+        # `need` tied keys are taken, so a key's slot is the above keys and the taken tied keys up to it
+        run = tl.cumsum(above.to(tl.int32) + (tied.to(tl.int32) << 16), axis=0)
+        tied_upto = run >> 16
+        take = above | (tied & (tied_upto <= need))
+        pos = (run & 0xFFFF) + tl.minimum(tied_upto, need) - 1
         if ASM_STORE:
-            scatter_b32(out_row + tl.cumsum(take.to(tl.int32), axis=0) - 1, idx, take)
+            scatter_b32(out_row + pos, idx, take)
         else:
-            tl.store(out_row + tl.cumsum(take.to(tl.int32), axis=0) - 1, idx, mask=take)
+            tl.store(out_row + pos, idx, mask=take)
     else:
         cutoff = tl.full([], 0x7FFFFFFF, tl.int32)
         if tl.sum(tied.to(tl.int32), axis=0) > need:

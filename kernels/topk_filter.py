@@ -15,7 +15,7 @@ program, a latency-bound 0.5 TB/s on the H200 (11% of the copy rate). Here:
      tl.store, the prefix sum that places them ran in a one-key-per-thread layout and the filter
      took 0.83 ms against 0.59 (H200, 4096 x 64K rows; the loads alone 0.26 ms).
   2. select, one program per row, everything in registers: the CAP-slot candidate lists (or the row
-     itself when it has <= CAP keys), the k-th largest key by threshold_at_count (a ternary search),
+     itself when it has <= CAP keys), the k-th largest key by kth_key (a search cut by a tail model, then a rank of the last few keys),
      ties at it to the lowest indices (the candidates are in index order: a prefix count), and
      the k indices written ascending through a prefix sum: no sort, no scratch reread.
 Exact whatever the sample: if >= k keys of a row are >= t, its k-th key is >= t, so every key the
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.topk_common import (emit_full, emit_short_row, ordered_key, sampled_threshold, scatter_b32,
+from kernels.topk_common import (emit_full, emit_short_row, key_to_float, ordered_key, sampled_threshold, scatter_b32,
                                  select_in_registers)
 
 
@@ -57,14 +57,6 @@ def _threshold_kernel(score_ptr, t_ptr, row0, offset, S, stride_s, K: tl.constex
     n = tl.minimum(row0 + r + offset + 1, S)
     if n > CAP:
         tl.store(t_ptr + r, sampled_threshold(score_ptr + r.to(tl.int64) * stride_s, n, K, SAMPLES, RUN))
-
-
-@triton.jit
-def key_to_float(t):
-    # the inverse of ordered_key: the fp32 whose ordered key is t
-    sign_bit = tl.full([], 0x80000000, tl.uint32)
-    bits = tl.where((t & sign_bit) != 0, t ^ sign_bit, t ^ tl.full([], 0xFFFFFFFF, tl.uint32))
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -37,6 +37,9 @@ def main() -> int:
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--pipeline", action="store_true", help="also time indexer_topk over the whole context")
     ap.add_argument("--fused", action="store_true", help="also time the fused impl's selects on the same rows")
+    ap.add_argument("--search", choices=("model", "ternary"), default="model",
+                    help="the searches' cuts: the tail model (the kernels' own) or thirds only (what it replaced: "
+                         "run both on one machine to compare)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to try the script under TRITON_INTERPRET=1")
     ns = ap.parse_args()
 
@@ -49,9 +52,15 @@ def main() -> int:
     from kernels import topk_filter as tf
     from kernels.topk import TOPK_CONFIGS, TOPK_TUNER, KernelConfig, _radix_schedule
 
+    if ns.search == "ternary":  # before any kernel compiles: Triton reads these module constants then
+        import triton.language as tl
+
+        from kernels import topk_common
+        topk_common.MODEL_MISSES = tl.constexpr(0)  # every cut in thirds
+        topk_common.LAST_KEYS = tl.constexpr(1)  # ... down to one key, as before the model cuts
     dev = torch.device(ns.device)
     timer = Timer(torch, dev)
-    report: dict = {"machine": machine(), "what": __doc__.splitlines()[0], "contexts": []}
+    report: dict = {"machine": machine(), "what": __doc__.splitlines()[0], "search": ns.search, "contexts": []}
 
     def save() -> None:
         ns.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 import kernels.indexer as ix
-from kernels.topk_common import search_count, threshold_at_count
+from kernels.topk_common import kth_key, ordered_key, search_count, threshold_at_count
 from kernels.indexer_torch import reference_indexer_scores, reference_indexer_topk, select_topk
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -27,6 +27,16 @@ def _search_count_kernel(key_ptr, n, need, slack, out_ptr, BLOCK: tl.constexpr):
     ok = j < n
     keys = tl.load(key_ptr + j, mask=ok, other=0)
     tl.store(out_ptr, search_count(keys, ok, need, slack))
+
+
+@triton.jit
+def _kth_key_kernel(score_ptr, n, need, out_ptr, scratch_ptr, BLOCK: tl.constexpr, K: tl.constexpr):
+    j = tl.arange(0, BLOCK)
+    ok = j < n
+    keys = ordered_key(tl.load(score_ptr + j, mask=ok, other=0.0))
+    kth, n_above = kth_key(keys, ok, need, scratch_ptr, K, False)
+    tl.store(out_ptr, kth)
+    tl.store(out_ptr + 1, n_above.to(tl.uint32))
 
 
 def _integer_inputs(device, T, S, heads, dim):
@@ -304,3 +314,40 @@ def test_search_count_with_slack_stops_within_it_or_at_the_exact_threshold(devic
             count = int((keys >= t).sum())
             exact = sorted(keys.tolist(), reverse=True)[need - 1]
             assert abs(count - need) <= slack or t == exact, (trial, need, slack, count, t, exact)
+
+
+def _ordered_keys(x: torch.Tensor) -> torch.Tensor:
+    """ordered_key on the host: int64 keys whose order is the fp32 order."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(bits >= 2**31, bits ^ 0xFFFFFFFF, bits | 2**31)
+
+
+def test_kth_key_is_the_need_th_largest_key_for_any_score_distribution(device):
+    """kth_key (the tail-model search, then a rank of the last <= 32 keys) against a sort, on score rows
+    the model fits (a Gaussian's and an exponential's tail) and rows it does not (ties, two clusters,
+    infinities and NaNs, one value), for every need from 1 to the valid keys, with a scratch of 16 or
+    32 keys."""
+    gen = torch.Generator().manual_seed(3)
+    n = 400
+    g = torch.randn(n, generator=gen)
+    rows = {
+        "gauss": g,
+        "exp_tail": -torch.log(torch.rand(n, generator=gen)),
+        "bf16_ties": g.to(torch.bfloat16).float(),
+        "quarter_steps": torch.round(g * 4) / 4,
+        "two_clusters": torch.cat([g[:300], 1e6 + g[300:]]),
+        "inf_nan": torch.where(torch.arange(n) % 7 == 0, torch.tensor(float("inf")),
+                               torch.where(torch.arange(n) % 11 == 0, torch.tensor(float("nan")), g)),
+        "negative": -1.0 - torch.rand(n, generator=gen),
+        "one_value": torch.full((n,), 2.5),
+    }
+    for name, x in rows.items():
+        want_sorted = sorted(_ordered_keys(x).tolist(), reverse=True)
+        for K in (16, 64):
+            for need in (1, 2, 17, 200, 333, 399, 400):
+                out = torch.zeros(2, dtype=torch.uint32, device=device)
+                scratch = torch.zeros(K, dtype=torch.int32, device=device)
+                _kth_key_kernel[(1,)](x.to(device), n, need, out, scratch, BLOCK=512, K=K)
+                got, n_above = (int(v) & 0xFFFFFFFF for v in out.to(torch.int64).tolist())
+                assert got == want_sorted[need - 1], (name, K, need)
+                assert n_above == sum(key > got for key in want_sorted), (name, K, need)
