@@ -50,10 +50,6 @@ TOPK_CONFIGS = [
 # shapes that lost. tests/kernels/test_kernels_indexer.py::test_every_gpu_config_is_correct covers
 # both lists.
 EXPERIMENTAL_TOPK_CONFIGS = [
-    # the default filter config with its rows in 4 parts, each part's select on a second stream beside
-    # the next part's filter (topk_filter.topk_rows_filtered): timed in bench/gpu/topk_sweep.py
-    KernelConfig.make(FILTER=1, SPLIT_T=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
-                      SELECT_WARPS=4, PARTS=4, num_warps=4, num_stages=3),
     KernelConfig.make(BLOCK=512, RADIX_BITS=7, COMPACT=0, num_warps=4, num_stages=1),
     KernelConfig.make(BLOCK=512, RADIX_BITS=6, COMPACT=0, num_warps=4, num_stages=1),
     KernelConfig.make(BLOCK=512, RADIX_BITS=8, COMPACT=1, FULL_PASSES=2, CAP=4096, num_warps=4, num_stages=1),
@@ -184,8 +180,7 @@ def topk_rows_chunk(scores, row0, rows, offset, S, topk, out, config: KernelConf
             topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, samples=p["SAMPLES"],
                                run=p["RUN"], block=p["BLOCK"], cap=p["CAP"], radix_bits=p["RADIX_BITS"],
                                filter_warps=cfg.num_warps, filter_stages=cfg.num_stages,
-                               select_warps=p["SELECT_WARPS"], split_t=bool(p.get("SPLIT_T", 0)),
-                               parts=p.get("PARTS", 1))
+                               select_warps=p["SELECT_WARPS"], split_t=bool(p.get("SPLIT_T", 0)))
             return
         if "SAMPLES" in p:
             from kernels.topk_sample import topk_rows_sampled

@@ -186,38 +186,9 @@ def select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, *
 
 
 def topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, *, samples, run, block, cap,
-                       radix_bits, filter_warps, filter_stages, select_warps, split_t=False, parts=1):
-    """Same contract as topk.topk_rows_chunk: filter_rows, then select_rows.
-
-    ``parts`` > 1: the rows go in that many contiguous parts, and on CUDA each part's select runs on
-    a second stream while the next part is filtered: the select is latency-bound (159 registers a
-    thread, 3 rows an SM at once) and the filter streams the scores, so the two share the SMs."""
-    step = -(-rows // max(parts, 1))
-    side = _side_stream(scores.device) if scores.is_cuda and step < rows else None
-    held = []  # every part's candidates live until the side stream is done with them
-    for p0 in range(0, rows, step):
-        n = min(step, rows - p0)
-        part = scores[p0:]  # the part's rows, same stride; their queries start at row0 + p0
-        cand = filter_rows(part, row0 + p0, n, offset, S, topk, samples=samples, run=run, block=block,
-                           cap=cap, warps=filter_warps, stages=filter_stages, split_t=split_t)
-        held.append(cand)
-        if side is None:
-            select_rows(part, cand, row0 + p0, n, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
-                        warps=select_warps)
-            continue
-        side.wait_stream(torch.cuda.current_stream(scores.device))
-        with torch.cuda.stream(side):
-            select_rows(part, cand, row0 + p0, n, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
-                        warps=select_warps)
-    if side is not None:
-        torch.cuda.current_stream(scores.device).wait_stream(side)
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    key = torch.device(device).index
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[key]
+                       radix_bits, filter_warps, filter_stages, select_warps, split_t=False):
+    """Same contract as topk.topk_rows_chunk: filter_rows, then select_rows."""
+    cand = filter_rows(scores, row0, rows, offset, S, topk, samples=samples, run=run, block=block,
+                       cap=cap, warps=filter_warps, stages=filter_stages, split_t=split_t)
+    select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
+                warps=select_warps)

@@ -25,8 +25,7 @@ COPY_GBPS = 4240.0
 FILTER_GRID = [  # (BLOCK, filter warps, filter stages, SAMPLES, RUN, SPLIT_T, ASM)
     (1024, 4, 3, 4096, 8, True, True), (1024, 4, 3, 4096, 8, False, True), (1024, 4, 3, 4096, 8, True, False),
 ]
-SELECT_GRID = [(4096, 4), (4096, 8)]
-PARTS_GRID = [1, 2, 4, 8]  # the default filter config's rows in this many parts  # (CAP, select warps)
+SELECT_GRID = [(4096, 4), (4096, 8)]  # (CAP, select warps)
 FILTER_CAP = 4096  # candidate slots per row in the filter grid
 
 
@@ -106,18 +105,6 @@ def main() -> int:
 
         for cfg in TOPK_CONFIGS:
             run(cfg.describe(), lambda out, cfg=cfg: ix.topk_rows_chunk(scores, row0, rows, 0, S, K, out, config=cfg))
-        # the filter config with its rows in parts, each part's select on a second stream beside the next
-        # part's filter (kernels/topk_filter.topk_rows_filtered)
-        best_parts = (None, 1)
-        base = next(c for c in TOPK_CONFIGS if "FILTER" in dict(c.params))
-        for parts in PARTS_GRID:
-            cfg = KernelConfig.make(num_warps=base.num_warps, num_stages=base.num_stages,
-                                    **{**dict(base.params), "PARTS": parts})
-            row = run(cfg.describe(), lambda out, cfg=cfg: ix.topk_rows_chunk(scores, row0, rows, 0, S, K, out,
-                                                                                config=cfg), parts=parts)
-            if row and row["rows_same"] == rows and (best_parts[0] is None or row["ms"] < best_parts[0]):
-                best_parts = (row["ms"], parts)
-        entry["best_parts"] = best_parts[1]
 
         # the filter's access pattern alone (bench/gpu/stream_floor.py): loads only, then loads + compare
         from bench.gpu.stream_floor import stream_floor
@@ -229,7 +216,7 @@ def main() -> int:
                                      SAMPLES=kw["samples"], RUN=kw["run"],
                                      BLOCK=kw["block"],
                                      CAP=sel["cap"], RADIX_BITS=8, SELECT_WARPS=sel["warps"],
-                                     PARTS=entry["best_parts"], num_warps=kw["warps"], num_stages=kw["stages"])
+                                     num_warps=kw["warps"], num_stages=kw["stages"])
             qf = torch.randn(T, 32, 128, device=dev).to(torch.bfloat16)
             wf = torch.randn(T, 32, device=dev) / 32
             valid = torch.clamp(torch.arange(T, device=dev) + 1, max=S)

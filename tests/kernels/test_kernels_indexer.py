@@ -93,16 +93,12 @@ VARIANTS = {
     "filter_rows_within_cap": {"FILTER": 1, "SAMPLES": 16, "RUN": 1, "RADIX_BITS": 8, "CAP": 256, "SELECT_WARPS": 4},
     "filter_split_threshold": {"FILTER": 1, "SPLIT_T": 1, "SAMPLES": 32, "RUN": 4, "RADIX_BITS": 8, "CAP": 128,
                                "SELECT_WARPS": 4},
-    # 6 rows in parts of 2 (PARTS 4 rounds the part up: three parts), each selected after its filter
-    "filter_parts": {"FILTER": 1, "SPLIT_T": 1, "SAMPLES": 32, "RUN": 4, "RADIX_BITS": 8, "CAP": 128,
-                     "SELECT_WARPS": 4, "PARTS": 4},
 }
 
 
 @pytest.mark.parametrize("variant", [{"SEG": 16, "FULL_PASSES": 2, "CAP": 64}, {"SAMPLES": 8, "CAP": 24},
-                                     {"FILTER": 1, "SAMPLES": 8, "RUN": 2, "CAP": 16, "SELECT_WARPS": 4},
-                                     {"FILTER": 1, "SAMPLES": 8, "RUN": 2, "CAP": 16, "SELECT_WARPS": 4, "PARTS": 3}],
-                         ids=["segmented", "sampled", "filter", "filter_parts"])
+                                     {"FILTER": 1, "SAMPLES": 8, "RUN": 2, "CAP": 16, "SELECT_WARPS": 4}],
+                         ids=["segmented", "sampled", "filter"])
 def test_segmented_and_sampled_topk_on_causal_rows_with_short_rows(device, variant):
     # offset 0: rows 0..K-1 have at most K keys (identity + -1 padding); later rows select
     rows, S, K = 40, 40, 16
