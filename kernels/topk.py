@@ -39,7 +39,10 @@ TOPK_CONFIGS = [
     # program per row, then the exact select in registers. The 4096 longest rows of 64K on the H200
     # (bench/results/topk_filter_gpu.json run 4): filter 0.59 + select 0.25 = 0.84 ms (29% of the copy
     # rate; the loads alone take 0.26 ms) against the sampled select's 2.18 ms; over the whole 64K
-    # context 10.2 ms against 24.3. BLOCK 512 / 2048, 2 warps: 0.61-0.71 ms (filter).
+    # context 10.2 ms against 24.3. BLOCK 512 / 2048, 2 warps: 0.61-0.71 ms (filter). Session 17 (runs 10-12):
+    # both searches cut by a tail model (topk_common.search_bracket): whole 64K context 8.45 ms against
+    # 8.62 with thirds only, same H200; the rows in parts, each part's select on a second stream beside
+    # the next part's filter, lost (1 / 2 / 4 / 8 parts: 0.77 / 0.81 / 1.05 / 2.01 ms) and was removed.
     KernelConfig.make(FILTER=1, SPLIT_T=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
                       SELECT_WARPS=4, num_warps=4, num_stages=3),
 ]
