@@ -141,9 +141,9 @@ def search_count(keys, ok, need, slack):
     return tl.where(use_hi, hi, lo).to(tl.uint32)
 
 
-# The cut points of search_bracket (constants measured on the indexer's own score rows by a host
-# model of the search, /bench/gpu/topk_search_model.py: passes to the k-th key of ~3 k filtered
-# candidates 15.4 -> 5.5 + 2.5 for the last few keys; the sampled threshold 6.8 -> 4.9).
+# The cut points of search_bracket (constants picked on the indexer's own score rows with a host
+# model of the search, bench/gpu/topk_search_model.py: passes to the k-th key of ~3 k filtered
+# candidates 15.5 -> 5.7, + a rank of the last few keys; the sampled threshold 7.2 -> 5.2).
 FIRST_CUT_FRAC: tl.constexpr = tl.constexpr(0.2)  # first pass: cut at need x (1 +- 0.2) by the tail model
 CUT_Z: tl.constexpr = tl.constexpr(1.5)  # later passes: +- 1.5 binomial sd of the window's keys around need
 MODEL_MISSES: tl.constexpr = tl.constexpr(2)  # after two model cuts that missed, thirds only
@@ -175,8 +175,8 @@ def search_bracket(keys, ok, need, slack, stop_keys):
     binomial spread of the window's keys after it: a hit leaves the few keys between the cuts. A pass
     whose window did not halve makes the next one cut in thirds (and after MODEL_MISSES such passes,
     all), so a score distribution the model fits badly (heavy ties, two clusters) costs at most twice
-    the ternary search over [min, max]. Passes, not barriers, set the cost: over 4096 rows (H100)
-    the sampled thresholds took 0.14 / 0.26 / 0.59 ms for 2048 / 4096 / 8192 samples a row."""
+    the ternary search over [min, max]. A pass costs ~5 us a chunk of 4096 rows (H200, 4096 keys a
+    row: ten fewer passes took the select from 0.248 to 0.200 ms, topk_filter_gpu.json run 10)."""
     tl.static_assert(keys.numel < 65536, "search_bracket packs two counts in an int32")
     need = tl.zeros([], tl.int32) + need  # a constexpr K or a runtime count
     slack = tl.zeros([], tl.int32) + slack
