@@ -223,13 +223,13 @@ def search_bracket(keys, ok, need, slack, stop_keys):
 
 
 @triton.jit
-def kth_key(keys, ok, need, scratch, K: tl.constexpr, ASM_STORE: tl.constexpr):
+def kth_key(keys, ok, need, scratch, SCRATCH: tl.constexpr, ASM_STORE: tl.constexpr):
     """(threshold_at_count(keys, ok, need), how many valid keys are above it) for 1 <= need <= the
     valid keys, with the search's last passes replaced by a rank: once the bracket holds <= LAST_KEYS
-    keys (at most K: `scratch`, K int32 this program may overwrite, holds them), they are compacted
-    there and the need-th largest is the largest window key with >= need - n_hi window keys at or
-    above it."""
-    E: tl.constexpr = LAST_KEYS if K >= LAST_KEYS else K
+    keys (at most SCRATCH: `scratch` holds SCRATCH int32 this program may overwrite), they are
+    compacted there and the need-th largest is the largest window key with >= need - n_hi window
+    keys at or above it."""
+    E: tl.constexpr = LAST_KEYS if SCRATCH >= LAST_KEYS else SCRATCH
     lo, hi, n_lo, n_hi = search_bracket(keys, ok, need, -1, E)
     kth = lo.to(tl.uint32)
     n_above = n_hi  # a one-key bracket: lo is the k-th key and count(> lo) = count(>= hi)

@@ -15,9 +15,10 @@ program, a latency-bound 0.5 TB/s on the H200 (11% of the copy rate). Here:
      tl.store, the prefix sum that places them ran in a one-key-per-thread layout and the filter
      took 0.83 ms against 0.59 (H200, 4096 x 64K rows; the loads alone 0.26 ms).
   2. select, one program per row, everything in registers: the CAP-slot candidate lists (or the row
-     itself when it has <= CAP keys), the k-th largest key by kth_key (a search cut by a tail model, then a rank of the last few keys),
-     ties at it to the lowest indices (the candidates are in index order: a prefix count), and
-     the k indices written ascending through a prefix sum: no sort, no scratch reread.
+     itself when it has <= CAP keys), the k-th largest key by kth_key (a search cut by a tail model,
+     then a rank of the last few keys), ties at it to the lowest indices (the candidates are in
+     index order) and the k indices written ascending, both by one prefix sum of two packed
+     counts: no sort, no scratch reread.
 Exact whatever the sample: if >= k keys of a row are >= t, its k-th key is >= t, so every key the
 full select would take (ties included) is a candidate. A row with fewer than k candidates (t too
 high) or more than CAP (t too low, heavy ties) is finished by the full radix select over the row
@@ -36,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.topk_common import (emit_full, emit_short_row, key_to_float, ordered_key, sampled_threshold, scatter_b32,
-                                 select_in_registers)
+from kernels.topk_common import (emit_full, emit_short_row, key_to_float, ordered_key, sampled_threshold,
+                                 scatter_b32, select_in_registers)
 
 
 class Candidates(NamedTuple):

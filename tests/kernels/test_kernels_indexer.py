@@ -30,11 +30,11 @@ def _search_count_kernel(key_ptr, n, need, slack, out_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _kth_key_kernel(score_ptr, n, need, out_ptr, scratch_ptr, BLOCK: tl.constexpr, K: tl.constexpr):
+def _kth_key_kernel(score_ptr, n, need, out_ptr, scratch_ptr, BLOCK: tl.constexpr, SCRATCH: tl.constexpr):
     j = tl.arange(0, BLOCK)
     ok = j < n
     keys = ordered_key(tl.load(score_ptr + j, mask=ok, other=0.0))
-    kth, n_above = kth_key(keys, ok, need, scratch_ptr, K, False)
+    kth, n_above = kth_key(keys, ok, need, scratch_ptr, SCRATCH, False)
     tl.store(out_ptr, kth)
     tl.store(out_ptr + 1, n_above.to(tl.uint32))
 
@@ -343,11 +343,11 @@ def test_kth_key_is_the_need_th_largest_key_for_any_score_distribution(device):
     }
     for name, x in rows.items():
         want_sorted = sorted(_ordered_keys(x).tolist(), reverse=True)
-        for K in (16, 64):
+        for slots in (16, 64):
             for need in (1, 2, 17, 200, 333, 399, 400):
                 out = torch.zeros(2, dtype=torch.uint32, device=device)
-                scratch = torch.zeros(K, dtype=torch.int32, device=device)
-                _kth_key_kernel[(1,)](x.to(device), n, need, out, scratch, BLOCK=512, K=K)
+                scratch = torch.zeros(slots, dtype=torch.int32, device=device)
+                _kth_key_kernel[(1,)](x.to(device), n, need, out, scratch, BLOCK=512, SCRATCH=slots)
                 got, n_above = (int(v) & 0xFFFFFFFF for v in out.to(torch.int64).tolist())
-                assert got == want_sorted[need - 1], (name, K, need)
-                assert n_above == sum(key > got for key in want_sorted), (name, K, need)
+                assert got == want_sorted[need - 1], (name, slots, need)
+                assert n_above == sum(key > got for key in want_sorted), (name, slots, need)
