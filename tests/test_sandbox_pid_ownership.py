@@ -390,3 +390,28 @@ def _children() -> set[int]:
         except (OSError, ValueError, IndexError):
             pass
     return out
+
+
+def test_end_all_but_counts_a_process_that_died_of_another_kill(monkeypatch):
+    """A process gone before its own signal (a tmux pane whose server was just killed fails the
+    pidfd namespace check as it dies) still counts as ended: the count is of the processes found
+    and then gone, not of the signals that got through (which made it 4 of 5 under load)."""
+    from agentrl.sandbox import local_procs
+
+    alive = {10, 11, 12}
+    kills: list[int] = []
+
+    def kill(pid, ns):
+        kills.append(pid)
+        alive.discard(pid)
+        if pid == 10:
+            alive.discard(11)  # 11 dies with 10, before its own kill
+        return pid in (10, 12)
+
+    def members():
+        return sorted(alive | {1})
+
+    monkeypatch.setattr(local_procs, "kill_in_namespace", lambda pid, ns: kill(pid, ns) if pid in alive else False)
+    ended, left = local_procs.end_all_but("ns", {1}, 1.0, pause_s=0.0, members=members)
+    assert (ended, left) == (3, [])
+    assert kills == [10, 12]  # 11 was never signalled: it was gone by then
