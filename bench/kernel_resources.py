@@ -142,10 +142,11 @@ def _topk_cases() -> list[tuple[str, Any, dict, dict, list]]:
         filt = KernelConfig.make(p["warps"], p["stages"], BLOCK=p["BLOCK"], SAMPLES=p["SAMPLES"], RUN=p["RUN"],
                                  CAP=cap, STAGES=p["stages"], SPLIT_T=bool(p.get("SPLIT_T", 0)), ASM_STORE=True)
         sel = KernelConfig.make(p["SELECT_WARPS"], 1, CAP=cap, BLOCK=1024, RADIX_BITS=p["RADIX_BITS"],
-                                N_PASSES=-(-32 // p["RADIX_BITS"]), ASM_STORE=True)
+                                N_PASSES=-(-32 // p["RADIX_BITS"]), REFILTER=True, ASM_STORE=True)
         cases.append(("topk_filter", _filter_kernel, {**common, "stride_c": cap}, {"K": K}, [(filt, {})]))
         cases.append(("topk_select", _select_kernel,
-                      {**common, "out_ptr": Ptr("i32"), "shift_ptr": Ptr("i32"), "dmask_ptr": Ptr("i32"),
+                      {**common, "out_ptr": Ptr("i32"), "path_ptr": Ptr("i32"), "shift_ptr": Ptr("i32"),
+                       "dmask_ptr": Ptr("i32"),
                        "stride_c": cap, "stride_o": K}, {"K": K}, [(sel, {})]))
     return cases
 

@@ -183,7 +183,8 @@ def topk_rows_chunk(scores, row0, rows, offset, S, topk, out, config: KernelConf
             topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, samples=p["SAMPLES"],
                                run=p["RUN"], block=p["BLOCK"], cap=p["CAP"], radix_bits=p["RADIX_BITS"],
                                filter_warps=cfg.num_warps, filter_stages=cfg.num_stages,
-                               select_warps=p["SELECT_WARPS"], split_t=bool(p.get("SPLIT_T", 0)))
+                               select_warps=p["SELECT_WARPS"], split_t=bool(p.get("SPLIT_T", 0)),
+                               t_warps=p.get("T_WARPS", 4), refilter=bool(p.get("REFILTER", 1)))
             return
         if "SAMPLES" in p:
             from kernels.topk_sample import topk_rows_sampled

@@ -68,3 +68,30 @@ def select_floor(cand, rows, topk, *, warps, search):
     _select_floor_kernel[(rows,)](cand.scores, cand.indices, cand.counts, out, cand.scores.stride(0), K=topk,
                                   CAP=cand.scores.shape[1], SEARCH=bool(search), num_warps=warps, num_stages=1)
     return out
+
+
+@triton.jit
+def _threshold_floor_kernel(score_ptr, out_ptr, row0, offset, S, stride_s, SAMPLES: tl.constexpr, RUN: tl.constexpr,
+                            CAP: tl.constexpr):
+    """The sampled threshold's loads without its search: the same SAMPLES keys in runs of RUN
+    (topk_common.sampled_threshold's addresses), one max a row."""
+    r = tl.program_id(0)
+    n = tl.minimum(row0 + r + offset + 1, S)
+    if n > CAP:
+        N_RUNS: tl.constexpr = SAMPLES // RUN
+        run_stride = tl.maximum((n + N_RUNS - 1) // N_RUNS, RUN)
+        i = tl.arange(0, SAMPLES)
+        pos = (i // RUN) * run_stride + (i % RUN)
+        ok = pos < n
+        keys = ordered_key(tl.load(score_ptr + r.to(tl.int64) * stride_s + pos, mask=ok, other=0.0))
+        tl.store(out_ptr + r, tl.max(keys, axis=0))
+
+
+def threshold_floor(scores, row0, rows, offset, S, *, samples, run, cap):
+    """Launch over rows [0, rows) of the chunk; returns the per-row word."""
+    import torch
+
+    out = torch.empty((rows,), device=scores.device, dtype=torch.uint32)
+    _threshold_floor_kernel[(rows,)](scores, out, row0, offset, S, scores.stride(0), SAMPLES=samples, RUN=run,
+                                     CAP=cap, num_warps=4, num_stages=1)
+    return out

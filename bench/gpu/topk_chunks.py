@@ -1,0 +1,171 @@
+"""Where the whole context's top-k time goes, chunk by chunk: `python bench/gpu/topk_chunks.py --out X.json`.
+
+The kernels benchmark's top-k phase (bench/kernel_cases._indexer_phase_ms) runs topk_rows_chunk over
+every 4096-row chunk of a causal context on one buffer of scores (the last chunk's: row r of chunk c
+reads its first n = row0 + r + 1 keys of it). This replays that with the default FILTER config's
+phases timed apart per chunk (thresholds, filter given them, select) beside the whole call, and counts
+each chunk's rows whose candidates missed [k, CAP] (the select refilters them; `paths` counts the rows
+the refilter served and those left to the full radix select). Then, on the longest chunk, a grid of
+(SAMPLES, RUN): the thresholds alone, their loads alone (stream_floor.threshold_floor), and the rows
+each leaves outside [k, CAP]. Last, the whole context's top-k per FILTER variant (fewer samples, the
+thresholds at fewer warps, the refilter off), each checked equal to the default's output.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+COPY_GBPS = 4240.0
+THRESHOLD_GRID = [(4096, 8), (4096, 16), (4096, 32), (2048, 8), (2048, 16), (1024, 8), (1024, 16), (512, 8)]
+VARIANTS = [  # whole-context runs: changes to the default FILTER config
+    {"REFILTER": 0}, {"SAMPLES": 2048}, {"SAMPLES": 2048, "T_WARPS": 2}, {"SAMPLES": 1024}, {"SAMPLES": 1024, "T_WARPS": 1},
+    {"SAMPLES": 1024, "T_WARPS": 2}, {"SAMPLES": 512, "T_WARPS": 1}, {"SAMPLES": 2048, "RUN": 16}, {"SAMPLES": 1024, "RUN": 4, "T_WARPS": 1},
+]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--context", type=int, default=65536)
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--topk", type=int, default=2048)
+    ns = ap.parse_args()
+
+    import torch
+
+    from bench.gpu.stream_floor import threshold_floor
+    from bench.kernels import Timer
+    from bench.machine import machine
+    from kernels import indexer as ix
+    from kernels import topk_filter as tf
+    from kernels.topk import TOPK_CONFIGS, _radix_schedule
+
+    dev = torch.device("cuda")
+    timer = Timer(torch, dev)
+    S = T = ns.context
+    K, R = ns.topk, ns.rows
+    cfg = next(c for c in TOPK_CONFIGS if "FILTER" in dict(c.params))
+    p = dict(cfg.params)
+    cap, samples, run = p["CAP"], p["SAMPLES"], p["RUN"]
+    report: dict = {"machine": machine(), "what": __doc__.splitlines()[0], "context": S, "rows": R, "topk": K,
+                    "config": cfg.describe(), "chunks": []}
+
+    def save() -> None:
+        ns.out.write_text(json.dumps(report, indent=1) + "\n")
+
+    torch.manual_seed(0)
+    q = torch.randn(R, 32, 128, device=dev).to(torch.bfloat16)
+    k = torch.randn(S, 128, device=dev).to(torch.bfloat16)
+    w = torch.randn(R, 32, device=dev) / 32
+    scores = torch.empty((R, S), device=dev)
+    ix.indexer_scores_chunk(q, k, w, 0, R, T - R, scores)  # the last chunk's rows, as the phase timing leaves them
+    out = torch.full((T, K), -2, device=dev, dtype=torch.int32)
+    shifts, masks = _radix_schedule(8, dev)
+    totals = {"whole": 0.0, "thresholds": 0.0, "filter": 0.0, "select": 0.0, "fallback_rows": 0}
+    all_bytes = 0.0
+    for row0 in range(0, T, R):
+        rows = min(R, T - row0)
+        n = torch.clamp(torch.arange(rows, device=dev) + row0 + 1, max=S)
+        row_bytes = float(4 * n[n > K].sum())
+        all_bytes += row_bytes
+        whole = timer(lambda: ix.topk_rows_chunk(scores, row0, rows, 0, S, K, out, config=cfg), min_iters=5)
+        entry = {"row0": row0, "max_keys": int(n.max()), "whole_ms": round(whole, 4)}
+        if int(n.max()) > cap:
+            th = tf.row_thresholds(scores, row0, rows, 0, S, K, samples=samples, run=run, cap=cap)
+            fkw = dict(samples=samples, run=run, block=p["BLOCK"], cap=cap, warps=cfg.num_warps,
+                       stages=cfg.num_stages, split_t=True, thresh=th)
+            cand = tf.filter_rows(scores, row0, rows, 0, S, K, **fkw)
+            torch.cuda.synchronize()
+            long_rows = n > cap
+            c = cand.counts[long_rows]
+            entry["fallback_rows"] = int(((c < K) | (c > cap)).sum())
+            entry["candidates"] = {"mean": round(float(c.float().mean()), 1), "min": int(c.min()), "max": int(c.max())}
+            entry["thresholds_ms"] = round(timer(lambda: tf.row_thresholds(
+                scores, row0, rows, 0, S, K, samples=samples, run=run, cap=cap), min_iters=5), 4)
+            entry["filter_ms"] = round(timer(lambda: tf.filter_rows(scores, row0, rows, 0, S, K, **fkw), min_iters=5), 4)
+            paths = tf.select_rows(scores, cand, row0, rows, 0, S, K, out, shifts, masks, radix_bits=8,
+                                   warps=p["SELECT_WARPS"])
+            entry["paths"] = {"refilter": int((paths == 1).sum()), "full_select": int((paths == 2).sum())}
+            cand = tf.filter_rows(scores, row0, rows, 0, S, K, **fkw)  # fresh lists: the refilter rewrote some
+            entry["select_ms"] = round(timer(lambda: tf.select_rows(scores, cand, row0, rows, 0, S, K, out, shifts,
+                                                                    masks, radix_bits=8, warps=p["SELECT_WARPS"]),
+                                             min_iters=5), 4)
+            for key in ("thresholds", "filter", "select"):
+                totals[key] += entry[f"{key}_ms"]
+            totals["fallback_rows"] += entry["fallback_rows"]
+        totals["whole"] += whole
+        report["chunks"].append(entry)
+        print(json.dumps(entry), flush=True)
+        save()
+    report["totals_ms"] = {k: round(v, 4) if isinstance(v, float) else v for k, v in totals.items()}
+    report["read_fraction_of_copy"] = round(all_bytes / totals["whole"] / 1e6 / COPY_GBPS, 4)
+    print("totals", report["totals_ms"], report["read_fraction_of_copy"], flush=True)
+    save()
+
+    row0, rows = T - R, R  # the longest chunk: thresholds per (SAMPLES, RUN)
+    n = torch.clamp(torch.arange(rows, device=dev) + row0 + 1, max=S)
+    for smp, rn in THRESHOLD_GRID:
+        try:
+            th = tf.row_thresholds(scores, row0, rows, 0, S, K, samples=smp, run=rn, cap=cap)
+            cand = tf.filter_rows(scores, row0, rows, 0, S, K, samples=smp, run=rn, block=p["BLOCK"], cap=cap,
+                                  warps=cfg.num_warps, stages=cfg.num_stages, split_t=True, thresh=th)
+            torch.cuda.synchronize()
+            c = cand.counts[n > cap]
+            row = {"samples": smp, "run": rn,
+                   "thresholds_ms": round(timer(lambda: tf.row_thresholds(
+                       scores, row0, rows, 0, S, K, samples=smp, run=rn, cap=cap), min_iters=5), 4),
+                   "loads_ms": round(timer(lambda: threshold_floor(
+                       scores, row0, rows, 0, S, samples=smp, run=rn, cap=cap), min_iters=5), 4),
+                   "fallback_rows": int(((c < K) | (c > cap)).sum()),
+                   "candidates": {"mean": round(float(c.float().mean()), 1), "min": int(c.min()), "max": int(c.max())}}
+        except Exception as exc:  # noqa: BLE001 -- a shape the compiler refuses is a finding
+            row = {"samples": smp, "run": rn, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        report.setdefault("threshold_grid", []).append(row)
+        print(json.dumps(row), flush=True)
+        save()
+
+    from kernels.topk import KernelConfig
+
+    chunks = [(r0, min(R, T - r0)) for r0 in range(0, T, R)]
+    ref = torch.full((T, K), -2, device=dev, dtype=torch.int32)
+    for r0, rows in chunks:
+        ix.topk_rows_chunk(scores, r0, rows, 0, S, K, ref, config=cfg)
+    for change in [{}] + VARIANTS:
+        params = {**p, **change}
+        vcfg = KernelConfig.make(cfg.num_warps, cfg.num_stages, **params)
+        got = torch.full((T, K), -2, device=dev, dtype=torch.int32)
+
+        def whole(vcfg=vcfg, got=got):
+            for r0, rows in chunks:
+                ix.topk_rows_chunk(scores, r0, rows, 0, S, K, got, config=vcfg)
+
+        try:
+            whole()
+            torch.cuda.synchronize()
+            ms = timer(whole, min_iters=3)
+            n_paths = [0, 0, 0]
+            for r0, rows in chunks:  # untimed: which path each row took
+                cand = tf.filter_rows(scores, r0, rows, 0, S, K, samples=params["SAMPLES"], run=params["RUN"],
+                                      block=params["BLOCK"], cap=params["CAP"], warps=vcfg.num_warps,
+                                      stages=vcfg.num_stages, split_t=True, t_warps=params.get("T_WARPS", 4))
+                paths = tf.select_rows(scores, cand, r0, rows, 0, S, K, got, shifts, masks, radix_bits=8,
+                                       warps=params["SELECT_WARPS"], refilter=bool(params.get("REFILTER", 1)))
+                for i in range(3):
+                    n_paths[i] += int((paths == i).sum())
+            row = {"change": change, "ms": round(ms, 4), "read_fraction_of_copy": round(all_bytes / ms / 1e6 / COPY_GBPS, 4),
+                   "rows_same": int((got == ref).all(dim=1).sum()), "rows": T,
+                   "paths": {"candidates": n_paths[0], "refilter": n_paths[1], "full_select": n_paths[2]}}
+        except Exception as exc:  # noqa: BLE001
+            row = {"change": change, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        report.setdefault("variants", []).append(row)
+        print(json.dumps(row), flush=True)
+        save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
