@@ -165,6 +165,11 @@ def _tail_cut(lo, hi, n_lo, n_hi, c):
 
 
 @triton.jit
+def _count_min_max(n_a, lo_a, hi_a, n_b, lo_b, hi_b):
+    return n_a + n_b, tl.minimum(lo_a, lo_b), tl.maximum(hi_a, hi_b)
+
+
+@triton.jit
 def search_bracket(keys, ok, need, slack, stop_keys):
     """[lo, hi) with n_lo = count(>= lo) >= need > count(>= hi) = n_hi, narrowed until it is one key
     wide (slack < 0), or one bound within `slack` of need (slack >= 0), or it holds <= stop_keys keys.
@@ -180,9 +185,11 @@ def search_bracket(keys, ok, need, slack, stop_keys):
     tl.static_assert(keys.numel < 65536, "search_bracket packs two counts in an int32")
     need = tl.zeros([], tl.int32) + need  # a constexpr K or a runtime count
     slack = tl.zeros([], tl.int32) + slack
-    n_valid = tl.sum(ok.to(tl.int32), axis=0)
-    lo = tl.min(tl.where(ok, keys, 0xFFFFFFFF), axis=0).to(tl.int64)  # count(>= lo) = n_valid
-    hi = tl.max(tl.where(ok, keys, 0), axis=0).to(tl.int64) + 1  # count(>= hi) = 0
+    # the valid keys' count, min and max by one reduction (three took three rounds of barriers)
+    n_valid, lo, hi = tl.reduce((ok.to(tl.int32), tl.where(ok, keys, 0xFFFFFFFF), tl.where(ok, keys, 0)), 0,
+                                _count_min_max)
+    lo = lo.to(tl.int64)  # count(>= lo) = n_valid
+    hi = hi.to(tl.int64) + 1  # count(>= hi) = 0
     n_lo = n_valid
     n_hi = tl.zeros([], tl.int32)
     if n_valid < need:
