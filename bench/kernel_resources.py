@@ -133,20 +133,20 @@ def _topk_cases() -> list[tuple[str, Any, dict, dict, list]]:
     shapes = [dict(c.params) | {"warps": c.num_warps, "stages": c.num_stages}
               for c in TOPK_CONFIGS + EXPERIMENTAL_TOPK_CONFIGS if "FILTER" in dict(c.params)]
     common = {"score_ptr": Ptr("fp32"), "ckey_ptr": Ptr("fp32"), "cidx_ptr": Ptr("i32"), "count_ptr": Ptr("i32"),
-              "t_ptr": Ptr("u32"),
+              "t_ptr": Ptr("u32"), "path_ptr": Ptr("i32"),
               "row0": S - 4096, "offset": 0, "S": S, "stride_s": S}
     cases = []
     for p in shapes:
         cap = p["CAP"]
         # the kernels' constexprs and launch, from the tuner config that drives both
         filt = KernelConfig.make(p["warps"], p["stages"], BLOCK=p["BLOCK"], SAMPLES=p["SAMPLES"], RUN=p["RUN"],
-                                 CAP=cap, STAGES=p["stages"], SPLIT_T=bool(p.get("SPLIT_T", 0)), ASM_STORE=True)
+                                 CAP=cap, STAGES=p["stages"], SPLIT_T=bool(p.get("SPLIT_T", 0)),
+                                 ASM_STORE=True)
         sel = KernelConfig.make(p["SELECT_WARPS"], 1, CAP=cap, BLOCK=1024, RADIX_BITS=p["RADIX_BITS"],
-                                N_PASSES=-(-32 // p["RADIX_BITS"]), REFILTER=True, ASM_STORE=True)
+                                N_PASSES=-(-32 // p["RADIX_BITS"]), ASM_STORE=True)
         cases.append(("topk_filter", _filter_kernel, {**common, "stride_c": cap}, {"K": K}, [(filt, {})]))
         cases.append(("topk_select", _select_kernel,
-                      {**common, "out_ptr": Ptr("i32"), "path_ptr": Ptr("i32"), "shift_ptr": Ptr("i32"),
-                       "dmask_ptr": Ptr("i32"),
+                      {**common, "out_ptr": Ptr("i32"), "shift_ptr": Ptr("i32"), "dmask_ptr": Ptr("i32"),
                        "stride_c": cap, "stride_o": K}, {"K": K}, [(sel, {})]))
     return cases
 

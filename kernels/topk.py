@@ -43,7 +43,12 @@ TOPK_CONFIGS = [
     # both searches cut by a tail model (topk_common.search_bracket): whole 64K context 8.45 ms against
     # 8.62 with thirds only, same H200; the rows in parts, each part's select on a second stream beside
     # the next part's filter, lost (1 / 2 / 4 / 8 parts: 0.77 / 0.81 / 1.05 / 2.01 ms) and was removed.
-    KernelConfig.make(FILTER=1, SPLIT_T=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
+    # Session 18 (runs 13-15): a row whose candidates miss [k, CAP] is refiltered (topk_filter's
+    # _refilter_kernel) instead of taking the full radix select (0.16 ms a row), so 1024 samples do:
+    # few enough to sit in the filter again (64 registers), 1.2% of the rows refiltered. Whole 64K
+    # context on an H100: 7.39 ms against this config's earlier 4096 samples in a kernel of their own,
+    # 8.71 (run 14).
+    KernelConfig.make(FILTER=1, SPLIT_T=0, SAMPLES=1024, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
                       SELECT_WARPS=4, num_warps=4, num_stages=3),
 ]
 # Exact, CPU-interpreter tested, not in the default list (each costs a compile and a timing per tuning
@@ -53,6 +58,9 @@ TOPK_CONFIGS = [
 # shapes that lost. tests/kernels/test_kernels_indexer.py::test_every_gpu_config_is_correct covers
 # both lists.
 EXPERIMENTAL_TOPK_CONFIGS = [
+    # the filter's default until session 18: 4096 samples, by a kernel of their own
+    KernelConfig.make(FILTER=1, SPLIT_T=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
+                      SELECT_WARPS=4, num_warps=4, num_stages=3),
     KernelConfig.make(BLOCK=512, RADIX_BITS=7, COMPACT=0, num_warps=4, num_stages=1),
     KernelConfig.make(BLOCK=512, RADIX_BITS=6, COMPACT=0, num_warps=4, num_stages=1),
     KernelConfig.make(BLOCK=512, RADIX_BITS=8, COMPACT=1, FULL_PASSES=2, CAP=4096, num_warps=4, num_stages=1),

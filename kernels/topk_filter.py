@@ -37,27 +37,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.topk_common import (SLACK_DIV, emit_full, emit_short_row, key_to_float, ordered_key, sampled_threshold,
-                                 scatter_b32, search_count, select_in_registers)
-
-# A row whose sampled threshold left fewer than k or more than CAP candidates gets one more filter
-# pass at a threshold aimed at REFILTER_TARGET x k (refilter_threshold), before the full select.
-REFILTER_TARGET: tl.constexpr = tl.constexpr(1.5)
-# Below a threshold set too high the tail is extended as exponential with its mean excess as scale;
-# a Gaussian tail's mean excess is smaller than its scale lower down, so that lands short (30 of
-# 400 keys extended to 1.5 x 64 left 60-75): aim higher there.
-REFILTER_TARGET_BELOW: tl.constexpr = tl.constexpr(1.75)
-REFILTER_MIN_TAIL: tl.constexpr = tl.constexpr(8)  # fewer candidates than this: no tail to extend
-
+from kernels.topk_common import (emit_full, emit_short_row, key_to_float, ordered_key, sampled_threshold,
+                                 scatter_b32, select_in_registers)
 
 class Candidates(NamedTuple):
     """What the filter leaves for the select: per row, up to CAP scores and their indices in index
-    order, how many keys passed the threshold (past CAP when they overflowed), and the threshold
-    (uint32 ordered key)."""
+    order, how many keys passed the threshold (past CAP when they overflowed), and which path the
+    row took (int32: 0 the first threshold's candidates, 1 the refilter's, 2 the full select; the
+    select writes it for the rows the filter skips and those it finishes by the full select)."""
     scores: torch.Tensor
     indices: torch.Tensor
     counts: torch.Tensor
-    thresholds: torch.Tensor
+    paths: torch.Tensor
 
 
 @triton.jit
@@ -68,11 +59,11 @@ def _threshold_kernel(score_ptr, t_ptr, row0, offset, S, stride_s, K: tl.constex
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)
     if n > CAP:
-        tl.store(t_ptr + r, sampled_threshold(score_ptr + r.to(tl.int64) * stride_s, n, K, SAMPLES, RUN))
+        tl.store(t_ptr + r, sampled_threshold(score_ptr + r.to(tl.int64) * stride_s, n, K, SAMPLES, RUN, 0))
 
 
 @triton.jit
-def _filter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, t_ptr, row0, offset, S, stride_s, stride_c,
+def _filter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, row0, offset, S, stride_s, stride_c,
                    K: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr,
                    CAP: tl.constexpr, STAGES: tl.constexpr, SPLIT_T: tl.constexpr, ASM_STORE: tl.constexpr):
     r = tl.program_id(0)
@@ -82,11 +73,35 @@ def _filter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, t_ptr, row0, offset
         if SPLIT_T:
             t = tl.load(t_ptr + r)
         else:
-            t = sampled_threshold(row, n, K, SAMPLES, RUN)
-            tl.store(t_ptr + r, t)  # the select's refilter starts from it
+            t = sampled_threshold(row, n, K, SAMPLES, RUN, 0)
+            tl.store(t_ptr + r, t)  # for the refilter
         n_cand = filter_row(row, n, key_to_float(t), ckey_ptr + r.to(tl.int64) * stride_c,
                             cidx_ptr + r.to(tl.int64) * stride_c, BLOCK, CAP, STAGES, ASM_STORE)
         tl.store(count_ptr + r, n_cand)
+        tl.store(path_ptr + r, 0)
+
+
+@triton.jit
+def _refilter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, row0, offset, S, stride_s, stride_c,
+                     K: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr,
+                     CAP: tl.constexpr, STAGES: tl.constexpr, ASM_STORE: tl.constexpr):
+    """A row whose candidates missed [K, CAP] is filtered once more, at a threshold from the same
+    samples with their count scaled by what the row showed; the others return at once. A kernel of
+    its own: inside the filter it took 64 -> 96 registers a thread (sm_90, 1024 samples), inside the
+    select 159 -> 168 and the select 7% longer (0.204 against 0.190 ms, H100, run 14)."""
+    r = tl.program_id(0)
+    n = tl.minimum(row0 + r + offset + 1, S)
+    if n > CAP:
+        n_cand = tl.load(count_ptr + r)
+        if (n_cand < K) | (n_cand > CAP):
+            row = score_ptr + r.to(tl.int64) * stride_s
+            t = tl.load(t_ptr + r)
+            t2 = sampled_threshold(row, n, K, SAMPLES, RUN, tl.maximum(n_cand, 1))
+            if ((n_cand < K) & (t2 < t)) | ((n_cand > CAP) & (t2 > t)):
+                n_cand = filter_row(row, n, key_to_float(t2), ckey_ptr + r.to(tl.int64) * stride_c,
+                                    cidx_ptr + r.to(tl.int64) * stride_c, BLOCK, CAP, STAGES, ASM_STORE)
+                tl.store(count_ptr + r, n_cand)
+                tl.store(path_ptr + r, 1)
 
 
 @triton.jit
@@ -125,79 +140,36 @@ def _append_hits(ckey_row, cidx_row, n_cand, x, idx, hit, CAP: tl.constexpr, ASM
 
 
 @triton.jit
-def refilter_threshold(key, count, t, K: tl.constexpr, CAP: tl.constexpr):
-    """(t2, usable): a second threshold for a row whose first, t, left `count` candidates outside
-    [K, CAP], aimed at REFILTER_TARGET x K of them (REFILTER_TARGET_BELOW x K from below); `key` holds the candidates' ordered keys (all
-    of them when count < K, the first CAP in index order when count > CAP).
-
-    Too many: the same fraction of the CAP kept as of the row is wanted (index order is no order of
-    the scores, so the first CAP are a fair sample of the count). Too few: an exponential tail above
-    t (what the top of a row of indexer scores looks like, see search_bracket), its scale the mean
-    excess over t (its maximum-likelihood estimate), extended down to the wanted count. Not usable
-    (the caller takes the full select) when that does not move t the right way: heavy ties, fewer
-    than REFILTER_MIN_TAIL candidates, infinities."""
-    j = tl.arange(0, CAP)
-    if count > CAP:
-        want = tl.full([], K * REFILTER_TARGET, tl.float32)
-        need = (want * CAP / count.to(tl.float32)).to(tl.int32)
-        t2 = search_count(key, j < CAP, need, need // SLACK_DIV)
-        usable = t2 > t
-    else:
-        ok = j < count
-        t_f = key_to_float(t)
-        excess = tl.sum(tl.where(ok, key_to_float(key) - t_f, 0.0), axis=0) / tl.maximum(count, 1).to(tl.float32)
-        want = tl.full([], K * REFILTER_TARGET_BELOW, tl.float32)
-        t2_f = t_f - excess * tl.log(want / tl.maximum(count, 1).to(tl.float32))
-        t2 = ordered_key(t2_f)
-        usable = (count >= REFILTER_MIN_TAIL) & (excess > 0.0) & (excess < float("inf")) & (t2 < t)
-    return t2, usable
-
-
-@triton.jit
-def _select_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, t_ptr, out_ptr, path_ptr, shift_ptr, dmask_ptr, row0,
-                   offset, S,
-                   stride_s, stride_c, stride_o, K: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
-                   RADIX_BITS: tl.constexpr, N_PASSES: tl.constexpr, REFILTER: tl.constexpr,
-                   ASM_STORE: tl.constexpr):
+def _select_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, out_ptr, path_ptr, shift_ptr, dmask_ptr, row0, offset,
+                   S, stride_s, stride_c, stride_o, K: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
+                   RADIX_BITS: tl.constexpr, N_PASSES: tl.constexpr, ASM_STORE: tl.constexpr):
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)
     row = score_ptr + r.to(tl.int64) * stride_s
     out_row = out_ptr + (row0 + r).to(tl.int64) * stride_o
     if n <= K:
         emit_short_row(out_row, n, K, BLOCK)
+        tl.store(path_ptr + r, 0)
     else:
         j = tl.arange(0, CAP)
-        path = tl.zeros([], tl.int32)
         if n <= CAP:  # every key of the row is a candidate, in index order
             count = n
             ok = j < n
             key = ordered_key(tl.load(row + j, mask=ok, other=0.0))
             idx = j
+            tl.store(path_ptr + r, 0)
         else:
-            ckey_row = ckey_ptr + r.to(tl.int64) * stride_c
-            cidx_row = cidx_ptr + r.to(tl.int64) * stride_c
             count = tl.load(count_ptr + r)
-            if REFILTER & ((count < K) | (count > CAP)):
-                # the sampled threshold missed: one more pass over the row at a threshold placed from
-                # what the first one left, before the full select
-                key = ordered_key(tl.load(ckey_row + j, mask=j < count, other=0.0))
-                t2, usable = refilter_threshold(key, count, tl.load(t_ptr + r), K, CAP)
-                if usable:
-                    tl.debug_barrier()  # every thread has read the lists it is about to rewrite
-                    count = filter_row(row, n, key_to_float(t2), ckey_row, cidx_row, BLOCK, CAP, 1, ASM_STORE)
-                    tl.debug_barrier()
-                    path = 1
             ok = j < count
-            key = ordered_key(tl.load(ckey_row + j, mask=ok, other=0.0))
-            idx = tl.load(cidx_row + j, mask=ok, other=0)
+            key = ordered_key(tl.load(ckey_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0.0))
+            idx = tl.load(cidx_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0)
         if (count >= K) & (count <= CAP):
             select_in_registers(key, idx, ok, out_row, 0, K, True, ASM_STORE)
-        else:  # both thresholds missed (or heavy ties): full radix select over the row
-            path = 2
+        else:  # the sampled thresholds missed (or heavy ties): full radix select over the row
             zero = tl.zeros([], tl.uint32)
             emit_full(row, out_row, n, zero, zero, tl.full([], K, tl.int32), shift_ptr, dmask_ptr,
                       0, N_PASSES, RADIX_BITS, BLOCK)
-        tl.store(path_ptr + r, path)
+            tl.store(path_ptr + r, 2)
 
 
 def asm_stores(t: torch.Tensor) -> bool:
@@ -217,12 +189,14 @@ def row_thresholds(scores, row0, rows, offset, S, topk, *, samples, run, cap, wa
 
 
 def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap, warps, stages, split_t=False,
-                asm_store=None, thresh=None, t_warps=4):
+                asm_store=None, thresh=None, t_warps=4, refilter=True):
     """Phase 1: the rows' candidates, Candidates(scores [rows, CAP] fp32, indices [rows, CAP] int32,
     counts [rows] int32: the keys >= t, past CAP when they overflowed; 0 for rows with <= CAP keys,
-    which the select reads from the scores). ``split_t``: the thresholds by a kernel of their own
-    first (row_thresholds; or ``thresh``, given). ``asm_store`` (default: asm_stores(scores)) picks
-    the candidates' store path (benchmarks compare both)."""
+    which the select reads from the scores; paths [rows]). ``split_t``: the thresholds by a kernel of
+    their own first (row_thresholds; or ``thresh``, given). ``refilter``: a row whose candidates
+    missed [topk, CAP] is filtered once more by _refilter_kernel (else the select's full radix select
+    takes it: one such row of 61440 cost 0.16 ms, the whole 64K context's 8.92 against 8.76, H100 run 13).
+    ``asm_store`` (default: asm_stores(scores)) picks the candidates' store path (benchmarks compare both)."""
     if cap < topk or cap & (cap - 1):
         raise ValueError(f"CAP ({cap}) must be a power of two >= topk ({topk})")
     if samples % run or samples & (samples - 1):
@@ -230,40 +204,37 @@ def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap
     ckey = torch.empty((rows, cap), device=scores.device, dtype=torch.float32)
     cidx = torch.empty((rows, cap), device=scores.device, dtype=torch.int32)
     count = torch.zeros((rows,), device=scores.device, dtype=torch.int32)
+    paths = torch.empty((rows,), device=scores.device, dtype=torch.int32)
     if split_t and thresh is None:
         thresh = row_thresholds(scores, row0, rows, offset, S, topk, samples=samples, run=run, cap=cap,
                                 warps=t_warps)
     if not split_t:
         thresh = torch.empty((rows,), device=scores.device, dtype=torch.uint32)  # written by the filter
-    _filter_kernel[(rows,)](scores, ckey, cidx, count, thresh, row0, offset, S, scores.stride(0), ckey.stride(0),
-                            K=topk, BLOCK=block, SAMPLES=samples, RUN=run, CAP=cap, STAGES=stages,
-                            SPLIT_T=bool(split_t), ASM_STORE=asm_stores(scores) if asm_store is None else asm_store,
-                            num_warps=warps, num_stages=stages)
-    return Candidates(ckey, cidx, count, thresh)
+    asm = asm_stores(scores) if asm_store is None else asm_store
+    args = (scores, ckey, cidx, count, paths, thresh, row0, offset, S, scores.stride(0), ckey.stride(0))
+    _filter_kernel[(rows,)](*args, K=topk, BLOCK=block, SAMPLES=samples, RUN=run, CAP=cap, STAGES=stages,
+                            SPLIT_T=bool(split_t), ASM_STORE=asm, num_warps=warps, num_stages=stages)
+    if refilter:
+        _refilter_kernel[(rows,)](*args, K=topk, BLOCK=block, SAMPLES=samples, RUN=run, CAP=cap, STAGES=stages,
+                                  ASM_STORE=asm, num_warps=warps, num_stages=stages)
+    return Candidates(ckey, cidx, count, paths)
 
 
-def select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, *, radix_bits, warps, asm_store=None,
-                refilter=True):
-    """Phase 2: the exact top-k of each row from its Candidates (or its scores) into out[row0 + r].
-    ``refilter``: a row whose candidates missed [topk, CAP] is filtered once more (refilter_threshold)
-    before the full radix select over it (False: straight to the full select; benchmarks compare).
-    Returns each row's path, int32 [rows]: 0 selected from the filter's candidates (or, rows of <= k
-    keys, all of them), 1 from the refilter's, 2 by the full select. A row that took the refilter
-    leaves its lists rewritten, so time a select on fresh Candidates."""
-    paths = torch.zeros((rows,), device=scores.device, dtype=torch.int32)
-    _select_kernel[(rows,)](scores, cand.scores, cand.indices, cand.counts, cand.thresholds, out, paths, shifts,
-                            masks, row0, offset, S, scores.stride(0), cand.scores.stride(0), out.stride(0), K=topk,
+def select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, *, radix_bits, warps, asm_store=None):
+    """Phase 2: the exact top-k of each row from its Candidates (or its scores) into out[row0 + r];
+    completes cand.paths."""
+    _select_kernel[(rows,)](scores, cand.scores, cand.indices, cand.counts, out, cand.paths, shifts, masks, row0,
+                            offset, S, scores.stride(0), cand.scores.stride(0), out.stride(0), K=topk,
                             CAP=cand.scores.shape[1], BLOCK=1024, RADIX_BITS=radix_bits, N_PASSES=shifts.numel(),
-                            REFILTER=bool(refilter),
                             ASM_STORE=asm_stores(scores) if asm_store is None else asm_store,
                             num_warps=warps, num_stages=1)
-    return paths
 
 
 def topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, *, samples, run, block, cap,
                        radix_bits, filter_warps, filter_stages, select_warps, split_t=False, t_warps=4, refilter=True):
     """Same contract as topk.topk_rows_chunk: filter_rows, then select_rows."""
     cand = filter_rows(scores, row0, rows, offset, S, topk, samples=samples, run=run, block=block,
-                       cap=cap, warps=filter_warps, stages=filter_stages, split_t=split_t, t_warps=t_warps)
+                       cap=cap, warps=filter_warps, stages=filter_stages, split_t=split_t, t_warps=t_warps,
+                       refilter=refilter)
     select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
-                warps=select_warps, refilter=refilter)
+                warps=select_warps)

@@ -5,7 +5,8 @@ every 4096-row chunk of a causal context on one buffer of scores (the last chunk
 reads its first n = row0 + r + 1 keys of it). This replays that with the default FILTER config's
 phases timed apart per chunk (thresholds, filter given them, select) beside the whole call, and counts
 each chunk's rows whose candidates missed [k, CAP] (the select refilters them; `paths` counts the rows
-the refilter served and those left to the full radix select). Then, on the longest chunk, a grid of
+the refilter served and those left to the full radix select; the thresholds are timed apart, as
+SPLIT_T would run them). Then, on the longest chunk, a grid of
 (SAMPLES, RUN): the thresholds alone, their loads alone (stream_floor.threshold_floor), and the rows
 each leaves outside [k, CAP]. Last, the whole context's top-k per FILTER variant (fewer samples, the
 thresholds at fewer warps, the refilter off), each checked equal to the default's output.
@@ -21,13 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 COPY_GBPS = 4240.0
 THRESHOLD_GRID = [(4096, 8), (4096, 16), (4096, 32), (2048, 8), (2048, 16), (1024, 8), (1024, 16), (512, 8)]
-# whole-context runs: changes to the default FILTER config. Run 13 (H100): 2048 samples 7.98 ms, 1024
-# 7.84, 1024 at 2 warps 7.80, 512 at 1 warp 8.07, against the default's 8.76 (REFILTER 0: 8.92).
+# whole-context runs: changes to the default FILTER config. Runs 13-14 (H100), against session 17's
+# default (4096 samples, SPLIT_T: 8.71 ms): 1024 samples inline 7.39, 2048 inline 7.51, 1024 in a kernel
+# of their own at 2 warps 7.74, the select at 8 warps 7.85.
 VARIANTS = [
-    {"REFILTER": 0}, {"SAMPLES": 1024, "T_WARPS": 2}, {"SAMPLES": 1024, "SPLIT_T": 0}, {"SAMPLES": 2048, "SPLIT_T": 0},
-    {"SAMPLES": 1024, "T_WARPS": 2, "SELECT_WARPS": 8}, {"SAMPLES": 2048, "RUN": 16, "T_WARPS": 2},
+    {"SAMPLES": 4096, "SPLIT_T": 1}, {"SAMPLES": 2048}, {"RUN": 4}, {"RUN": 16}, {"SPLIT_T": 1, "T_WARPS": 2},
 ]
-PARTS = ("breakdown", "thresholds", "select", "variants")
+PARTS = ("breakdown", "thresholds", "variants")
 
 
 def main() -> int:
@@ -87,16 +88,14 @@ def main() -> int:
             cand = tf.filter_rows(scores, row0, rows, 0, S, K, **fkw)
             torch.cuda.synchronize()
             long_rows = n > cap
-            c = cand.counts[long_rows]
+            c = cand.counts[long_rows]  # after the refilter
             entry["fallback_rows"] = int(((c < K) | (c > cap)).sum())
             entry["candidates"] = {"mean": round(float(c.float().mean()), 1), "min": int(c.min()), "max": int(c.max())}
             entry["thresholds_ms"] = round(timer(lambda: tf.row_thresholds(
                 scores, row0, rows, 0, S, K, samples=samples, run=run, cap=cap), min_iters=5), 4)
             entry["filter_ms"] = round(timer(lambda: tf.filter_rows(scores, row0, rows, 0, S, K, **fkw), min_iters=5), 4)
-            paths = tf.select_rows(scores, cand, row0, rows, 0, S, K, out, shifts, masks, radix_bits=8,
-                                   warps=p["SELECT_WARPS"])
-            entry["paths"] = {"refilter": int((paths == 1).sum()), "full_select": int((paths == 2).sum())}
-            cand = tf.filter_rows(scores, row0, rows, 0, S, K, **fkw)  # fresh lists: the refilter rewrote some
+            tf.select_rows(scores, cand, row0, rows, 0, S, K, out, shifts, masks, radix_bits=8, warps=p["SELECT_WARPS"])
+            entry["paths"] = {"refilter": int((cand.paths == 1).sum()), "full_select": int((cand.paths == 2).sum())}
             entry["select_ms"] = round(timer(lambda: tf.select_rows(scores, cand, row0, rows, 0, S, K, out, shifts,
                                                                     masks, radix_bits=8, warps=p["SELECT_WARPS"]),
                                              min_iters=5), 4)
@@ -115,18 +114,6 @@ def main() -> int:
 
     row0, rows = T - R, R  # the longest chunk: thresholds per (SAMPLES, RUN)
     n = torch.clamp(torch.arange(rows, device=dev) + row0 + 1, max=S)
-    if "select" in parts:  # the select alone, its refilter compiled in or not (no row needs it here)
-        cand = tf.filter_rows(scores, row0, rows, 0, S, K, samples=samples, run=run, block=p["BLOCK"], cap=cap,
-                              warps=cfg.num_warps, stages=cfg.num_stages, split_t=True)
-        c = cand.counts[n > cap]
-        report["select_alone"] = {"rows_outside": int(((c < K) | (c > cap)).sum())}
-        for refilter in (True, False, True, False):
-            ms = timer(lambda refilter=refilter: tf.select_rows(scores, cand, row0, rows, 0, S, K, out, shifts, masks,
-                                                                radix_bits=8, warps=p["SELECT_WARPS"],
-                                                                refilter=refilter), min_iters=10)
-            report["select_alone"].setdefault("refilter" if refilter else "no_refilter", []).append(round(ms, 4))
-        print("select alone", report["select_alone"], flush=True)
-        save()
     for smp, rn in THRESHOLD_GRID if "thresholds" in parts else []:
         try:
             th = tf.row_thresholds(scores, row0, rows, 0, S, K, samples=smp, run=rn, cap=cap)
@@ -170,11 +157,12 @@ def main() -> int:
             for r0, rows in chunks:  # untimed: which path each row took
                 cand = tf.filter_rows(scores, r0, rows, 0, S, K, samples=params["SAMPLES"], run=params["RUN"],
                                       block=params["BLOCK"], cap=params["CAP"], warps=vcfg.num_warps,
-                                      stages=vcfg.num_stages, split_t=True, t_warps=params.get("T_WARPS", 4))
-                paths = tf.select_rows(scores, cand, r0, rows, 0, S, K, got, shifts, masks, radix_bits=8,
-                                       warps=params["SELECT_WARPS"], refilter=bool(params.get("REFILTER", 1)))
+                                      stages=vcfg.num_stages, split_t=True, t_warps=params.get("T_WARPS", 4),
+                                      refilter=bool(params.get("REFILTER", 1)))
+                tf.select_rows(scores, cand, r0, rows, 0, S, K, got, shifts, masks, radix_bits=8,
+                               warps=params["SELECT_WARPS"])
                 for i in range(3):
-                    n_paths[i] += int((paths == i).sum())
+                    n_paths[i] += int((cand.paths == i).sum())
             row = {"change": change, "ms": round(ms, 4), "read_fraction_of_copy": round(all_bytes / ms / 1e6 / COPY_GBPS, 4),
                    "rows_same": int((got == ref).all(dim=1).sum()), "rows": T,
                    "paths": {"candidates": n_paths[0], "refilter": n_paths[1], "full_select": n_paths[2]}}

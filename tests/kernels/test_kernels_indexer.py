@@ -206,24 +206,23 @@ def _filter_case(device, rows=12, S=400):
     return scores, torch.full((rows,), S, device=device)
 
 
-def _filtered_topk(scores, K, cap, samples=64, run=4, split_t=False, refilter=True, with_paths=False):
+def _filtered_topk(scores, K, cap, samples=64, run=4, split_t=False, refilter=True):
+    """(the top-k by filter then select, the rows' final candidate counts, the path each row took)."""
     from kernels import topk_filter as tf
     from kernels.topk import _radix_schedule
     rows, S = scores.shape
     cand = tf.filter_rows(scores, 0, rows, S - 1, S, K, samples=samples, run=run, block=64, cap=cap,
-                          warps=4, stages=1, split_t=split_t)
-    counts = cand.counts.clone()  # the select's refilter leaves the lists rewritten, not the counts
+                          warps=4, stages=1, split_t=split_t, refilter=refilter)
     out = torch.full((rows, K), -2, device=scores.device, dtype=torch.int32)
     shifts, masks = _radix_schedule(8, scores.device)
-    paths = tf.select_rows(scores, cand, 0, rows, S - 1, S, K, out, shifts, masks, radix_bits=8, warps=4,
-                           refilter=refilter)
-    return (out, counts, paths) if with_paths else (out, counts)
+    tf.select_rows(scores, cand, 0, rows, S - 1, S, K, out, shifts, masks, radix_bits=8, warps=4)
+    return out, cand.counts, cand.paths
 
 
 @pytest.mark.parametrize("split_t", [False, True], ids=["threshold_inline", "threshold_kernel"])
 def test_filter_select_is_exact_when_candidates_fit(device, split_t):
     scores, n = _filter_case(device)
-    out, count = _filtered_topk(scores, K=16, cap=128, split_t=split_t)
+    out, count, _ = _filtered_topk(scores, K=16, cap=128, split_t=split_t)
     assert ((count >= 16) & (count <= 128)).all(), count  # the premise: no row took the fallback
     assert torch.equal(out, select_topk(scores, n, 16, stable=True))
 
@@ -243,58 +242,53 @@ def test_the_candidates_are_every_key_at_or_above_the_threshold_in_index_order(d
         assert torch.equal(cand.scores[r, :c], scores[r, want])
 
 
+def _biased_sample_case(device, shift, S=1000, samples=256, run=4):
+    """Rows whose sampled keys (sampled_threshold's positions) are all shifted by `shift`: the sample
+    then misplaces the threshold (too high for shift > 0, too low for shift < 0)."""
+    scores, n = _filter_case(device, S=S)
+    n_runs = samples // run
+    stride = max(-(-S // n_runs), run)
+    i = torch.arange(samples, device=device)
+    pos = (i // run) * stride + i % run
+    sampled = torch.zeros(S, dtype=torch.bool, device=device)
+    sampled[pos[pos < S]] = True
+    return torch.where(sampled, scores + shift, scores), n
+
+
+@pytest.mark.parametrize("shift", [-0.5, 0.5], ids=["too_many", "too_few"])
 @pytest.mark.parametrize("split_t", [False, True], ids=["threshold_inline", "threshold_kernel"])
-def test_filter_select_refilters_when_the_threshold_misses(device, split_t):
-    scores, n = _filter_case(device)
-    want = select_topk(scores, n, 16, stable=True)
-    # too many candidates for the slots (CAP 32 < ~44 expected survivors): the refilter aims at 24 of
-    # them from the first 32, and each such row is then selected from its refiltered lists
-    out, count, paths = _filtered_topk(scores, K=16, cap=32, split_t=split_t, with_paths=True)
-    over = count > 32
-    assert over.sum() >= 6, count
-    assert (paths[over] == 1).float().mean() >= 0.8, (count, paths)
+def test_filter_refilters_a_row_whose_sampled_threshold_missed(device, shift, split_t):
+    # K = 64 of 1000 keys, CAP 128, 256 samples: with the samples shifted the first threshold leaves
+    # 150-240 keys (too many) or 49-72 (too few, most rows); the samples' count scaled by what the row
+    # showed lands in [K, CAP] (a host simulation of this seed: every missed row)
+    scores, n = _biased_sample_case(device, shift)
+    want = select_topk(scores, n, 64, stable=True)
+    out, first, paths = _filtered_topk(scores, K=64, cap=128, samples=256, split_t=split_t, refilter=False)
+    missed = (first < 64) | (first > 128)
+    assert missed.sum() >= 10, first
+    assert (paths[missed] == 2).all() and (paths[~missed] == 0).all(), paths  # straight to the full select
     assert torch.equal(out, want)
-    # without the refilter the same rows take the full select, same selection
-    out, _, paths = _filtered_topk(scores, K=16, cap=32, split_t=split_t, refilter=False, with_paths=True)
-    assert (paths[over] == 2).all(), paths
+    out, count, paths = _filtered_topk(scores, K=64, cap=128, samples=256, split_t=split_t)
+    assert ((paths == 1) == missed).all(), (first, paths)
+    assert ((count[missed] >= 64) & (count[missed] <= 128)).float().mean() >= 0.9, count
     assert torch.equal(out, want)
-
-
-def test_filter_select_refilters_below_a_threshold_set_too_high(device):
-    from kernels import topk_filter as tf
-    from kernels.topk import _radix_schedule
-    # a threshold that leaves only the top 1% of the rows' 4000 keys (40 < K = 64): the Gaussian tail
-    # above it, taken as exponential and extended down, gives a second threshold that leaves between
-    # K and CAP (a host simulation of three seeds: 36 of 36 rows)
-    scores, n = _filter_case(device, S=4000)
-    rows, S, K, cap = 12, 4000, 64, 128
-    t = _ordered_keys(scores.sort(dim=1, descending=True).values[:, 39])
-    t = torch.where(t >= 2**31, t - 2**32, t).to(torch.int32).view(torch.uint32)  # the kernels' threshold dtype
-    cand = tf.filter_rows(scores, 0, rows, S - 1, S, K, samples=64, run=4, block=64, cap=cap, warps=4, stages=1,
-                          split_t=True, thresh=t)
-    assert (cand.counts == 40).all(), cand.counts
-    out = torch.full((rows, K), -2, device=device, dtype=torch.int32)
-    shifts, masks = _radix_schedule(8, device)
-    paths = tf.select_rows(scores, cand, 0, rows, S - 1, S, K, out, shifts, masks, radix_bits=8, warps=4)
-    assert (paths == 1).sum() >= 11, paths
-    assert torch.equal(out, select_topk(scores, n, K, stable=True))
 
 
 def test_filter_select_takes_the_full_select_when_the_refilter_cannot_help(device):
-    # every key tied: no threshold leaves between K and CAP of them (the refilter is not even tried)
+    # every key tied: no threshold leaves between K and CAP of them (the refilter is not even tried:
+    # its threshold cannot move)
     scores = torch.zeros(6, 400, device=device)
     n = torch.full((6,), 400, device=device)
-    out, count, paths = _filtered_topk(scores, K=16, cap=32, with_paths=True)
+    out, count, paths = _filtered_topk(scores, K=16, cap=32)
     assert (count == 400).all() and (paths == 2).all(), (count, paths)
     assert torch.equal(out, select_topk(scores, n, 16, stable=True))
-    # the sampled keys are the row's largest by far: t sits above every other key and too few
-    # survive; an exponential tail of those few seldom reaches the rest, and where the refilter
-    # misses too the full select finishes the row
+    # the sampled keys are the row's largest by far: t sits above every other key, too few survive,
+    # and no threshold from the samples reaches the rest: the full select finishes the row
     scores, n = _filter_case(device)
     pos = torch.arange(400, device=device)
     scores = torch.where((pos % 25) < 4, 100.0 + scores.abs(), scores)
-    out, count, paths = _filtered_topk(scores, K=64, cap=128, with_paths=True)
-    assert (count < 64).all() and (paths == 2).sum() >= 6, (count, paths)
+    out, count, paths = _filtered_topk(scores, K=64, cap=128)
+    assert (paths == 2).all(), (count, paths)
     assert torch.equal(out, select_topk(scores, n, 64, stable=True))
 
 
