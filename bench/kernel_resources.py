@@ -127,7 +127,7 @@ def _topk_cases() -> list[tuple[str, Any, dict, dict, list]]:
     4096 rows of a 64K context, k = 2048)."""
     from kernels._tuning import KernelConfig
     from kernels.topk import EXPERIMENTAL_TOPK_CONFIGS, TOPK_CONFIGS
-    from kernels.topk_filter import _filter_kernel, _select_kernel
+    from kernels.topk_filter import _filter_kernel, _refilter_kernel, _select_kernel
 
     S, K = 65536, 2048
     shapes = [dict(c.params) | {"warps": c.num_warps, "stages": c.num_stages}
@@ -145,6 +145,9 @@ def _topk_cases() -> list[tuple[str, Any, dict, dict, list]]:
         sel = KernelConfig.make(p["SELECT_WARPS"], 1, CAP=cap, BLOCK=1024, RADIX_BITS=p["RADIX_BITS"],
                                 N_PASSES=-(-32 // p["RADIX_BITS"]), ASM_STORE=True)
         cases.append(("topk_filter", _filter_kernel, {**common, "stride_c": cap}, {"K": K}, [(filt, {})]))
+        refilt = KernelConfig.make(p["warps"], p["stages"], BLOCK=p["BLOCK"], SAMPLES=p["SAMPLES"], RUN=p["RUN"],
+                                   CAP=cap, STAGES=p["stages"], ASM_STORE=True)
+        cases.append(("topk_refilter", _refilter_kernel, {**common, "stride_c": cap}, {"K": K}, [(refilt, {})]))
         cases.append(("topk_select", _select_kernel,
                       {**common, "out_ptr": Ptr("i32"), "shift_ptr": Ptr("i32"), "dmask_ptr": Ptr("i32"),
                        "stride_c": cap, "stride_o": K}, {"K": K}, [(sel, {})]))

@@ -44,11 +44,11 @@ TOPK_CONFIGS = [
     # 8.62 with thirds only, same H200; the rows in parts, each part's select on a second stream beside
     # the next part's filter, lost (1 / 2 / 4 / 8 parts: 0.77 / 0.81 / 1.05 / 2.01 ms) and was removed.
     # Session 18 (runs 13-15): a row whose candidates miss [k, CAP] is refiltered (topk_filter's
-    # _refilter_kernel) instead of taking the full radix select (0.16 ms a row), so 1024 samples do:
-    # few enough to sit in the filter again (64 registers), 1.2% of the rows refiltered. Whole 64K
-    # context on an H100: 7.39 ms against this config's earlier 4096 samples in a kernel of their own,
-    # 8.71 (run 14).
-    KernelConfig.make(FILTER=1, SPLIT_T=0, SAMPLES=1024, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
+    # _refilter_kernel) instead of taking the full radix select (0.16 ms a row), so fewer samples do:
+    # few enough to sit in the filter again (64 registers). Whole 64K context on an H100 (run 15):
+    # 2048 samples 7.40 ms (0.06% of the rows refiltered), 1024 7.85 (1.1%; two missed again), this
+    # config's earlier 4096 samples in a kernel of their own 8.66.
+    KernelConfig.make(FILTER=1, SPLIT_T=0, SAMPLES=2048, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
                       SELECT_WARPS=4, num_warps=4, num_stages=3),
 ]
 # Exact, CPU-interpreter tested, not in the default list (each costs a compile and a timing per tuning

@@ -21,8 +21,11 @@ program, a latency-bound 0.5 TB/s on the H200 (11% of the copy rate). Here:
      counts: no sort, no scratch reread.
 Exact whatever the sample: if >= k keys of a row are >= t, its k-th key is >= t, so every key the
 full select would take (ties included) is a candidate. A row with fewer than k candidates (t too
-high) or more than CAP (t too low, heavy ties) is finished by the full radix select over the row
-(topk_common.emit_full) inside the select kernel.
+high) or more than CAP (t too low) is filtered once more (_refilter_kernel, between the two: its
+samples searched again with their count scaled by what the row showed); a row that misses again
+(heavy ties) is finished by the full radix select over the row (topk_common.emit_full) inside the
+select kernel. The refilter is what lets the threshold come from 1024 samples (1.2% of a 64K
+context's rows refiltered): a row's full select costs ~0.16 ms, alone at the end of the kernel.
 The float compare keeps a superset of the keys >= t (-0.0 and +0.0 compare equal; NaN scores are
 kept by `x != x`), which is all exactness needs: the select orders the candidates by ordered_key.
 Row reads: one, plus SAMPLES / RUN sectors for the threshold; candidates: ~1.5 k x 8 bytes written
@@ -59,7 +62,7 @@ def _threshold_kernel(score_ptr, t_ptr, row0, offset, S, stride_s, K: tl.constex
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)
     if n > CAP:
-        tl.store(t_ptr + r, sampled_threshold(score_ptr + r.to(tl.int64) * stride_s, n, K, SAMPLES, RUN, 0))
+        tl.store(t_ptr + r, sampled_threshold(score_ptr + r.to(tl.int64) * stride_s, n, K, SAMPLES, RUN, 1.0))
 
 
 @triton.jit
@@ -73,7 +76,7 @@ def _filter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, ro
         if SPLIT_T:
             t = tl.load(t_ptr + r)
         else:
-            t = sampled_threshold(row, n, K, SAMPLES, RUN, 0)
+            t = sampled_threshold(row, n, K, SAMPLES, RUN, 1.0)
             tl.store(t_ptr + r, t)  # for the refilter
         n_cand = filter_row(row, n, key_to_float(t), ckey_ptr + r.to(tl.int64) * stride_c,
                             cidx_ptr + r.to(tl.int64) * stride_c, BLOCK, CAP, STAGES, ASM_STORE)
@@ -81,14 +84,17 @@ def _filter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, ro
         tl.store(path_ptr + r, 0)
 
 
+REFILTER_TRIES: tl.constexpr = tl.constexpr(2)  # run 15: one try left 2 of 725 refiltered rows (1024 samples)
+
+
 @triton.jit
 def _refilter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, row0, offset, S, stride_s, stride_c,
                      K: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr,
                      CAP: tl.constexpr, STAGES: tl.constexpr, ASM_STORE: tl.constexpr):
-    """A row whose candidates missed [K, CAP] is filtered once more, at a threshold from the same
-    samples with their count scaled by what the row showed; the others return at once. A kernel of
-    its own: inside the filter it took 64 -> 96 registers a thread (sm_90, 1024 samples), inside the
-    select 159 -> 168 and the select 7% longer (0.204 against 0.190 ms, H100, run 14)."""
+    """A row whose candidates missed [K, CAP] is filtered again, at a threshold from the same samples
+    with their count scaled by what the row showed (up to REFILTER_TRIES times); the other rows return
+    at once. A kernel of its own: inside the filter it took 64 -> 96 registers a thread (sm_90, 1024
+    samples), inside the select 159 -> 168 and the select 7% longer (0.204 against 0.190 ms, H100, run 14)."""
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)
     if n > CAP:
@@ -96,12 +102,17 @@ def _refilter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, 
         if (n_cand < K) | (n_cand > CAP):
             row = score_ptr + r.to(tl.int64) * stride_s
             t = tl.load(t_ptr + r)
-            t2 = sampled_threshold(row, n, K, SAMPLES, RUN, tl.maximum(n_cand, 1))
-            if ((n_cand < K) & (t2 < t)) | ((n_cand > CAP) & (t2 > t)):
-                n_cand = filter_row(row, n, key_to_float(t2), ckey_ptr + r.to(tl.int64) * stride_c,
-                                    cidx_ptr + r.to(tl.int64) * stride_c, BLOCK, CAP, STAGES, ASM_STORE)
-                tl.store(count_ptr + r, n_cand)
-                tl.store(path_ptr + r, 1)
+            scale = tl.full([], 1.0, tl.float32)
+            for _ in tl.static_range(REFILTER_TRIES):
+                if (n_cand < K) | (n_cand > CAP):
+                    scale = scale * (1.5 * K) / tl.maximum(n_cand, 1).to(tl.float32)
+                    t2 = sampled_threshold(row, n, K, SAMPLES, RUN, scale)
+                    if ((n_cand < K) & (t2 < t)) | ((n_cand > CAP) & (t2 > t)):
+                        n_cand = filter_row(row, n, key_to_float(t2), ckey_ptr + r.to(tl.int64) * stride_c,
+                                            cidx_ptr + r.to(tl.int64) * stride_c, BLOCK, CAP, STAGES, ASM_STORE)
+                        t = t2
+                        tl.store(count_ptr + r, n_cand)
+                        tl.store(path_ptr + r, 1)
 
 
 @triton.jit

@@ -33,7 +33,7 @@ def _topk_sample_kernel(score_ptr, out_ptr, ckey_ptr, cidx_ptr, shift_ptr, dmask
     else:
         t = tl.zeros([], tl.uint32)
         if n > CAP:
-            t = sampled_threshold(row, n, K, SAMPLES, 1, 0)
+            t = sampled_threshold(row, n, K, SAMPLES, 1, 1.0)
         ckey_row = ckey_ptr + r.to(tl.int64) * stride_c
         cidx_row = cidx_ptr + r.to(tl.int64) * stride_c
         n_cand = tl.zeros([], tl.int32)

@@ -22,12 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 COPY_GBPS = 4240.0
 THRESHOLD_GRID = [(4096, 8), (4096, 16), (4096, 32), (2048, 8), (2048, 16), (1024, 8), (1024, 16), (512, 8)]
-# whole-context runs: changes to the default FILTER config. Runs 13-14 (H100), against session 17's
-# default (4096 samples, SPLIT_T: 8.71 ms): 1024 samples inline 7.39, 2048 inline 7.51, 1024 in a kernel
-# of their own at 2 warps 7.74, the select at 8 warps 7.85.
-VARIANTS = [
-    {"SAMPLES": 4096, "SPLIT_T": 1}, {"SAMPLES": 2048}, {"RUN": 4}, {"RUN": 16}, {"SPLIT_T": 1, "T_WARPS": 2},
-]
+# whole-context runs: changes to the default FILTER config (2048 samples inline since run 15). Runs
+# 13-15 (H100): session 17's default (4096 samples, SPLIT_T) 8.66-8.76 ms; 2048 inline 7.40-7.51, 1024
+# inline 7.39-7.85 (more rows refiltered), RUN 4 / 16 no better, thresholds apart at 2 warps 7.74-8.18,
+# the select at 8 warps 7.85.
+VARIANTS = [{"SAMPLES": 1024}, {"SAMPLES": 4096, "SPLIT_T": 1}, {"REFILTER": 0}, {"RUN": 16}]
 PARTS = ("breakdown", "thresholds", "variants")
 
 
