@@ -67,8 +67,12 @@ async def test_affinity_holds_through_an_engine_restart():
     urls = [await s.start() for s in servers]
     router = Router(urls, timeout_s=30)
     sp = SamplingParams(max_new_tokens=4, temperature=0.0)
-    sessions = [f"ep-{i}" for i in range(12)]
-    prompts = {s: [i + 1] * 6 for i, s in enumerate(sessions)}
+    # at least 12 sessions, and enough that every engine is some session's home: the engines' ports
+    # are random, so 12 fixed names fell on only two of them now and then (1 run in ~50)
+    sessions: list[str] = []
+    while len(sessions) < 200 and (len(sessions) < 12 or len({router.engine_for(s) for s in sessions}) < 3):
+        sessions.append(f"ep-{len(sessions)}")
+    prompts = {s: [i % 200 + 1] * 6 for i, s in enumerate(sessions)}
     try:
         home = {s: router.engine_for(s) for s in sessions}
         assert len(set(home.values())) == 3
