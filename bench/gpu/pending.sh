@@ -20,7 +20,8 @@
 #   [K2] `bwd`: sparse MLA backward GPU tests and every backward variant (atomic, split, key-major;
 #        kernels_bwd.json); `dsa_switch`: the 5-layer GLM through the switch per backward impl
 #   [K2] `topk`: bench/gpu/topk_sweep.py (kernels/topk_filter.py's shapes against the other top-k
-#        configs, phases apart; indexer_topk over the whole context; topk_sweep.json)
+#        configs, phases apart; indexer_topk over the whole context; topk_sweep.json); `topk_chunks`:
+#        bench/gpu/topk_chunks.py (the whole context by chunk and phase, FILTER variants side by side)
 #   [K2] `kernels`: every sparse MLA backward impl (kernels.json sparse_mla_bwd entries); the indexer
 #        family, with the fused top-k (indexer_topk_fused) beside the default (KERNELS= picks the
 #        families); `fused`: its GPU test
@@ -80,6 +81,9 @@ has gpu_kernel_tests && part gpu_kernel_tests 300 python3 -m pytest -q -p no:cac
 # phases apart, the fused impl's selects), then indexer_topk over the whole context (topk_sweep.json)
 has topk && part topk 480 python3 bench/gpu/topk_sweep.py --out "$OUT/topk_sweep.json" \
   --contexts "${TOPK_CONTEXTS:-65536}" --pipeline
+# topk_chunks: the whole 64K context's top-k chunk by chunk and phase, the (SAMPLES, RUN) grid, and the
+# whole context per FILTER variant against the default (bench/gpu/topk_chunks.py; topk_filter_gpu.json runs 13-15)
+has topk_chunks && part topk_chunks 300 python3 bench/gpu/topk_chunks.py --out "$OUT/topk_chunks.json"
 # dsa_switch: the 5-layer GLM-5.2 forward+backward, Megatron's unfused DSA vs the switch with each
 # backward impl (DSA_BWD_IMPLS), one model, at DSA_SEQLENS tokens (dsa_switch_h200.json)
 for n in ${DSA_SEQLENS:-2048}; do
