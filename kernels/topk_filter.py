@@ -43,6 +43,7 @@ import triton.language as tl
 from kernels.topk_common import (emit_full, emit_short_row, key_to_float, ordered_key, sampled_threshold,
                                  scatter_b32, select_in_registers)
 
+
 class Candidates(NamedTuple):
     """What the filter leaves for the select: per row, up to CAP scores and their indices in index
     order, how many keys passed the threshold (past CAP when they overflowed), and which path the

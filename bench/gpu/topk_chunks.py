@@ -4,7 +4,7 @@ The kernels benchmark's top-k phase (bench/kernel_cases._indexer_phase_ms) runs 
 every 4096-row chunk of a causal context on one buffer of scores (the last chunk's: row r of chunk c
 reads its first n = row0 + r + 1 keys of it). This replays that with the default FILTER config's
 phases timed apart per chunk (thresholds, filter given them, select) beside the whole call, and counts
-each chunk's rows whose candidates missed [k, CAP] (the select refilters them; `paths` counts the rows
+each chunk's rows whose candidates missed [k, CAP] (the refilter kernel filters them again; `paths` counts the rows
 the refilter served and those left to the full radix select; the thresholds are timed apart, as
 SPLIT_T would run them). Then, on the longest chunk, a grid of
 (SAMPLES, RUN): the thresholds alone, their loads alone (stream_floor.threshold_floor), and the rows
