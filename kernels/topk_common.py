@@ -262,32 +262,32 @@ SLACK_DIV: tl.constexpr = tl.constexpr(32)  # sampled_threshold stops its search
 
 
 @triton.jit
+def sample_positions(n, SAMPLES: tl.constexpr, RUN: tl.constexpr):
+    """(positions [SAMPLES], run_stride): sampled_threshold's samples of a row of n keys, runs of RUN
+    neighbours whose starts are run_stride keys apart (positions >= n are not in the row)."""
+    N_RUNS: tl.constexpr = SAMPLES // RUN
+    run_stride = tl.maximum((n + N_RUNS - 1) // N_RUNS, RUN)
+    i = tl.arange(0, SAMPLES)
+    return (i // RUN) * run_stride + (i % RUN), run_stride
+
+
+@triton.jit
 def sampled_threshold(row, n, K: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr, scale):
     """t such that about 1.5 k x scale of the row's n keys are >= t, from SAMPLES keys taken in runs
     of RUN neighbours at a fixed stride (RUN 8: a run is one 32-byte sector; RUN 1: single strided keys).
 
     scale is 1.0 but in a refilter, where a threshold from these samples left some other count than
     it aimed at: scaling the samples' count by the miss corrects the sample by what the row showed."""
-    N_RUNS: tl.constexpr = SAMPLES // RUN
-    run_stride = tl.maximum((n + N_RUNS - 1) // N_RUNS, RUN)  # keys between the starts of two runs
-    i = tl.arange(0, SAMPLES)
-    pos = (i // RUN) * run_stride + (i % RUN)
+    pos, run_stride = sample_positions(n, SAMPLES, RUN)
     ok = pos < n
     keys = ordered_key(tl.load(row + pos, mask=ok, other=0.0))
     # each sample stands for run_stride / RUN keys: ask for ~1.5 k of them plus 4 samples of margin,
     # give or take 1/32 of that (the sample's own error is ~10 times larger: survivors 2404-3924 of a
     # 3072 target on 4096 x 64K rows)
-    need = sampled_need(n, K, SAMPLES, RUN, scale)
-    return search_count(keys, ok, need, need // SLACK_DIV)
-
-
-@triton.jit
-def sampled_need(n, K: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr, scale):
-    """How many of sampled_threshold's samples it keeps at or above its threshold."""
-    N_RUNS: tl.constexpr = SAMPLES // RUN
-    run_stride = tl.maximum((n + N_RUNS - 1) // N_RUNS, RUN)
     need = (3 * K * RUN) // (2 * run_stride) + 4
-    return tl.where(scale == 1.0, need, (need.to(tl.float32) * scale).to(tl.int32) + 1)
+    if scale != 1.0:
+        need = (need.to(tl.float32) * scale).to(tl.int32) + 1
+    return search_count(keys, ok, need, need // SLACK_DIV)
 
 
 @triton.jit

@@ -203,8 +203,8 @@ def row_thresholds(scores, row0, rows, offset, S, topk, *, samples, run, cap, wa
 def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap, warps, stages, split_t=False,
                 asm_store=None, thresh=None, t_warps=4, refilter=True):
     """Phase 1: the rows' candidates, Candidates(scores [rows, CAP] fp32, indices [rows, CAP] int32,
-    counts [rows] int32: the keys >= t, past CAP when they overflowed; 0 for rows with <= CAP keys,
-    which the select reads from the scores; paths [rows]). ``split_t``: the thresholds by a kernel of
+    counts [rows] int32: the keys >= t, past CAP when they overflowed; unset for rows with <= CAP
+    keys, which the select reads from the scores; paths [rows]). ``split_t``: the thresholds by a kernel of
     their own first (row_thresholds; or ``thresh``, given). ``refilter``: a row whose candidates
     missed [topk, CAP] is filtered once more by _refilter_kernel (else the select's full radix select
     takes it: one such row of 61440 cost 0.16 ms, the whole 64K context's 8.92 against 8.76, H100 run 13).
@@ -215,7 +215,7 @@ def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap
         raise ValueError(f"SAMPLES ({samples}) must be a power of two and a multiple of RUN ({run})")
     ckey = torch.empty((rows, cap), device=scores.device, dtype=torch.float32)
     cidx = torch.empty((rows, cap), device=scores.device, dtype=torch.int32)
-    count = torch.zeros((rows,), device=scores.device, dtype=torch.int32)
+    count = torch.empty((rows,), device=scores.device, dtype=torch.int32)  # no memset: only filtered rows are read
     paths = torch.empty((rows,), device=scores.device, dtype=torch.int32)
     if split_t and thresh is None:
         thresh = row_thresholds(scores, row0, rows, offset, S, topk, samples=samples, run=run, cap=cap,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.topk_common import ordered_key, threshold_at_count
+from kernels.topk_common import ordered_key, sample_positions, threshold_at_count
 
 
 @triton.jit
@@ -78,10 +78,7 @@ def _threshold_floor_kernel(score_ptr, out_ptr, row0, offset, S, stride_s, SAMPL
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)
     if n > CAP:
-        N_RUNS: tl.constexpr = SAMPLES // RUN
-        run_stride = tl.maximum((n + N_RUNS - 1) // N_RUNS, RUN)
-        i = tl.arange(0, SAMPLES)
-        pos = (i // RUN) * run_stride + (i % RUN)
+        pos, _ = sample_positions(n, SAMPLES, RUN)
         ok = pos < n
         keys = ordered_key(tl.load(score_ptr + r.to(tl.int64) * stride_s + pos, mask=ok, other=0.0))
         tl.store(out_ptr + r, tl.max(keys, axis=0))
