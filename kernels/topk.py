@@ -192,7 +192,8 @@ def topk_rows_chunk(scores, row0, rows, offset, S, topk, out, config: KernelConf
                                run=p["RUN"], block=p["BLOCK"], cap=p["CAP"], radix_bits=p["RADIX_BITS"],
                                filter_warps=cfg.num_warps, filter_stages=cfg.num_stages,
                                select_warps=p["SELECT_WARPS"], split_t=bool(p.get("SPLIT_T", 0)),
-                               t_warps=p.get("T_WARPS", 4), refilter=bool(p.get("REFILTER", 1)))
+                               t_warps=p.get("T_WARPS", 4), refilter=bool(p.get("REFILTER", 1)),
+                               aim=p.get("AIM_PCT", 150) / 100)
             return
         if "SAMPLES" in p:
             from kernels.topk_sample import topk_rows_sampled

@@ -276,8 +276,9 @@ def sampled_threshold(row, n, K: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.co
     """t such that about 1.5 k x scale of the row's n keys are >= t, from SAMPLES keys taken in runs
     of RUN neighbours at a fixed stride (RUN 8: a run is one 32-byte sector; RUN 1: single strided keys).
 
-    scale is 1.0 but in a refilter, where a threshold from these samples left some other count than
-    it aimed at: scaling the samples' count by the miss corrects the sample by what the row showed."""
+    scale: the filter's aim over 1.5 (1.0 by default: topk_filter's AIM), times, in a refilter, the
+    miss of the threshold these samples gave before (scaling the samples' count by the miss corrects
+    the sample by what the row showed)."""
     pos, run_stride = sample_positions(n, SAMPLES, RUN)
     ok = pos < n
     keys = ordered_key(tl.load(row + pos, mask=ok, other=0.0))

@@ -57,19 +57,20 @@ class Candidates(NamedTuple):
 
 @triton.jit
 def _threshold_kernel(score_ptr, t_ptr, row0, offset, S, stride_s, K: tl.constexpr, SAMPLES: tl.constexpr,
-                      RUN: tl.constexpr, CAP: tl.constexpr):
+                      RUN: tl.constexpr, CAP: tl.constexpr, AIM: tl.constexpr):
     """SPLIT_T: each filtered row's threshold, by a kernel of its own (the samples' registers then do
     not bound the streaming kernel's occupancy: 95 registers with 4096 samples in it, 56 without)."""
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)
     if n > CAP:
-        tl.store(t_ptr + r, sampled_threshold(score_ptr + r.to(tl.int64) * stride_s, n, K, SAMPLES, RUN, 1.0))
+        tl.store(t_ptr + r, sampled_threshold(score_ptr + r.to(tl.int64) * stride_s, n, K, SAMPLES, RUN, AIM / 1.5))
 
 
 @triton.jit
 def _filter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, row0, offset, S, stride_s, stride_c,
                    K: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr,
-                   CAP: tl.constexpr, STAGES: tl.constexpr, SPLIT_T: tl.constexpr, ASM_STORE: tl.constexpr):
+                   CAP: tl.constexpr, STAGES: tl.constexpr, SPLIT_T: tl.constexpr, ASM_STORE: tl.constexpr,
+                   AIM: tl.constexpr):
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)
     if n > CAP:  # shorter rows are selected straight from the scores
@@ -77,7 +78,7 @@ def _filter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, ro
         if SPLIT_T:
             t = tl.load(t_ptr + r)
         else:
-            t = sampled_threshold(row, n, K, SAMPLES, RUN, 1.0)
+            t = sampled_threshold(row, n, K, SAMPLES, RUN, AIM / 1.5)
             tl.store(t_ptr + r, t)  # for the refilter
         n_cand = filter_row(row, n, key_to_float(t), ckey_ptr + r.to(tl.int64) * stride_c,
                             cidx_ptr + r.to(tl.int64) * stride_c, BLOCK, CAP, STAGES, ASM_STORE)
@@ -91,7 +92,7 @@ REFILTER_TRIES: tl.constexpr = tl.constexpr(2)  # run 15: one try left 2 of 725 
 @triton.jit
 def _refilter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, row0, offset, S, stride_s, stride_c,
                      K: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr,
-                     CAP: tl.constexpr, STAGES: tl.constexpr, ASM_STORE: tl.constexpr):
+                     CAP: tl.constexpr, STAGES: tl.constexpr, ASM_STORE: tl.constexpr, AIM: tl.constexpr):
     """A row whose candidates missed [K, CAP] is filtered again, at a threshold from the same samples
     with their count scaled by what the row showed (up to REFILTER_TRIES times); the other rows return
     at once. A kernel of its own: inside the filter it took 64 -> 96 registers a thread (sm_90, 1024
@@ -103,10 +104,10 @@ def _refilter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, 
         if (n_cand < K) | (n_cand > CAP):
             row = score_ptr + r.to(tl.int64) * stride_s
             t = tl.load(t_ptr + r)
-            scale = tl.full([], 1.0, tl.float32)
+            scale = tl.full([], AIM / 1.5, tl.float32)
             for _ in tl.static_range(REFILTER_TRIES):
                 if (n_cand < K) | (n_cand > CAP):
-                    scale = scale * (1.5 * K) / tl.maximum(n_cand, 1).to(tl.float32)
+                    scale = scale * (AIM * K) / tl.maximum(n_cand, 1).to(tl.float32)
                     t2 = sampled_threshold(row, n, K, SAMPLES, RUN, scale)
                     if ((n_cand < K) & (t2 < t)) | ((n_cand > CAP) & (t2 > t)):
                         n_cand = filter_row(row, n, key_to_float(t2), ckey_ptr + r.to(tl.int64) * stride_c,
@@ -190,25 +191,27 @@ def asm_stores(t: torch.Tensor) -> bool:
     return t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
-def row_thresholds(scores, row0, rows, offset, S, topk, *, samples, run, cap, warps=4):
+def row_thresholds(scores, row0, rows, offset, S, topk, *, samples, run, cap, warps=4, aim=1.5):
     """SPLIT_T's first kernel: each row's sampled threshold (uint32 ordered key; unset for rows of <= CAP keys).
     4 warps a row: 1, 2, 8 or 16 were slower (H100, 4096 x 64K rows: bench/results/topk_filter_gpu.json
     run 8; the search's cost follows its keys, not its reductions' barriers)."""
     thresh = torch.empty((rows,), device=scores.device, dtype=torch.uint32)
     _threshold_kernel[(rows,)](scores, thresh, row0, offset, S, scores.stride(0), K=topk, SAMPLES=samples,
-                               RUN=run, CAP=cap, num_warps=warps, num_stages=1)
+                               RUN=run, CAP=cap, AIM=float(aim), num_warps=warps, num_stages=1)
     return thresh
 
 
 def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap, warps, stages, split_t=False,
-                asm_store=None, thresh=None, t_warps=4, refilter=True):
+                asm_store=None, thresh=None, t_warps=4, refilter=True, aim=1.5):
     """Phase 1: the rows' candidates, Candidates(scores [rows, CAP] fp32, indices [rows, CAP] int32,
     counts [rows] int32: the keys >= t, past CAP when they overflowed; unset for rows with <= CAP
     keys, which the select reads from the scores; paths [rows]). ``split_t``: the thresholds by a kernel of
     their own first (row_thresholds; or ``thresh``, given). ``refilter``: a row whose candidates
     missed [topk, CAP] is filtered once more by _refilter_kernel (else the select's full radix select
     takes it: one such row of 61440 cost 0.16 ms, the whole 64K context's 8.92 against 8.76, H100 run 13).
-    ``asm_store`` (default: asm_stores(scores)) picks the candidates' store path (benchmarks compare both)."""
+    ``asm_store`` (default: asm_stores(scores)) picks the candidates' store path (benchmarks compare both).
+    ``aim``: how many candidates the thresholds aim at, in multiples of topk (fewer: less to write and
+    select, more rows refiltered)."""
     if cap < topk or cap & (cap - 1):
         raise ValueError(f"CAP ({cap}) must be a power of two >= topk ({topk})")
     if samples % run or samples & (samples - 1):
@@ -219,16 +222,16 @@ def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap
     paths = torch.empty((rows,), device=scores.device, dtype=torch.int32)
     if split_t and thresh is None:
         thresh = row_thresholds(scores, row0, rows, offset, S, topk, samples=samples, run=run, cap=cap,
-                                warps=t_warps)
+                                warps=t_warps, aim=aim)
     if not split_t:
         thresh = torch.empty((rows,), device=scores.device, dtype=torch.uint32)  # written by the filter
     asm = asm_stores(scores) if asm_store is None else asm_store
     args = (scores, ckey, cidx, count, paths, thresh, row0, offset, S, scores.stride(0), ckey.stride(0))
     _filter_kernel[(rows,)](*args, K=topk, BLOCK=block, SAMPLES=samples, RUN=run, CAP=cap, STAGES=stages,
-                            SPLIT_T=bool(split_t), ASM_STORE=asm, num_warps=warps, num_stages=stages)
+                            SPLIT_T=bool(split_t), ASM_STORE=asm, AIM=float(aim), num_warps=warps, num_stages=stages)
     if refilter:
         _refilter_kernel[(rows,)](*args, K=topk, BLOCK=block, SAMPLES=samples, RUN=run, CAP=cap, STAGES=stages,
-                                  ASM_STORE=asm, num_warps=warps, num_stages=stages)
+                                  ASM_STORE=asm, AIM=float(aim), num_warps=warps, num_stages=stages)
     return Candidates(ckey, cidx, count, paths)
 
 
@@ -243,10 +246,11 @@ def select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, *
 
 
 def topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, *, samples, run, block, cap,
-                       radix_bits, filter_warps, filter_stages, select_warps, split_t=False, t_warps=4, refilter=True):
+                       radix_bits, filter_warps, filter_stages, select_warps, split_t=False, t_warps=4, refilter=True,
+                       aim=1.5):
     """Same contract as topk.topk_rows_chunk: filter_rows, then select_rows."""
     cand = filter_rows(scores, row0, rows, offset, S, topk, samples=samples, run=run, block=block,
                        cap=cap, warps=filter_warps, stages=filter_stages, split_t=split_t, t_warps=t_warps,
-                       refilter=refilter)
+                       refilter=refilter, aim=aim)
     select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
                 warps=select_warps)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.topk_common import ordered_key, sample_positions, threshold_at_count
+from kernels.topk_common import LAST_KEYS, kth_key, ordered_key, sample_positions, search_bracket
 
 
 @triton.jit
@@ -42,31 +42,40 @@ def stream_floor(scores, row0, rows, offset, S, *, block, warps, stages, count, 
     return out
 
 
+SELECT_STAGES = ("load", "search", "kth")  # what select_floor runs of the select, cumulatively
+
+
 @triton.jit
-def _select_floor_kernel(ckey_ptr, cidx_ptr, count_ptr, out_ptr, stride_c, K: tl.constexpr, CAP: tl.constexpr,
-                         SEARCH: tl.constexpr):
-    """The select's tile without the select: load the CAP-slot candidate lists of a row (SEARCH=0), or
-    also find the k-th key with topk_common.threshold_at_count (SEARCH=1), and store one word a row."""
+def _select_floor_kernel(ckey_ptr, cidx_ptr, count_ptr, out_ptr, scratch_ptr, stride_c, K: tl.constexpr,
+                         CAP: tl.constexpr, STAGE: tl.constexpr):
+    """The select's tile without its emission: load the CAP-slot candidate lists of a row (STAGE 0);
+    also narrow to the k-th key's window as kth_key does (1: search_bracket down to LAST_KEYS keys);
+    also rank that window (2: topk_common.kth_key, as the select runs it); store one word a row."""
     r = tl.program_id(0)
     j = tl.arange(0, CAP)
     count = tl.load(count_ptr + r)
     ok = j < count
     key = ordered_key(tl.load(ckey_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0.0))
     idx = tl.load(cidx_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0)
-    if SEARCH:
-        res = threshold_at_count(key, ok, K) + tl.max(idx, axis=0).to(tl.uint32)
+    if STAGE == 0:
+        res = tl.max(key, axis=0)
+    elif STAGE == 1:
+        res = search_bracket(key, ok, K, -1, LAST_KEYS)[0].to(tl.uint32)
     else:
-        res = tl.max(key, axis=0) + tl.max(idx, axis=0).to(tl.uint32)
-    tl.store(out_ptr + r, res)
+        res = kth_key(key, ok, K, scratch_ptr + r.to(tl.int64) * K, K, False)[0]
+    tl.store(out_ptr + r, res + tl.max(idx, axis=0).to(tl.uint32))
 
 
-def select_floor(cand, rows, topk, *, warps, search):
-    """Launch over the rows of a topk_filter.Candidates; returns the per-row word."""
+def select_floor(cand, rows, topk, *, warps, stage):
+    """Launch over the rows of a topk_filter.Candidates (rows with k..CAP candidates); returns the
+    per-row word. ``stage``: one of SELECT_STAGES."""
     import torch
 
     out = torch.empty((rows,), device=cand.scores.device, dtype=torch.uint32)
-    _select_floor_kernel[(rows,)](cand.scores, cand.indices, cand.counts, out, cand.scores.stride(0), K=topk,
-                                  CAP=cand.scores.shape[1], SEARCH=bool(search), num_warps=warps, num_stages=1)
+    scratch = torch.empty((rows, topk), device=cand.scores.device, dtype=torch.int32)
+    _select_floor_kernel[(rows,)](cand.scores, cand.indices, cand.counts, out, scratch, cand.scores.stride(0),
+                                  K=topk, CAP=cand.scores.shape[1], STAGE=SELECT_STAGES.index(stage),
+                                  num_warps=warps, num_stages=1)
     return out
 
 

@@ -26,8 +26,10 @@ THRESHOLD_GRID = [(4096, 8), (4096, 16), (4096, 32), (2048, 8), (2048, 16), (102
 # 13-15 (H100): session 17's default (4096 samples, SPLIT_T) 8.66-8.76 ms; 2048 inline 7.40-7.51, 1024
 # inline 7.39-7.85 (more rows refiltered), RUN 4 / 16 no better, thresholds apart at 2 warps 7.74-8.18,
 # the select at 8 warps 7.85.
-VARIANTS = [{"SAMPLES": 1024}, {"SAMPLES": 4096, "SPLIT_T": 1}, {"REFILTER": 0}, {"RUN": 16}]
-PARTS = ("breakdown", "thresholds", "variants")
+# AIM_PCT: the candidates aimed at (percent of k; 150 by default): fewer to write and select, more rows refiltered
+VARIANTS = [{"SAMPLES": 1024}, {"SAMPLES": 4096, "SPLIT_T": 1}, {"AIM_PCT": 125}, {"AIM_PCT": 135}, {"AIM_PCT": 170},
+            {"SAMPLES": 4096, "AIM_PCT": 125}]
+PARTS = ("breakdown", "thresholds", "variants", "overlap")
 
 
 def main() -> int:
@@ -42,7 +44,7 @@ def main() -> int:
 
     import torch
 
-    from bench.gpu.stream_floor import threshold_floor
+    from bench.gpu.stream_floor import SELECT_STAGES, select_floor, threshold_floor
     from bench.kernels import Timer
     from bench.machine import machine
     from kernels import indexer as ix
@@ -98,6 +100,9 @@ def main() -> int:
             entry["select_ms"] = round(timer(lambda: tf.select_rows(scores, cand, row0, rows, 0, S, K, out, shifts,
                                                                     masks, radix_bits=8, warps=p["SELECT_WARPS"]),
                                              min_iters=5), 4)
+            if row0 + rows == T:  # the longest chunk: the select's stages alone (stream_floor.select_floor)
+                entry["select_stages_ms"] = {st: round(timer(lambda st=st: select_floor(
+                    cand, rows, K, warps=p["SELECT_WARPS"], stage=st), min_iters=5), 4) for st in SELECT_STAGES}
             for key in ("thresholds", "filter", "select"):
                 totals[key] += entry[f"{key}_ms"]
             totals["fallback_rows"] += entry["fallback_rows"]
@@ -157,7 +162,7 @@ def main() -> int:
                 cand = tf.filter_rows(scores, r0, rows, 0, S, K, samples=params["SAMPLES"], run=params["RUN"],
                                       block=params["BLOCK"], cap=params["CAP"], warps=vcfg.num_warps,
                                       stages=vcfg.num_stages, split_t=True, t_warps=params.get("T_WARPS", 4),
-                                      refilter=bool(params.get("REFILTER", 1)))
+                                      refilter=bool(params.get("REFILTER", 1)), aim=params.get("AIM_PCT", 150) / 100)
                 tf.select_rows(scores, cand, r0, rows, 0, S, K, got, shifts, masks, radix_bits=8,
                                warps=params["SELECT_WARPS"])
                 for i in range(3):
@@ -170,7 +175,46 @@ def main() -> int:
         report.setdefault("variants", []).append(row)
         print(json.dumps(row), flush=True)
         save()
+    if "overlap" in parts:
+        report["overlap"] = overlap_rows(torch, tf, timer, scores, chunks, S, K, p, cfg, ref, shifts, masks)
+        print(json.dumps(report["overlap"]), flush=True)
+        save()
     return 0
+
+
+def overlap_rows(torch, tf, timer, scores, chunks, S, K, p, cfg, ref, shifts, masks) -> dict:
+    """The whole context with each chunk's select on a side stream (waiting only for its own chunk's
+    filter), so that it can run beside the next chunk's filter: the select is latency-bound (0.2 ms a
+    chunk at ~0.5 TB/s), the filter bandwidth-bound. Sequential and side-stream priorities side by side."""
+    kw = dict(samples=p["SAMPLES"], run=p["RUN"], block=p["BLOCK"], cap=p["CAP"], warps=cfg.num_warps,
+              stages=cfg.num_stages, split_t=bool(p.get("SPLIT_T", 0)), t_warps=p.get("T_WARPS", 4))
+    main = torch.cuda.current_stream()
+    result = {}
+    for name, priority in (("sequential", None), ("side_high_priority", -1), ("side_same_priority", 0)):
+        side = None if priority is None else torch.cuda.Stream(priority=priority)
+        got = torch.full(ref.shape, -2, device=ref.device, dtype=torch.int32)
+
+        def whole(side=side, got=got):
+            for r0, rows in chunks:
+                cand = tf.filter_rows(scores, r0, rows, 0, S, K, **kw)
+                if side is None:
+                    tf.select_rows(scores, cand, r0, rows, 0, S, K, got, shifts, masks, radix_bits=8,
+                                   warps=p["SELECT_WARPS"])
+                    continue
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    tf.select_rows(scores, cand, r0, rows, 0, S, K, got, shifts, masks, radix_bits=8,
+                                   warps=p["SELECT_WARPS"])
+                for t in cand:
+                    t.record_stream(side)
+            if side is not None:
+                main.wait_stream(side)
+
+        whole()
+        torch.cuda.synchronize()
+        ms = timer(whole, min_iters=5)
+        result[name] = {"ms": round(ms, 4), "rows_same": int((got == ref).all(dim=1).sum())}
+    return result
 
 
 if __name__ == "__main__":

@@ -161,8 +161,8 @@ def main() -> int:
                     scores, row0, rows, 0, S, K, **{**kw, "split_t": True}, thresh=th), min_iters=5),
                 "select": timer(lambda: tf.select_rows(scores, cand, row0, rows, 0, S, K, out, shifts8, masks8,
                                                        radix_bits=8, warps=4), min_iters=5),
-                "select_floor_load": timer(lambda: select_floor(cand, rows, K, warps=4, search=False), min_iters=5),
-                "select_floor_search": timer(lambda: select_floor(cand, rows, K, warps=4, search=True), min_iters=5),
+                "select_floor_load": timer(lambda: select_floor(cand, rows, K, warps=4, stage="load"), min_iters=5),
+                "select_floor_search": timer(lambda: select_floor(cand, rows, K, warps=4, stage="kth"), min_iters=5),
             }
             entry["phases_ms"] = {k: round(v, 4) for k, v in phases.items()}
             print("phases", entry["phases_ms"], flush=True)
