@@ -109,7 +109,9 @@ def _refilter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, 
                 if (n_cand < K) | (n_cand > CAP):
                     scale = scale * (AIM * K) / tl.maximum(n_cand, 1).to(tl.float32)
                     t2 = sampled_threshold(row, n, K, SAMPLES, RUN, scale)
-                    if ((n_cand < K) & (t2 < t)) | ((n_cand > CAP) & (t2 > t)):
+                    # t2 == 0: the scaled need passed the samples (keep every key: more than CAP of
+                    # them), a pass that cannot land; the row goes to the select's full radix select
+                    if (t2 != 0) & (((n_cand < K) & (t2 < t)) | ((n_cand > CAP) & (t2 > t))):
                         n_cand = filter_row(row, n, key_to_float(t2), ckey_ptr + r.to(tl.int64) * stride_c,
                                             cidx_ptr + r.to(tl.int64) * stride_c, BLOCK, CAP, STAGES, ASM_STORE)
                         t = t2

@@ -292,6 +292,9 @@ def test_filter_select_takes_the_full_select_when_the_refilter_cannot_help(devic
     scores = torch.where((pos % 25) < 4, 100.0 + scores.abs(), scores)
     out, count, paths = _filtered_topk(scores, K=64, cap=128)
     assert (paths == 2).all(), (count, paths)
+    # the scaled need passed the 64 samples: no refilter pass ran (one at "keep every key" would
+    # leave more than CAP, and its NaN threshold kept nothing: count 0)
+    assert ((count > 0) & (count < 64)).all(), count
     assert torch.equal(out, select_topk(scores, n, 64, stable=True))
 
 
