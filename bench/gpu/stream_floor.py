@@ -42,7 +42,7 @@ def stream_floor(scores, row0, rows, offset, S, *, block, warps, stages, count, 
     return out
 
 
-SELECT_STAGES = ("load", "search", "kth")  # what select_floor runs of the select, cumulatively
+SELECT_STAGES = ("load", "search", "kth", "search_to_one")  # what select_floor runs of the select
 
 
 @triton.jit
@@ -50,7 +50,8 @@ def _select_floor_kernel(ckey_ptr, cidx_ptr, count_ptr, out_ptr, scratch_ptr, st
                          CAP: tl.constexpr, STAGE: tl.constexpr):
     """The select's tile without its emission: load the CAP-slot candidate lists of a row (STAGE 0);
     also narrow to the k-th key's window as kth_key does (1: search_bracket down to LAST_KEYS keys);
-    also rank that window (2: topk_common.kth_key, as the select runs it); store one word a row."""
+    also rank that window (2: topk_common.kth_key, as the select runs it); or, instead of the rank, search
+    on until the bracket is one key wide (3: what kth_key's rank replaces); store one word a row."""
     r = tl.program_id(0)
     j = tl.arange(0, CAP)
     count = tl.load(count_ptr + r)
@@ -61,8 +62,10 @@ def _select_floor_kernel(ckey_ptr, cidx_ptr, count_ptr, out_ptr, scratch_ptr, st
         res = tl.max(key, axis=0)
     elif STAGE == 1:
         res = search_bracket(key, ok, K, -1, LAST_KEYS)[0].to(tl.uint32)
-    else:
+    elif STAGE == 2:
         res = kth_key(key, ok, K, scratch_ptr + r.to(tl.int64) * K, K, False)[0]
+    else:
+        res = search_bracket(key, ok, K, -1, 0)[0].to(tl.uint32)
     tl.store(out_ptr + r, res + tl.max(idx, axis=0).to(tl.uint32))
 
 
