@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.topk_common import (emit_full, emit_short_row, key_to_float, ordered_key, sampled_threshold,
+from kernels.topk_common import (LAST_KEYS, emit_full, emit_short_row, key_to_float, ordered_key, sampled_threshold,
                                  scatter_b32, select_in_registers)
 
 
@@ -157,7 +157,8 @@ def _append_hits(ckey_row, cidx_row, n_cand, x, idx, hit, CAP: tl.constexpr, ASM
 @triton.jit
 def _select_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, out_ptr, path_ptr, shift_ptr, dmask_ptr, row0, offset,
                    S, stride_s, stride_c, stride_o, K: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
-                   RADIX_BITS: tl.constexpr, N_PASSES: tl.constexpr, ASM_STORE: tl.constexpr):
+                   RADIX_BITS: tl.constexpr, N_PASSES: tl.constexpr, ASM_STORE: tl.constexpr,
+                   RANK_KEYS: tl.constexpr):
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)
     row = score_ptr + r.to(tl.int64) * stride_s
@@ -179,7 +180,7 @@ def _select_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, out_ptr, path_ptr, 
             key = ordered_key(tl.load(ckey_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0.0))
             idx = tl.load(cidx_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0)
         if (count >= K) & (count <= CAP):
-            select_in_registers(key, idx, ok, out_row, 0, K, True, ASM_STORE)
+            select_in_registers(key, idx, ok, out_row, 0, K, True, ASM_STORE, RANK_KEYS)
         else:  # the sampled thresholds missed (or heavy ties): full radix select over the row
             zero = tl.zeros([], tl.uint32)
             emit_full(row, out_row, n, zero, zero, tl.full([], K, tl.int32), shift_ptr, dmask_ptr,
@@ -237,22 +238,24 @@ def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap
     return Candidates(ckey, cidx, count, paths)
 
 
-def select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, *, radix_bits, warps, asm_store=None):
+def select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, *, radix_bits, warps, asm_store=None,
+                rank_keys=LAST_KEYS):
     """Phase 2: the exact top-k of each row from its Candidates (or its scores) into out[row0 + r];
-    completes cand.paths."""
+    completes cand.paths. ``rank_keys``: the k-th key's search ends with a rank of the last <= that many
+    keys (topk_common.kth_key; 0: it searches on to one key)."""
     _select_kernel[(rows,)](scores, cand.scores, cand.indices, cand.counts, out, cand.paths, shifts, masks, row0,
                             offset, S, scores.stride(0), cand.scores.stride(0), out.stride(0), K=topk,
                             CAP=cand.scores.shape[1], BLOCK=1024, RADIX_BITS=radix_bits, N_PASSES=shifts.numel(),
                             ASM_STORE=asm_stores(scores) if asm_store is None else asm_store,
-                            num_warps=warps, num_stages=1)
+                            RANK_KEYS=int(rank_keys), num_warps=warps, num_stages=1)
 
 
 def topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, *, samples, run, block, cap,
                        radix_bits, filter_warps, filter_stages, select_warps, split_t=False, t_warps=4, refilter=True,
-                       aim=1.5):
+                       aim=1.5, rank_keys=LAST_KEYS):
     """Same contract as topk.topk_rows_chunk: filter_rows, then select_rows."""
     cand = filter_rows(scores, row0, rows, offset, S, topk, samples=samples, run=run, block=block,
                        cap=cap, warps=filter_warps, stages=filter_stages, split_t=split_t, t_warps=t_warps,
                        refilter=refilter, aim=aim)
     select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
-                warps=select_warps)
+                warps=select_warps, rank_keys=rank_keys)

@@ -26,9 +26,10 @@ THRESHOLD_GRID = [(4096, 8), (4096, 16), (4096, 32), (2048, 8), (2048, 16), (102
 # 13-15 (H100): session 17's default (4096 samples, SPLIT_T) 8.66-8.76 ms; 2048 inline 7.40-7.51, 1024
 # inline 7.39-7.85 (more rows refiltered), RUN 4 / 16 no better, thresholds apart at 2 warps 7.74-8.18,
 # the select at 8 warps 7.85.
+# RANK_KEYS: the select's k-th key search ends by ranking <= that many keys (0: searched to one key).
 # AIM_PCT: the candidates aimed at (percent of k; 150 by default): fewer to write and select, more rows refiltered
 VARIANTS = [{"SAMPLES": 1024}, {"SAMPLES": 4096, "SPLIT_T": 1}, {"AIM_PCT": 125}, {"AIM_PCT": 135}, {"AIM_PCT": 170},
-            {"SAMPLES": 4096, "AIM_PCT": 125}]
+            {"SAMPLES": 4096, "AIM_PCT": 125}, {"RANK_KEYS": 0}, {"RANK_KEYS": 16}]
 PARTS = ("breakdown", "thresholds", "variants", "overlap")
 
 

@@ -206,7 +206,7 @@ def _filter_case(device, rows=12, S=400):
     return scores, torch.full((rows,), S, device=device)
 
 
-def _filtered_topk(scores, K, cap, samples=64, run=4, split_t=False, refilter=True):
+def _filtered_topk(scores, K, cap, samples=64, run=4, split_t=False, refilter=True, rank_keys=32):
     """(the top-k by filter then select, the rows' final candidate counts, the path each row took)."""
     from kernels import topk_filter as tf
     from kernels.topk import _radix_schedule
@@ -215,14 +215,15 @@ def _filtered_topk(scores, K, cap, samples=64, run=4, split_t=False, refilter=Tr
                           warps=4, stages=1, split_t=split_t, refilter=refilter)
     out = torch.full((rows, K), -2, device=scores.device, dtype=torch.int32)
     shifts, masks = _radix_schedule(8, scores.device)
-    tf.select_rows(scores, cand, 0, rows, S - 1, S, K, out, shifts, masks, radix_bits=8, warps=4)
+    tf.select_rows(scores, cand, 0, rows, S - 1, S, K, out, shifts, masks, radix_bits=8, warps=4, rank_keys=rank_keys)
     return out, cand.counts, cand.paths
 
 
-@pytest.mark.parametrize("split_t", [False, True], ids=["threshold_inline", "threshold_kernel"])
-def test_filter_select_is_exact_when_candidates_fit(device, split_t):
+@pytest.mark.parametrize("split_t,rank_keys", [(False, 32), (True, 32), (False, 0)],
+                         ids=["threshold_inline", "threshold_kernel", "no_rank"])
+def test_filter_select_is_exact_when_candidates_fit(device, split_t, rank_keys):
     scores, n = _filter_case(device)
-    out, count, _ = _filtered_topk(scores, K=16, cap=128, split_t=split_t)
+    out, count, _ = _filtered_topk(scores, K=16, cap=128, split_t=split_t, rank_keys=rank_keys)
     assert ((count >= 16) & (count <= 128)).all(), count  # the premise: no row took the fallback
     assert torch.equal(out, select_topk(scores, n, 16, stable=True))
 
@@ -367,7 +368,7 @@ def test_kth_key_is_the_need_th_largest_key_for_any_score_distribution(device):
     """kth_key (the tail-model search, then a rank of the last <= 32 keys) against a sort, on score rows
     the model fits (a Gaussian's and an exponential's tail) and rows it does not (ties, two clusters,
     infinities and NaNs, one value), for every need from 1 to the valid keys, with a scratch of 16 or
-    32 keys."""
+    32 keys, or none (SCRATCH 0: the search goes on to a one-key bracket, no rank)."""
     gen = torch.Generator().manual_seed(3)
     n = 400
     g = torch.randn(n, generator=gen)
@@ -384,10 +385,10 @@ def test_kth_key_is_the_need_th_largest_key_for_any_score_distribution(device):
     }
     for name, x in rows.items():
         want_sorted = sorted(_ordered_keys(x).tolist(), reverse=True)
-        for slots in (16, 64):
+        for slots in (0, 16, 64):
             for need in (1, 2, 17, 200, 333, 399, 400):
                 out = torch.zeros(2, dtype=torch.uint32, device=device)
-                scratch = torch.zeros(slots, dtype=torch.int32, device=device)
+                scratch = torch.zeros(max(slots, 1), dtype=torch.int32, device=device)
                 _kth_key_kernel[(1,)](x.to(device), n, need, out, scratch, BLOCK=512, SCRATCH=slots)
                 got, n_above = (int(v) & 0xFFFFFFFF for v in out.to(torch.int64).tolist())
                 assert got == want_sorted[need - 1], (name, slots, need)
