@@ -141,12 +141,13 @@ def _topk_cases() -> list[tuple[str, Any, dict, dict, list]]:
         # the kernels' constexprs and launch, from the tuner config that drives both
         filt = KernelConfig.make(p["warps"], p["stages"], BLOCK=p["BLOCK"], SAMPLES=p["SAMPLES"], RUN=p["RUN"],
                                  CAP=cap, STAGES=p["stages"], SPLIT_T=bool(p.get("SPLIT_T", 0)),
-                                 ASM_STORE=True, AIM=p.get("AIM_PCT", 150) / 100)
+                                 ASM_STORE=True, AIM=p.get("AIM_PCT", 150) / 100, PAIR=bool(p.get("PAIR", 0)))
         sel = KernelConfig.make(p["SELECT_WARPS"], 1, CAP=cap, BLOCK=1024, RADIX_BITS=p["RADIX_BITS"],
                                 N_PASSES=-(-32 // p["RADIX_BITS"]), ASM_STORE=True, RANK_KEYS=p.get("RANK_KEYS", 32))
         cases.append(("topk_filter", _filter_kernel, {**common, "stride_c": cap}, {"K": K}, [(filt, {})]))
         refilt = KernelConfig.make(p["warps"], p["stages"], BLOCK=p["BLOCK"], SAMPLES=p["SAMPLES"], RUN=p["RUN"],
-                                   CAP=cap, STAGES=p["stages"], ASM_STORE=True, AIM=p.get("AIM_PCT", 150) / 100)
+                                   CAP=cap, STAGES=p["stages"], ASM_STORE=True, AIM=p.get("AIM_PCT", 150) / 100,
+                                   PAIR=bool(p.get("PAIR", 0)))
         cases.append(("topk_refilter", _refilter_kernel, {**common, "stride_c": cap}, {"K": K}, [(refilt, {})]))
         cases.append(("topk_select", _select_kernel,
                       {**common, "out_ptr": Ptr("i32"), "shift_ptr": Ptr("i32"), "dmask_ptr": Ptr("i32"),

@@ -193,7 +193,8 @@ def topk_rows_chunk(scores, row0, rows, offset, S, topk, out, config: KernelConf
                                filter_warps=cfg.num_warps, filter_stages=cfg.num_stages,
                                select_warps=p["SELECT_WARPS"], split_t=bool(p.get("SPLIT_T", 0)),
                                t_warps=p.get("T_WARPS", 4), refilter=bool(p.get("REFILTER", 1)),
-                               aim=p.get("AIM_PCT", 150) / 100, rank_keys=p.get("RANK_KEYS", int(LAST_KEYS)))
+                               aim=p.get("AIM_PCT", 150) / 100, rank_keys=p.get("RANK_KEYS", int(LAST_KEYS)),
+                               pair=bool(p.get("PAIR", 0)))
             return
         if "SAMPLES" in p:
             from kernels.topk_sample import topk_rows_sampled

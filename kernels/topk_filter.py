@@ -70,7 +70,7 @@ def _threshold_kernel(score_ptr, t_ptr, row0, offset, S, stride_s, K: tl.constex
 def _filter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, row0, offset, S, stride_s, stride_c,
                    K: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr,
                    CAP: tl.constexpr, STAGES: tl.constexpr, SPLIT_T: tl.constexpr, ASM_STORE: tl.constexpr,
-                   AIM: tl.constexpr):
+                   AIM: tl.constexpr, PAIR: tl.constexpr):
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)
     if n > CAP:  # shorter rows are selected straight from the scores
@@ -81,7 +81,7 @@ def _filter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, ro
             t = sampled_threshold(row, n, K, SAMPLES, RUN, AIM / 1.5)
             tl.store(t_ptr + r, t)  # for the refilter
         n_cand = filter_row(row, n, key_to_float(t), ckey_ptr + r.to(tl.int64) * stride_c,
-                            cidx_ptr + r.to(tl.int64) * stride_c, BLOCK, CAP, STAGES, ASM_STORE)
+                            cidx_ptr + r.to(tl.int64) * stride_c, BLOCK, CAP, STAGES, ASM_STORE, PAIR)
         tl.store(count_ptr + r, n_cand)
         tl.store(path_ptr + r, 0)
 
@@ -92,7 +92,8 @@ REFILTER_TRIES: tl.constexpr = tl.constexpr(2)  # run 15: one try left 2 of 725 
 @triton.jit
 def _refilter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, row0, offset, S, stride_s, stride_c,
                      K: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr,
-                     CAP: tl.constexpr, STAGES: tl.constexpr, ASM_STORE: tl.constexpr, AIM: tl.constexpr):
+                     CAP: tl.constexpr, STAGES: tl.constexpr, ASM_STORE: tl.constexpr, AIM: tl.constexpr,
+                     PAIR: tl.constexpr):
     """A row whose candidates missed [K, CAP] is filtered again, at a threshold from the same samples
     with their count scaled by what the row showed (up to REFILTER_TRIES times); the other rows return
     at once. A kernel of its own: inside the filter it took 64 -> 96 registers a thread (sm_90, 1024
@@ -113,7 +114,8 @@ def _refilter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, 
                     # them), a pass that cannot land; the row goes to the select's full radix select
                     if (t2 != 0) & (((n_cand < K) & (t2 < t)) | ((n_cand > CAP) & (t2 > t))):
                         n_cand = filter_row(row, n, key_to_float(t2), ckey_ptr + r.to(tl.int64) * stride_c,
-                                            cidx_ptr + r.to(tl.int64) * stride_c, BLOCK, CAP, STAGES, ASM_STORE)
+                                            cidx_ptr + r.to(tl.int64) * stride_c, BLOCK, CAP, STAGES, ASM_STORE,
+                                            PAIR)
                         t = t2
                         tl.store(count_ptr + r, n_cand)
                         tl.store(path_ptr + r, 1)
@@ -121,20 +123,42 @@ def _refilter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, 
 
 @triton.jit
 def filter_row(row, n, t_f, ckey_row, cidx_row, BLOCK: tl.constexpr, CAP: tl.constexpr, STAGES: tl.constexpr,
-               ASM_STORE: tl.constexpr):
+               ASM_STORE: tl.constexpr, PAIR: tl.constexpr):
     """Append every score >= t_f of the row's n (NaN kept), and its index, to the candidate lists in
-    index order; the count, which keeps counting past CAP."""
-    n_full = (n // BLOCK) * BLOCK
+    index order; the count, which keeps counting past CAP. PAIR: two blocks a step, placed by one
+    prefix sum and one sum (_append_pair) instead of two of each."""
     n_cand = tl.zeros([], tl.int32)
-    # whole blocks unmasked (16-byte loads), pipelined; then the row's tail, masked
-    for start in tl.range(0, n_full, BLOCK, num_stages=STAGES):
+    STEP: tl.constexpr = 2 * BLOCK if PAIR else BLOCK
+    n_full = (n // STEP) * STEP
+    # whole steps unmasked (16-byte loads), pipelined; then the row's tail, masked
+    for start in tl.range(0, n_full, STEP, num_stages=STAGES):
         idx = start + tl.arange(0, BLOCK)
         x = tl.load(row + idx)
-        n_cand = _append_hits(ckey_row, cidx_row, n_cand, x, idx, (x >= t_f) | (x != x), CAP, ASM_STORE)
+        if PAIR:
+            x2 = tl.load(row + idx + BLOCK)
+            n_cand = _append_pair(ckey_row, cidx_row, n_cand, x, x2, idx, (x >= t_f) | (x != x),
+                                  (x2 >= t_f) | (x2 != x2), BLOCK, CAP, ASM_STORE)
+        else:
+            n_cand = _append_hits(ckey_row, cidx_row, n_cand, x, idx, (x >= t_f) | (x != x), CAP, ASM_STORE)
     idx = n_full + tl.arange(0, BLOCK)
     ok = idx < n
     x = tl.load(row + idx, mask=ok, other=0.0)
+    if PAIR:
+        ok2 = idx + BLOCK < n
+        x2 = tl.load(row + idx + BLOCK, mask=ok2, other=0.0)
+        return _append_pair(ckey_row, cidx_row, n_cand, x, x2, idx, ok & ((x >= t_f) | (x != x)),
+                            ok2 & ((x2 >= t_f) | (x2 != x2)), BLOCK, CAP, ASM_STORE)
     return _append_hits(ckey_row, cidx_row, n_cand, x, idx, ok & ((x >= t_f) | (x != x)), CAP, ASM_STORE)
+
+
+@triton.jit
+def _store_hits(ckey_row, cidx_row, x, idx, pos, keep, ASM_STORE: tl.constexpr):
+    if ASM_STORE:
+        scatter_b32(ckey_row + pos, x.to(tl.int32, bitcast=True), keep)
+        scatter_b32(cidx_row + pos, idx, keep)
+    else:
+        tl.store(ckey_row + pos, x, mask=keep)
+        tl.store(cidx_row + pos, idx, mask=keep)
 
 
 @triton.jit
@@ -142,16 +166,24 @@ def _append_hits(ckey_row, cidx_row, n_cand, x, idx, hit, CAP: tl.constexpr, ASM
     """Append the hits' scores and indices after the row's n_cand candidates; the new count."""
     hit_i = hit.to(tl.int32)
     pos = n_cand + tl.cumsum(hit_i, axis=0) - 1
-    keep = hit & (pos < CAP)
-    if ASM_STORE:
-        scatter_b32(ckey_row + pos, x.to(tl.int32, bitcast=True), keep)
-        scatter_b32(cidx_row + pos, idx, keep)
-    else:
-        tl.store(ckey_row + pos, x, mask=keep)
-        tl.store(cidx_row + pos, idx, mask=keep)
+    _store_hits(ckey_row, cidx_row, x, idx, pos, hit & (pos < CAP), ASM_STORE)
     return n_cand + tl.sum(hit_i, axis=0)
 
 
+@triton.jit
+def _append_pair(ckey_row, cidx_row, n_cand, x, x2, idx, hit, hit2, BLOCK: tl.constexpr, CAP: tl.constexpr,
+                 ASM_STORE: tl.constexpr):
+    """_append_hits for two consecutive blocks (x at idx, x2 at idx + BLOCK): their hit counts packed
+    in the halves of an int32 (a block has < 65536 keys), so one prefix sum and one sum place both."""
+    packed = hit.to(tl.int32) + (hit2.to(tl.int32) << 16)
+    run = tl.cumsum(packed, axis=0)
+    both = tl.sum(packed, axis=0)
+    first = both & 0xFFFF
+    pos = n_cand + (run & 0xFFFF) - 1
+    _store_hits(ckey_row, cidx_row, x, idx, pos, hit & (pos < CAP), ASM_STORE)
+    pos2 = n_cand + first + (run >> 16) - 1
+    _store_hits(ckey_row, cidx_row, x2, idx + BLOCK, pos2, hit2 & (pos2 < CAP), ASM_STORE)
+    return n_cand + first + (both >> 16)
 
 
 @triton.jit
@@ -205,7 +237,7 @@ def row_thresholds(scores, row0, rows, offset, S, topk, *, samples, run, cap, wa
 
 
 def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap, warps, stages, split_t=False,
-                asm_store=None, thresh=None, t_warps=4, refilter=True, aim=1.5):
+                asm_store=None, thresh=None, t_warps=4, refilter=True, aim=1.5, pair=False):
     """Phase 1: the rows' candidates, Candidates(scores [rows, CAP] fp32, indices [rows, CAP] int32,
     counts [rows] int32: the keys >= t, past CAP when they overflowed; unset for rows with <= CAP
     keys, which the select reads from the scores; paths [rows]). ``split_t``: the thresholds by a kernel of
@@ -214,7 +246,7 @@ def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap
     takes it: one such row of 61440 cost 0.16 ms, the whole 64K context's 8.92 against 8.76, H100 run 13).
     ``asm_store`` (default: asm_stores(scores)) picks the candidates' store path (benchmarks compare both).
     ``aim``: how many candidates the thresholds aim at, in multiples of topk (fewer: less to write and
-    select, more rows refiltered)."""
+    select, more rows refiltered). ``pair``: the filter takes two blocks a step (filter_row's PAIR)."""
     if cap < topk or cap & (cap - 1):
         raise ValueError(f"CAP ({cap}) must be a power of two >= topk ({topk})")
     if samples % run or samples & (samples - 1):
@@ -231,10 +263,11 @@ def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap
     asm = asm_stores(scores) if asm_store is None else asm_store
     args = (scores, ckey, cidx, count, paths, thresh, row0, offset, S, scores.stride(0), ckey.stride(0))
     _filter_kernel[(rows,)](*args, K=topk, BLOCK=block, SAMPLES=samples, RUN=run, CAP=cap, STAGES=stages,
-                            SPLIT_T=bool(split_t), ASM_STORE=asm, AIM=float(aim), num_warps=warps, num_stages=stages)
+                            SPLIT_T=bool(split_t), ASM_STORE=asm, AIM=float(aim), PAIR=bool(pair), num_warps=warps,
+                            num_stages=stages)
     if refilter:
         _refilter_kernel[(rows,)](*args, K=topk, BLOCK=block, SAMPLES=samples, RUN=run, CAP=cap, STAGES=stages,
-                                  ASM_STORE=asm, AIM=float(aim), num_warps=warps, num_stages=stages)
+                                  ASM_STORE=asm, AIM=float(aim), PAIR=bool(pair), num_warps=warps, num_stages=stages)
     return Candidates(ckey, cidx, count, paths)
 
 
@@ -252,10 +285,10 @@ def select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, *
 
 def topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, *, samples, run, block, cap,
                        radix_bits, filter_warps, filter_stages, select_warps, split_t=False, t_warps=4, refilter=True,
-                       aim=1.5, rank_keys=LAST_KEYS):
+                       aim=1.5, rank_keys=LAST_KEYS, pair=False):
     """Same contract as topk.topk_rows_chunk: filter_rows, then select_rows."""
     cand = filter_rows(scores, row0, rows, offset, S, topk, samples=samples, run=run, block=block,
                        cap=cap, warps=filter_warps, stages=filter_stages, split_t=split_t, t_warps=t_warps,
-                       refilter=refilter, aim=aim)
+                       refilter=refilter, aim=aim, pair=pair)
     select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
                 warps=select_warps, rank_keys=rank_keys)

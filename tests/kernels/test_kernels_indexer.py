@@ -206,34 +206,38 @@ def _filter_case(device, rows=12, S=400):
     return scores, torch.full((rows,), S, device=device)
 
 
-def _filtered_topk(scores, K, cap, samples=64, run=4, split_t=False, refilter=True, rank_keys=32):
+def _filtered_topk(scores, K, cap, samples=64, run=4, split_t=False, refilter=True, rank_keys=32, pair=False):
     """(the top-k by filter then select, the rows' final candidate counts, the path each row took)."""
     from kernels import topk_filter as tf
     from kernels.topk import _radix_schedule
     rows, S = scores.shape
     cand = tf.filter_rows(scores, 0, rows, S - 1, S, K, samples=samples, run=run, block=64, cap=cap,
-                          warps=4, stages=1, split_t=split_t, refilter=refilter)
+                          warps=4, stages=1, split_t=split_t, refilter=refilter, pair=pair)
     out = torch.full((rows, K), -2, device=scores.device, dtype=torch.int32)
     shifts, masks = _radix_schedule(8, scores.device)
     tf.select_rows(scores, cand, 0, rows, S - 1, S, K, out, shifts, masks, radix_bits=8, warps=4, rank_keys=rank_keys)
     return out, cand.counts, cand.paths
 
 
-@pytest.mark.parametrize("split_t,rank_keys", [(False, 32), (True, 32), (False, 0)],
-                         ids=["threshold_inline", "threshold_kernel", "no_rank"])
-def test_filter_select_is_exact_when_candidates_fit(device, split_t, rank_keys):
+@pytest.mark.parametrize("split_t,rank_keys,pair", [(False, 32, False), (True, 32, False), (False, 0, False),
+                                                   (False, 32, True)],
+                         ids=["threshold_inline", "threshold_kernel", "no_rank", "pairs"])
+def test_filter_select_is_exact_when_candidates_fit(device, split_t, rank_keys, pair):
     scores, n = _filter_case(device)
-    out, count, _ = _filtered_topk(scores, K=16, cap=128, split_t=split_t, rank_keys=rank_keys)
+    out, count, _ = _filtered_topk(scores, K=16, cap=128, split_t=split_t, rank_keys=rank_keys, pair=pair)
     assert ((count >= 16) & (count <= 128)).all(), count  # the premise: no row took the fallback
     assert torch.equal(out, select_topk(scores, n, 16, stable=True))
 
 
-def test_the_candidates_are_every_key_at_or_above_the_threshold_in_index_order(device):
+# 437 = 6 whole blocks of 64 + a 53-key tail; in pairs (PAIR): 3 whole pairs + a tail within the first
+# block of the last pair; 500 = 3 pairs + a tail through both blocks of the last pair (64 + 52)
+@pytest.mark.parametrize("pair,S", [(False, 437), (True, 437), (True, 500)], ids=["blocks", "pairs", "pairs_tail2"])
+def test_the_candidates_are_every_key_at_or_above_the_threshold_in_index_order(device, pair, S):
     from kernels import topk_filter as tf
-    scores, _ = _filter_case(device, rows=4, S=437)  # 437 = 6 whole blocks of 64 + a 53-key tail
-    t = tf.row_thresholds(scores, 0, 4, 436, 437, 16, samples=64, run=4, cap=128)
-    cand = tf.filter_rows(scores, 0, 4, 436, 437, 16, samples=64, run=4, block=64, cap=128, warps=4, stages=1,
-                          split_t=True, thresh=t)
+    scores, _ = _filter_case(device, rows=4, S=S)
+    t = tf.row_thresholds(scores, 0, 4, S - 1, S, 16, samples=64, run=4, cap=128)
+    cand = tf.filter_rows(scores, 0, 4, S - 1, S, 16, samples=64, run=4, block=64, cap=128, warps=4, stages=1,
+                          split_t=True, thresh=t, pair=pair)
     for r in range(4):
         t_f = torch.tensor([int(t[r])], dtype=torch.int64)
         t_f = (t_f ^ 0x80000000 if t_f >= 0x80000000 else ~t_f & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
@@ -260,19 +264,21 @@ def _biased_sample_case(device, shift, S=1000, samples=256, run=4):
 
 
 @pytest.mark.parametrize("shift", [-0.5, 0.5], ids=["too_many", "too_few"])
-@pytest.mark.parametrize("split_t", [False, True], ids=["threshold_inline", "threshold_kernel"])
-def test_filter_refilters_a_row_whose_sampled_threshold_missed(device, shift, split_t):
+@pytest.mark.parametrize("split_t,pair", [(False, False), (True, False), (False, True)],
+                         ids=["threshold_inline", "threshold_kernel", "pairs"])
+def test_filter_refilters_a_row_whose_sampled_threshold_missed(device, shift, split_t, pair):
     # K = 64 of 1000 keys, CAP 128, 256 samples: with the samples shifted the first threshold leaves
     # 150-240 keys (too many) or 49-72 (too few, most rows); the samples' count scaled by what the row
     # showed lands in [K, CAP] (a host simulation of this seed: every missed row)
     scores, n = _biased_sample_case(device, shift)
     want = select_topk(scores, n, 64, stable=True)
-    out, first, paths = _filtered_topk(scores, K=64, cap=128, samples=256, split_t=split_t, refilter=False)
+    out, first, paths = _filtered_topk(scores, K=64, cap=128, samples=256, split_t=split_t, refilter=False,
+                                       pair=pair)
     missed = (first < 64) | (first > 128)
     assert missed.sum() >= 10, first
     assert (paths[missed] == 2).all() and (paths[~missed] == 0).all(), paths  # straight to the full select
     assert torch.equal(out, want)
-    out, count, paths = _filtered_topk(scores, K=64, cap=128, samples=256, split_t=split_t)
+    out, count, paths = _filtered_topk(scores, K=64, cap=128, samples=256, split_t=split_t, pair=pair)
     assert ((paths == 1) == missed).all(), (first, paths)
     assert ((count[missed] >= 64) & (count[missed] <= 128)).float().mean() >= 0.9, count
     assert torch.equal(out, want)
