@@ -147,8 +147,11 @@ def _topk_cases() -> list[tuple[str, Any, dict, dict, list]]:
         cases.append(("topk_filter", _filter_kernel, {**common, "stride_c": cap}, {"K": K}, [(filt, {})]))
         refilt = KernelConfig.make(p["warps"], p["stages"], BLOCK=p["BLOCK"], SAMPLES=p["SAMPLES"], RUN=p["RUN"],
                                    CAP=cap, STAGES=p["stages"], ASM_STORE=True, AIM=p.get("AIM_PCT", 150) / 100,
-                                   PAIR=bool(p.get("PAIR", 0)))
-        cases.append(("topk_refilter", _refilter_kernel, {**common, "stride_c": cap}, {"K": K}, [(refilt, {})]))
+                                   PAIR=bool(p.get("PAIR", 0)), FULL=True, RADIX_BITS=p["RADIX_BITS"],
+                                   N_PASSES=-(-32 // p["RADIX_BITS"]))
+        cases.append(("topk_refilter", _refilter_kernel,
+                      {**common, "out_ptr": Ptr("i32"), "shift_ptr": Ptr("i32"), "dmask_ptr": Ptr("i32"),
+                       "stride_c": cap, "stride_o": K}, {"K": K}, [(refilt, {})]))
         cases.append(("topk_select", _select_kernel,
                       {**common, "out_ptr": Ptr("i32"), "shift_ptr": Ptr("i32"), "dmask_ptr": Ptr("i32"),
                        "stride_c": cap, "stride_o": K}, {"K": K}, [(sel, {})]))

@@ -107,9 +107,26 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int = 
     out = torch.empty((T, topk), device=q.device, dtype=torch.int32)
     chunk_rows = max(1, min(chunk_rows, T))
     scores = torch.empty((chunk_rows, S), device=q.device, dtype=torch.float32)
+    side = select_stream(q.device)
     # Last chunk first: its rows are the longest, so that is what the autotuner times.
     for row0 in reversed(range(0, T, chunk_rows)):
         rows = min(chunk_rows, T - row0)
         indexer_scores_chunk(q, k, w, row0, rows, offset, scores)
-        topk_rows_chunk(scores, row0, rows, offset, S, topk, out)
+        topk_rows_chunk(scores, row0, rows, offset, S, topk, out, select_stream=side)
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)
     return out
+
+
+_SELECT_STREAMS: dict = {}
+
+
+def select_stream(device: torch.device):
+    """The stream on which the top-k's selects run beside the next chunk's scoring and filtering (one per
+    CUDA device, made once); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    key = torch.device(device).index if device.index is not None else torch.cuda.current_device()
+    if key not in _SELECT_STREAMS:
+        _SELECT_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _SELECT_STREAMS[key]

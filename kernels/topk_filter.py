@@ -90,14 +90,18 @@ REFILTER_TRIES: tl.constexpr = tl.constexpr(2)  # run 15: one try left 2 of 725 
 
 
 @triton.jit
-def _refilter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, row0, offset, S, stride_s, stride_c,
-                     K: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr, RUN: tl.constexpr,
-                     CAP: tl.constexpr, STAGES: tl.constexpr, ASM_STORE: tl.constexpr, AIM: tl.constexpr,
-                     PAIR: tl.constexpr):
+def _refilter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, out_ptr, shift_ptr, dmask_ptr, row0,
+                     offset, S, stride_s, stride_c, stride_o, K: tl.constexpr, BLOCK: tl.constexpr,
+                     SAMPLES: tl.constexpr, RUN: tl.constexpr, CAP: tl.constexpr, STAGES: tl.constexpr,
+                     ASM_STORE: tl.constexpr, AIM: tl.constexpr, PAIR: tl.constexpr, FULL: tl.constexpr,
+                     RADIX_BITS: tl.constexpr, N_PASSES: tl.constexpr):
     """A row whose candidates missed [K, CAP] is filtered again, at a threshold from the same samples
     with their count scaled by what the row showed (up to REFILTER_TRIES times); the other rows return
-    at once. A kernel of its own: inside the filter it took 64 -> 96 registers a thread (sm_90, 1024
-    samples), inside the select 159 -> 168 and the select 7% longer (0.204 against 0.190 ms, H100, run 14)."""
+    at once. FULL: a row that still misses gets its k indices here, by the full radix select over its
+    scores (path 2), so that the select reads no scores of rows longer than CAP (it may then run on a
+    stream of its own while the scores are overwritten: topk_rows_filtered's select_stream). A kernel of
+    its own: inside the filter it took 64 -> 96 registers a thread (sm_90, 1024 samples), inside the
+    select 159 -> 168 and the select 7% longer (0.204 against 0.190 ms, H100, run 14)."""
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)
     if n > CAP:
@@ -119,6 +123,12 @@ def _refilter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, 
                         t = t2
                         tl.store(count_ptr + r, n_cand)
                         tl.store(path_ptr + r, 1)
+            if FULL:
+                if (n_cand < K) | (n_cand > CAP):
+                    zero = tl.zeros([], tl.uint32)
+                    emit_full(row, out_ptr + (row0 + r).to(tl.int64) * stride_o, n, zero, zero,
+                              tl.full([], K, tl.int32), shift_ptr, dmask_ptr, 0, N_PASSES, RADIX_BITS, 1024)
+                    tl.store(path_ptr + r, 2)
 
 
 @triton.jit
@@ -213,7 +223,8 @@ def _select_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, out_ptr, path_ptr, 
             idx = tl.load(cidx_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0)
         if (count >= K) & (count <= CAP):
             select_in_registers(key, idx, ok, out_row, 0, K, True, ASM_STORE, RANK_KEYS)
-        else:  # the sampled thresholds missed (or heavy ties): full radix select over the row
+        elif tl.load(path_ptr + r) != 2:  # (2: the refilter wrote the row) the sampled thresholds
+            # missed (or heavy ties): the full radix select over the row
             zero = tl.zeros([], tl.uint32)
             emit_full(row, out_row, n, zero, zero, tl.full([], K, tl.int32), shift_ptr, dmask_ptr,
                       0, N_PASSES, RADIX_BITS, BLOCK)
@@ -237,7 +248,7 @@ def row_thresholds(scores, row0, rows, offset, S, topk, *, samples, run, cap, wa
 
 
 def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap, warps, stages, split_t=False,
-                asm_store=None, thresh=None, t_warps=4, refilter=True, aim=1.5, pair=False):
+                asm_store=None, thresh=None, t_warps=4, refilter=True, aim=1.5, pair=False, finish=None):
     """Phase 1: the rows' candidates, Candidates(scores [rows, CAP] fp32, indices [rows, CAP] int32,
     counts [rows] int32: the keys >= t, past CAP when they overflowed; unset for rows with <= CAP
     keys, which the select reads from the scores; paths [rows]). ``split_t``: the thresholds by a kernel of
@@ -246,7 +257,10 @@ def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap
     takes it: one such row of 61440 cost 0.16 ms, the whole 64K context's 8.92 against 8.76, H100 run 13).
     ``asm_store`` (default: asm_stores(scores)) picks the candidates' store path (benchmarks compare both).
     ``aim``: how many candidates the thresholds aim at, in multiples of topk (fewer: less to write and
-    select, more rows refiltered). ``pair``: the filter takes two blocks a step (filter_row's PAIR)."""
+    select, more rows refiltered). ``pair``: the filter takes two blocks a step (filter_row's PAIR).
+    ``finish`` (out, shifts, masks, radix_bits): the refilter writes the k indices of a row that still
+    misses into out[row0 + r] (the full radix select; path 2), so the select reads no scores of rows
+    longer than CAP; without it the select does."""
     if cap < topk or cap & (cap - 1):
         raise ValueError(f"CAP ({cap}) must be a power of two >= topk ({topk})")
     if samples % run or samples & (samples - 1):
@@ -266,8 +280,12 @@ def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap
                             SPLIT_T=bool(split_t), ASM_STORE=asm, AIM=float(aim), PAIR=bool(pair), num_warps=warps,
                             num_stages=stages)
     if refilter:
-        _refilter_kernel[(rows,)](*args, K=topk, BLOCK=block, SAMPLES=samples, RUN=run, CAP=cap, STAGES=stages,
-                                  ASM_STORE=asm, AIM=float(aim), PAIR=bool(pair), num_warps=warps, num_stages=stages)
+        out, shifts, masks, radix_bits = finish or (paths, paths, paths, 8)  # (unread without FULL)
+        _refilter_kernel[(rows,)](scores, ckey, cidx, count, paths, thresh, out, shifts, masks, row0, offset, S,
+                                  scores.stride(0), ckey.stride(0), out.stride(0), K=topk, BLOCK=block,
+                                  SAMPLES=samples, RUN=run, CAP=cap, STAGES=stages, ASM_STORE=asm, AIM=float(aim),
+                                  PAIR=bool(pair), FULL=finish is not None, RADIX_BITS=radix_bits,
+                                  N_PASSES=shifts.numel() if finish else 1, num_warps=warps, num_stages=stages)
     return Candidates(ckey, cidx, count, paths)
 
 
@@ -285,10 +303,25 @@ def select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, *
 
 def topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, *, samples, run, block, cap,
                        radix_bits, filter_warps, filter_stages, select_warps, split_t=False, t_warps=4, refilter=True,
-                       aim=1.5, rank_keys=LAST_KEYS, pair=False):
-    """Same contract as topk.topk_rows_chunk: filter_rows, then select_rows."""
+                       aim=1.5, rank_keys=LAST_KEYS, pair=False, select_stream=None):
+    """Same contract as topk.topk_rows_chunk: filter_rows, then select_rows.
+
+    ``select_stream`` (CUDA): the select runs there, after what the current stream has queued, when it
+    reads no scores (every row of the chunk longer than CAP, the refilter on: it finishes the rows that
+    miss), so the caller may overwrite ``scores`` at once; it must make its stream wait for
+    select_stream before it reads ``out``. The select (latency-bound, ~0.2 ms a chunk of 4096 rows)
+    then runs beside the next chunk's work: the whole 64K top-k 6.81 ms against 7.05 (H200, run 16)."""
+    side = select_stream if (select_stream is not None and refilter and min(row0 + offset + 1, S) > cap) else None
     cand = filter_rows(scores, row0, rows, offset, S, topk, samples=samples, run=run, block=block,
                        cap=cap, warps=filter_warps, stages=filter_stages, split_t=split_t, t_warps=t_warps,
-                       refilter=refilter, aim=aim, pair=pair)
-    select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
-                warps=select_warps, rank_keys=rank_keys)
+                       refilter=refilter, aim=aim, pair=pair, finish=(out, shifts, masks, radix_bits))
+    if side is None:
+        select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
+                    warps=select_warps, rank_keys=rank_keys)
+        return
+    side.wait_stream(torch.cuda.current_stream(scores.device))
+    with torch.cuda.stream(side):
+        select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
+                    warps=select_warps, rank_keys=rank_keys)
+    for t in cand:  # allocated on the current stream: not reused before the select is done with them
+        t.record_stream(side)

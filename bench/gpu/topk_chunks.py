@@ -26,10 +26,9 @@ THRESHOLD_GRID = [(4096, 8), (4096, 16), (4096, 32), (2048, 8), (2048, 16), (102
 # 13-15 (H100): session 17's default (4096 samples, SPLIT_T) 8.66-8.76 ms; 2048 inline 7.40-7.51, 1024
 # inline 7.39-7.85 (more rows refiltered), RUN 4 / 16 no better, thresholds apart at 2 warps 7.74-8.18,
 # the select at 8 warps 7.85.
-# RANK_KEYS: the select's k-th key search ends by ranking <= that many keys (0: searched to one key).
-# AIM_PCT: the candidates aimed at (percent of k; 150 by default): fewer to write and select, more rows refiltered
-VARIANTS = [{"SAMPLES": 1024}, {"AIM_PCT": 125}, {"AIM_PCT": 135}, {"SAMPLES": 4096, "AIM_PCT": 125},
-            {"RANK_KEYS": 0}, {"RANK_KEYS": 16}]
+# Runs 16-17 (H200): 1024 samples and AIM_PCT 125-140 within ~4% at 64K (noise ~0.1 ms), worse at 128K;
+# RANK_KEYS 16 the same, 0 (no rank) 19% slower. PAIR: the filter's two blocks a step.
+VARIANTS = [{"PAIR": 1}, {"PAIR": 1, "BLOCK": 512}, {"SAMPLES": 1024}]
 PARTS = ("breakdown", "thresholds", "variants", "overlap")
 
 
@@ -177,46 +176,30 @@ def main() -> int:
         print(json.dumps(row), flush=True)
         save()
     if "overlap" in parts:
-        report["overlap"] = overlap_rows(torch, tf, timer, scores, chunks, S, K, p, cfg, ref, shifts, masks)
+        report["overlap"] = overlap_rows(torch, ix, timer, scores, chunks, S, K, cfg, ref)
         print(json.dumps(report["overlap"]), flush=True)
         save()
     return 0
 
 
-def overlap_rows(torch, tf, timer, scores, chunks, S, K, p, cfg, ref, shifts, masks) -> dict:
-    """The whole context with each chunk's select on a side stream (waiting only for its own chunk's
-    filter), so that it can run beside the next chunk's filter: the select is latency-bound (0.2 ms a
-    chunk at ~0.5 TB/s), the filter bandwidth-bound. Sequential and side-stream priorities side by side."""
-    kw = dict(samples=p["SAMPLES"], run=p["RUN"], block=p["BLOCK"], cap=p["CAP"], warps=cfg.num_warps,
-              stages=cfg.num_stages, split_t=bool(p.get("SPLIT_T", 0)), t_warps=p.get("T_WARPS", 4))
-    main = torch.cuda.current_stream()
+def overlap_rows(torch, ix, timer, scores, chunks, S, K, cfg, ref) -> dict:
+    """The whole context as the kernels benchmark times it, each chunk's select on the current stream
+    (sequential) and on indexer.select_stream (what indexer_topk does: the select, latency-bound, beside
+    the next chunk's filter, bandwidth-bound), side by side."""
     result = {}
-    for name, priority in (("sequential", None), ("side_high_priority", -1), ("side_same_priority", 0)):
-        side = None if priority is None else torch.cuda.Stream(priority=priority)
+    for name, side in (("sequential", None), ("select_stream", ix.select_stream(scores.device))):
         got = torch.full(ref.shape, -2, device=ref.device, dtype=torch.int32)
 
         def whole(side=side, got=got):
             for r0, rows in chunks:
-                cand = tf.filter_rows(scores, r0, rows, 0, S, K, **kw)
-                if side is None:
-                    tf.select_rows(scores, cand, r0, rows, 0, S, K, got, shifts, masks, radix_bits=8,
-                                   warps=p["SELECT_WARPS"])
-                    continue
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    tf.select_rows(scores, cand, r0, rows, 0, S, K, got, shifts, masks, radix_bits=8,
-                                   warps=p["SELECT_WARPS"])
-                for t in cand:
-                    t.record_stream(side)
+                ix.topk_rows_chunk(scores, r0, rows, 0, S, K, got, config=cfg, select_stream=side)
             if side is not None:
-                main.wait_stream(side)
+                torch.cuda.current_stream().wait_stream(side)
 
         whole()
         torch.cuda.synchronize()
-        ms = timer(whole, min_iters=5)
-        result[name] = {"ms": round(ms, 4), "rows_same": int((got == ref).all(dim=1).sum())}
+        result[name] = {"ms": round(timer(whole, min_iters=5), 4), "rows_same": int((got == ref).all(dim=1).sum())}
     return result
-
 
 if __name__ == "__main__":
     sys.exit(main())

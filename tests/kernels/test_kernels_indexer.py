@@ -206,15 +206,18 @@ def _filter_case(device, rows=12, S=400):
     return scores, torch.full((rows,), S, device=device)
 
 
-def _filtered_topk(scores, K, cap, samples=64, run=4, split_t=False, refilter=True, rank_keys=32, pair=False):
-    """(the top-k by filter then select, the rows' final candidate counts, the path each row took)."""
+def _filtered_topk(scores, K, cap, samples=64, run=4, split_t=False, refilter=True, rank_keys=32, pair=False,
+                   finish=False):
+    """(the top-k by filter then select, the rows' final candidate counts, the path each row took);
+    finish: the refilter runs the full select of the rows that still miss (else the select does)."""
     from kernels import topk_filter as tf
     from kernels.topk import _radix_schedule
     rows, S = scores.shape
-    cand = tf.filter_rows(scores, 0, rows, S - 1, S, K, samples=samples, run=run, block=64, cap=cap,
-                          warps=4, stages=1, split_t=split_t, refilter=refilter, pair=pair)
     out = torch.full((rows, K), -2, device=scores.device, dtype=torch.int32)
     shifts, masks = _radix_schedule(8, scores.device)
+    cand = tf.filter_rows(scores, 0, rows, S - 1, S, K, samples=samples, run=run, block=64, cap=cap,
+                          warps=4, stages=1, split_t=split_t, refilter=refilter, pair=pair,
+                          finish=(out, shifts, masks, 8) if finish else None)
     tf.select_rows(scores, cand, 0, rows, S - 1, S, K, out, shifts, masks, radix_bits=8, warps=4, rank_keys=rank_keys)
     return out, cand.counts, cand.paths
 
@@ -284,12 +287,13 @@ def test_filter_refilters_a_row_whose_sampled_threshold_missed(device, shift, sp
     assert torch.equal(out, want)
 
 
-def test_filter_select_takes_the_full_select_when_the_refilter_cannot_help(device):
+@pytest.mark.parametrize("finish", [False, True], ids=["in_select", "in_refilter"])
+def test_filter_select_takes_the_full_select_when_the_refilter_cannot_help(device, finish):
     # every key tied: no threshold leaves between K and CAP of them (the refilter is not even tried:
     # its threshold cannot move)
     scores = torch.zeros(6, 400, device=device)
     n = torch.full((6,), 400, device=device)
-    out, count, paths = _filtered_topk(scores, K=16, cap=32)
+    out, count, paths = _filtered_topk(scores, K=16, cap=32, finish=finish)
     assert (count == 400).all() and (paths == 2).all(), (count, paths)
     assert torch.equal(out, select_topk(scores, n, 16, stable=True))
     # the sampled keys are the row's largest by far: t sits above every other key, too few survive,
@@ -297,7 +301,7 @@ def test_filter_select_takes_the_full_select_when_the_refilter_cannot_help(devic
     scores, n = _filter_case(device)
     pos = torch.arange(400, device=device)
     scores = torch.where((pos % 25) < 4, 100.0 + scores.abs(), scores)
-    out, count, paths = _filtered_topk(scores, K=64, cap=128)
+    out, count, paths = _filtered_topk(scores, K=64, cap=128, finish=finish)
     assert (paths == 2).all(), (count, paths)
     # the scaled need passed the 64 samples: no refilter pass ran (one at "keep every key" would
     # leave more than CAP, and its NaN threshold kept nothing: count 0)
