@@ -47,8 +47,14 @@ TOPK_CONFIGS = [
     # _refilter_kernel) instead of taking the full radix select (0.16 ms a row), so fewer samples do:
     # few enough to sit in the filter again (64 registers). Whole 64K context on an H100 (run 15):
     # 2048 samples 7.40 ms (0.06% of the rows refiltered), 1024 7.85 (1.1%; two missed again), this
-    # config's earlier 4096 samples in a kernel of their own 8.66.
-    KernelConfig.make(FILTER=1, SPLIT_T=0, SAMPLES=2048, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
+    # config's earlier 4096 samples in a kernel of their own 8.66. Session 19 (runs 16-18): the filter
+    # takes two blocks a step (PAIR: one prefix sum and one sum place both), the select runs on a
+    # stream of its own (topk_filter.topk_rows_filtered). The tuner on an H100 (run 18), the longest
+    # chunk: 64K 0.705 ms paired against 0.798 unpaired, 128K 1.106 against 1.152, 32K 0.439 (BLOCK
+    # 512 paired) against 0.454; the whole 64K top-k 7.04 ms against run 15's 8.04 on an H100.
+    KernelConfig.make(FILTER=1, SPLIT_T=0, SAMPLES=2048, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8, PAIR=1,
+                      SELECT_WARPS=4, num_warps=4, num_stages=3),
+    KernelConfig.make(FILTER=1, SPLIT_T=0, SAMPLES=2048, RUN=8, BLOCK=512, CAP=4096, RADIX_BITS=8, PAIR=1,
                       SELECT_WARPS=4, num_warps=4, num_stages=3),
 ]
 # Exact, CPU-interpreter tested, not in the default list (each costs a compile and a timing per tuning
@@ -58,6 +64,9 @@ TOPK_CONFIGS = [
 # shapes that lost. tests/kernels/test_kernels_indexer.py::test_every_gpu_config_is_correct covers
 # both lists.
 EXPERIMENTAL_TOPK_CONFIGS = [
+    # the filter's default until session 19: one block a step (lost to PAIR at every shape, run 18)
+    KernelConfig.make(FILTER=1, SPLIT_T=0, SAMPLES=2048, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
+                      SELECT_WARPS=4, num_warps=4, num_stages=3),
     # the filter's default until session 18: 4096 samples, by a kernel of their own
     KernelConfig.make(FILTER=1, SPLIT_T=1, SAMPLES=4096, RUN=8, BLOCK=1024, CAP=4096, RADIX_BITS=8,
                       SELECT_WARPS=4, num_warps=4, num_stages=3),
