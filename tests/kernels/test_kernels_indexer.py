@@ -163,6 +163,27 @@ def test_indexer_gpu_4k_context_k2048():
 
 @pytest.mark.gpu
 @gpu
+def test_indexer_gpu_selects_on_their_own_stream_while_the_scores_are_overwritten():
+    """indexer_topk runs each chunk's select on indexer.select_stream while the next chunk's scoring
+    overwrites the one scores buffer (chunks of rows longer than CAP; the refilter finishes the rows
+    that miss): its output equals every row's exact top-k of the kernel's own scores, with ties and
+    a planted row whose candidates overflow any threshold (the refilter's full select)."""
+    T = S = 12288  # 3 chunks of 4096: the first has rows of <= CAP keys (its select stays in order)
+    torch.manual_seed(0)
+    q = torch.randn(T, 8, 64, device="cuda").to(torch.bfloat16)
+    k = torch.randn(S, 64, device="cuda").to(torch.bfloat16)
+    w = torch.randn(T, 8, device="cuda") / 8
+    k[5000:] = k[5000]  # every key past 5000 scores alike: rows past it tie past CAP
+    got = ix.indexer_topk(q, k, w, topk=2048, chunk_rows=4096)
+    scores = torch.empty((T, S), device="cuda")
+    ix.indexer_scores_chunk(q, k, w, 0, T, 0, scores)
+    future = torch.arange(S, device="cuda")[None, :] > torch.arange(T, device="cuda")[:, None]
+    scores.masked_fill_(future, float("-inf"))
+    assert torch.equal(got, select_topk(scores, torch.arange(T, device="cuda") + 1, 2048, stable=True))
+
+
+@pytest.mark.gpu
+@gpu
 def test_every_gpu_config_is_correct():
     T = S = 1024
     q = torch.randn(T, 32, 128, device="cuda").to(torch.bfloat16)
