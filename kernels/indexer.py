@@ -91,7 +91,9 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int = 
 
     q [T, heads, dim], k [S, dim] (same dtype, bf16 on GPU), w [T, heads] (scales folded in).
     Query t sits at key position t + offset (default offset = S - T: queries are the last T
-    keys). Peak extra memory: chunk_rows * S * 4 bytes (4096 x 64K = 1 GiB); with impl="fused"
+    keys). Peak extra memory: chunk_rows * S * 4 bytes (4096 x 64K = 1 GiB), plus the filter top-k's
+    candidate lists of up to two chunks (the one whose select runs on indexer.select_stream and the
+    next: chunk_rows * 4096 * 8 bytes each, 128 MiB at 4096 rows); with impl="fused"
     chunk_rows * (CAP * 8 + SAMPLES * 4) bytes (4096 rows: 288 MiB), the same output.
     """
     if impl not in INDEXER_IMPLS:
