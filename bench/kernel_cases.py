@@ -111,13 +111,12 @@ def _indexer_phase_ms(torch, dev, q, k, w, sh, timer):
         for r0, n in chunks:
             ix.indexer_scores_chunk(q, k, w, r0, n, 0, scores)
 
-    side = ix.select_stream(dev)
-
     def topk_all():  # the buffer holds the last chunk's scores: every read entry was written
-        for r0, n in chunks:  # as indexer_topk runs them: the selects on their own stream
-            ix.topk_rows_chunk(scores, r0, n, 0, S, sh.topk, out, select_stream=side)
-        if side is not None:
-            torch.cuda.current_stream(dev).wait_stream(side)
+        pipeline = ix.select_pipeline(dev)  # as indexer_topk runs them: the selects on their own stream
+        for r0, n in chunks:
+            ix.topk_rows_chunk(scores, r0, n, 0, S, sh.topk, out, pipeline=pipeline)
+        if pipeline is not None:
+            pipeline.join(dev)
 
     score_all()
     return timer(score_all, min_iters=2), timer(topk_all, min_iters=2)

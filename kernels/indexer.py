@@ -20,6 +20,7 @@ import triton.language as tl
 from kernels._tuning import Autotuner, KernelConfig
 from kernels.indexer_fused import SCORE_CONFIGS, indexer_topk_fused, score_tile
 from kernels.topk import EXPERIMENTAL_TOPK_CONFIGS, TOPK_CONFIGS, TOPK_TUNER, _bucket, topk_rows_chunk
+from kernels.topk_filter import SelectPipeline
 
 __all__ = ["EXPERIMENTAL_TOPK_CONFIGS", "INDEXER_IMPLS", "TOPK_CONFIGS", "TOPK_TUNER", "indexer_scores_chunk",
            "indexer_topk", "topk_rows_chunk"]
@@ -92,8 +93,8 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int = 
     q [T, heads, dim], k [S, dim] (same dtype, bf16 on GPU), w [T, heads] (scales folded in).
     Query t sits at key position t + offset (default offset = S - T: queries are the last T
     keys). Peak extra memory: chunk_rows * S * 4 bytes (4096 x 64K = 1 GiB), plus the filter top-k's
-    candidate lists of up to two chunks (the one whose select runs on indexer.select_stream and the
-    next: chunk_rows * 4096 * 8 bytes each, 128 MiB at 4096 rows); with impl="fused"
+    candidate lists of two chunks (topk_filter.SelectPipeline, for the selects on a stream of their
+    own: chunk_rows * 4096 * 8 bytes each, 128 MiB at 4096 rows); with impl="fused"
     chunk_rows * (CAP * 8 + SAMPLES * 4) bytes (4096 rows: 288 MiB), the same output.
     """
     if impl not in INDEXER_IMPLS:
@@ -109,26 +110,26 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int = 
     out = torch.empty((T, topk), device=q.device, dtype=torch.int32)
     chunk_rows = max(1, min(chunk_rows, T))
     scores = torch.empty((chunk_rows, S), device=q.device, dtype=torch.float32)
-    side = select_stream(q.device)
+    pipeline = select_pipeline(q.device)
     # Last chunk first: its rows are the longest, so that is what the autotuner times.
     for row0 in reversed(range(0, T, chunk_rows)):
         rows = min(chunk_rows, T - row0)
         indexer_scores_chunk(q, k, w, row0, rows, offset, scores)
-        topk_rows_chunk(scores, row0, rows, offset, S, topk, out, select_stream=side)
-    if side is not None:
-        torch.cuda.current_stream(q.device).wait_stream(side)
+        topk_rows_chunk(scores, row0, rows, offset, S, topk, out, pipeline=pipeline)
+    if pipeline is not None:
+        pipeline.join(q.device)
     return out
 
 
 _SELECT_STREAMS: dict = {}
 
 
-def select_stream(device: torch.device):
-    """The stream on which the top-k's selects run beside the next chunk's scoring and filtering (one per
-    CUDA device, made once); None elsewhere."""
+def select_pipeline(device: torch.device):
+    """A topk_filter.SelectPipeline for one run of chunks: the top-k's selects on a stream of their own
+    (one per CUDA device, made once) beside the next chunk's scoring and filtering; None off CUDA."""
     if device.type != "cuda":
         return None
-    key = torch.device(device).index if device.index is not None else torch.cuda.current_device()
+    key = device.index if device.index is not None else torch.cuda.current_device()
     if key not in _SELECT_STREAMS:
         _SELECT_STREAMS[key] = torch.cuda.Stream(device=key)
-    return _SELECT_STREAMS[key]
+    return SelectPipeline(_SELECT_STREAMS[key])

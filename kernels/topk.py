@@ -188,14 +188,14 @@ def _bucket(n: int) -> int:
 
 
 def topk_rows_chunk(scores, row0, rows, offset, S, topk, out, config: KernelConfig | None = None,
-                    select_stream=None):
+                    pipeline=None):
     """Top-k of each causal row of ``scores`` (chunk rows [row0, row0+rows)) into out[row0:...].
 
     Row r of the chunk has n = min(row0 + r + offset + 1, S) valid leading columns.
-    ``config`` forces one variant (tests); by default the autotuner picks it. ``select_stream`` (a
-    torch.cuda.Stream): the FILTER variant may run its last phase there (topk_filter.topk_rows_filtered);
-    the caller then makes its stream wait for select_stream before reading ``out``."""
-    def launch(cfg: KernelConfig, select_stream=None) -> None:
+    ``config`` forces one variant (tests); by default the autotuner picks it. ``pipeline`` (a
+    topk_filter.SelectPipeline): the FILTER variant may run its last phase on the pipeline's stream
+    (topk_filter.topk_rows_filtered); the caller then joins it before reading ``out``."""
+    def launch(cfg: KernelConfig, pipeline=None) -> None:
         shifts, masks = _radix_schedule(cfg["RADIX_BITS"], scores.device)
         p = dict(cfg.params)
         if "FILTER" in p:
@@ -206,7 +206,7 @@ def topk_rows_chunk(scores, row0, rows, offset, S, topk, out, config: KernelConf
                                select_warps=p["SELECT_WARPS"], split_t=bool(p.get("SPLIT_T", 0)),
                                t_warps=p.get("T_WARPS", 4), refilter=bool(p.get("REFILTER", 1)),
                                aim=p.get("AIM_PCT", 150) / 100, rank_keys=p.get("RANK_KEYS", int(LAST_KEYS)),
-                               pair=bool(p.get("PAIR", 0)), select_stream=select_stream)
+                               pair=bool(p.get("PAIR", 0)), pipeline=pipeline)
             return
         if "SAMPLES" in p:
             from kernels.topk_sample import topk_rows_sampled
@@ -231,4 +231,4 @@ def topk_rows_chunk(scores, row0, rows, offset, S, topk, out, config: KernelConf
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     cfg = config or TOPK_TUNER.choose((_bucket(rows), _bucket(S), topk), scores.device, launch)
-    launch(cfg, select_stream)
+    launch(cfg, pipeline)

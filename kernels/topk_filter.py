@@ -99,7 +99,7 @@ def _refilter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, 
     with their count scaled by what the row showed (up to REFILTER_TRIES times); the other rows return
     at once. FULL: a row that still misses gets its k indices here, by the full radix select over its
     scores (path 2), so that the select reads no scores of rows longer than CAP (it may then run on a
-    stream of its own while the scores are overwritten: topk_rows_filtered's select_stream). A kernel of
+    stream of its own while the scores are overwritten: topk_rows_filtered's pipeline). A kernel of
     its own: inside the filter it took 64 -> 96 registers a thread (sm_90, 1024 samples), inside the
     select 159 -> 168 and the select 7% longer (0.204 against 0.190 ms, H100, run 14)."""
     r = tl.program_id(0)
@@ -247,8 +247,49 @@ def row_thresholds(scores, row0, rows, offset, S, topk, *, samples, run, cap, wa
     return thresh
 
 
+def new_candidates(rows, cap, device) -> Candidates:
+    """Unset candidate lists for `rows` rows (no memset: the filter writes counts and paths of the rows it
+    reads, and the select reads no more)."""
+    return Candidates(torch.empty((rows, cap), device=device, dtype=torch.float32),
+                      torch.empty((rows, cap), device=device, dtype=torch.int32),
+                      torch.empty((rows,), device=device, dtype=torch.int32),
+                      torch.empty((rows,), device=device, dtype=torch.int32))
+
+
+class SelectPipeline:
+    """The selects of a run of chunks on a stream of their own, each beside the next chunk's work (CUDA).
+
+    Two sets of candidate lists, taken in turn: a chunk's filter writes one only after the select that
+    last read it is done (the current stream waits on that select's event; the host never waits). With
+    new lists per chunk instead, each freed only once its select finished, the host, which runs ahead
+    of the GPU, would hold a chunk's lists (128 MiB at 4096 rows) for every chunk it queued. The caller
+    makes its stream wait for ``stream`` (``join``) before it reads the selects' output."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self._slots: list = [None, None]  # (Candidates, the event after the select that read it)
+        self._turn = 0
+
+    def acquire(self, rows, cap, device) -> Candidates:
+        slot = self._slots[self._turn]
+        if slot is not None and slot[1] is not None:
+            torch.cuda.current_stream(device).wait_event(slot[1])
+        if slot is None or slot[0].scores.shape[0] < rows or slot[0].scores.shape[1] != cap:
+            self._slots[self._turn] = slot = (new_candidates(rows, cap, device), None)  # (the old: waited for)
+        return slot[0]
+
+    def release(self) -> None:
+        """After the select of the lists acquire() gave is queued on ``stream``."""
+        self._slots[self._turn] = (self._slots[self._turn][0], self.stream.record_event())
+        self._turn ^= 1
+
+    def join(self, device) -> None:
+        torch.cuda.current_stream(device).wait_stream(self.stream)
+
+
 def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap, warps, stages, split_t=False,
-                asm_store=None, thresh=None, t_warps=4, refilter=True, aim=1.5, pair=False, finish=None):
+                asm_store=None, thresh=None, t_warps=4, refilter=True, aim=1.5, pair=False, finish=None,
+                buffers=None):
     """Phase 1: the rows' candidates, Candidates(scores [rows, CAP] fp32, indices [rows, CAP] int32,
     counts [rows] int32: the keys >= t, past CAP when they overflowed; unset for rows with <= CAP
     keys, which the select reads from the scores; paths [rows]). ``split_t``: the thresholds by a kernel of
@@ -260,15 +301,15 @@ def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap
     select, more rows refiltered). ``pair``: the filter takes two blocks a step (filter_row's PAIR).
     ``finish`` (out, shifts, masks, radix_bits): the refilter writes the k indices of a row that still
     misses into out[row0 + r] (the full radix select; path 2), so the select reads no scores of rows
-    longer than CAP; without it the select does."""
+    longer than CAP; without it the select does. ``buffers``: a Candidates of at least ``rows`` rows
+    and CAP columns to write into (SelectPipeline's), else new ones."""
     if cap < topk or cap & (cap - 1):
         raise ValueError(f"CAP ({cap}) must be a power of two >= topk ({topk})")
     if samples % run or samples & (samples - 1):
         raise ValueError(f"SAMPLES ({samples}) must be a power of two and a multiple of RUN ({run})")
-    ckey = torch.empty((rows, cap), device=scores.device, dtype=torch.float32)
-    cidx = torch.empty((rows, cap), device=scores.device, dtype=torch.int32)
-    count = torch.empty((rows,), device=scores.device, dtype=torch.int32)  # no memset: only filtered rows are read
-    paths = torch.empty((rows,), device=scores.device, dtype=torch.int32)
+    if buffers is None:
+        buffers = new_candidates(rows, cap, scores.device)
+    ckey, cidx, count, paths = (t[:rows] for t in buffers)
     if split_t and thresh is None:
         thresh = row_thresholds(scores, row0, rows, offset, S, topk, samples=samples, run=run, cap=cap,
                                 warps=t_warps, aim=aim)
@@ -303,25 +344,26 @@ def select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, *
 
 def topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, *, samples, run, block, cap,
                        radix_bits, filter_warps, filter_stages, select_warps, split_t=False, t_warps=4, refilter=True,
-                       aim=1.5, rank_keys=LAST_KEYS, pair=False, select_stream=None):
+                       aim=1.5, rank_keys=LAST_KEYS, pair=False, pipeline=None):
     """Same contract as topk.topk_rows_chunk: filter_rows, then select_rows.
 
-    ``select_stream`` (CUDA): the select runs there, after what the current stream has queued, when it
-    reads no scores (every row of the chunk longer than CAP, the refilter on: it finishes the rows that
-    miss), so the caller may overwrite ``scores`` at once; it must make its stream wait for
-    select_stream before it reads ``out``. The select (latency-bound, ~0.2 ms a chunk of 4096 rows)
-    then runs beside the next chunk's work: the whole 64K top-k 6.81 ms against 7.05 (H200, run 16)."""
-    side = select_stream if (select_stream is not None and refilter and min(row0 + offset + 1, S) > cap) else None
-    cand = filter_rows(scores, row0, rows, offset, S, topk, samples=samples, run=run, block=block,
-                       cap=cap, warps=filter_warps, stages=filter_stages, split_t=split_t, t_warps=t_warps,
-                       refilter=refilter, aim=aim, pair=pair, finish=(out, shifts, masks, radix_bits))
+    ``pipeline`` (a SelectPipeline, CUDA): the select runs on its stream, after what the current stream
+    has queued, when it reads no scores (every row of the chunk longer than CAP, the refilter on: it
+    finishes the rows that miss), so the caller may overwrite ``scores`` at once; it must join the
+    pipeline before it reads ``out``. The select (latency-bound, ~0.2 ms a chunk of 4096 rows) then
+    runs beside the next chunk's work: the whole 64K top-k 6.81 ms against 7.05 (H200, run 16)."""
+    side = pipeline if (pipeline is not None and refilter and min(row0 + offset + 1, S) > cap) else None
+    kw = dict(samples=samples, run=run, block=block, cap=cap, warps=filter_warps, stages=filter_stages,
+              split_t=split_t, t_warps=t_warps, refilter=refilter, aim=aim, pair=pair,
+              finish=(out, shifts, masks, radix_bits))
     if side is None:
+        cand = filter_rows(scores, row0, rows, offset, S, topk, **kw)
         select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
                     warps=select_warps, rank_keys=rank_keys)
         return
-    side.wait_stream(torch.cuda.current_stream(scores.device))
-    with torch.cuda.stream(side):
+    cand = filter_rows(scores, row0, rows, offset, S, topk, **kw, buffers=side.acquire(rows, cap, scores.device))
+    side.stream.wait_stream(torch.cuda.current_stream(scores.device))
+    with torch.cuda.stream(side.stream):
         select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
                     warps=select_warps, rank_keys=rank_keys)
-    for t in cand:  # allocated on the current stream: not reused before the select is done with them
-        t.record_stream(side)
+    side.release()

@@ -184,17 +184,18 @@ def main() -> int:
 
 def overlap_rows(torch, ix, timer, scores, chunks, S, K, cfg, ref) -> dict:
     """The whole context as the kernels benchmark times it, each chunk's select on the current stream
-    (sequential) and on indexer.select_stream (what indexer_topk does: the select, latency-bound, beside
+    (sequential) and on indexer.select_pipeline's stream (what indexer_topk does: the select, latency-bound, beside
     the next chunk's filter, bandwidth-bound), side by side."""
     result = {}
-    for name, side in (("sequential", None), ("select_stream", ix.select_stream(scores.device))):
+    for name, piped in (("sequential", False), ("select_stream", True)):
         got = torch.full(ref.shape, -2, device=ref.device, dtype=torch.int32)
 
-        def whole(side=side, got=got):
+        def whole(piped=piped, got=got):
+            pipeline = ix.select_pipeline(scores.device) if piped else None
             for r0, rows in chunks:
-                ix.topk_rows_chunk(scores, r0, rows, 0, S, K, got, config=cfg, select_stream=side)
-            if side is not None:
-                torch.cuda.current_stream().wait_stream(side)
+                ix.topk_rows_chunk(scores, r0, rows, 0, S, K, got, config=cfg, pipeline=pipeline)
+            if pipeline is not None:
+                pipeline.join(scores.device)
 
         whole()
         torch.cuda.synchronize()

@@ -164,11 +164,11 @@ def test_indexer_gpu_4k_context_k2048():
 @pytest.mark.gpu
 @gpu
 def test_indexer_gpu_selects_on_their_own_stream_while_the_scores_are_overwritten():
-    """indexer_topk runs each chunk's select on indexer.select_stream while the next chunk's scoring
-    overwrites the one scores buffer (chunks of rows longer than CAP; the refilter finishes the rows
-    that miss): its output equals every row's exact top-k of the kernel's own scores, with ties and
+    """indexer_topk runs each chunk's select on indexer.select_pipeline's stream while the next chunk's
+    scoring overwrites the one scores buffer and the next filters reuse its two sets of candidate lists
+    (chunks of rows longer than CAP; the refilter finishes the rows that miss): its output equals every row's exact top-k of the kernel's own scores, with ties and
     a planted row whose candidates overflow any threshold (the refilter's full select)."""
-    T = S = 12288  # 3 chunks of 4096: the first has rows of <= CAP keys (its select stays in order)
+    T = S = 20480  # 5 chunks of 4096: the first has rows of <= CAP keys (its select stays in order)
     torch.manual_seed(0)
     q = torch.randn(T, 8, 64, device="cuda").to(torch.bfloat16)
     k = torch.randn(S, 64, device="cuda").to(torch.bfloat16)
