@@ -82,7 +82,9 @@ has gpu_kernel_tests && part gpu_kernel_tests 300 python3 -m pytest -q -p no:cac
 has topk && part topk 480 python3 bench/gpu/topk_sweep.py --out "$OUT/topk_sweep.json" \
   --contexts "${TOPK_CONTEXTS:-65536}" --pipeline
 # topk_chunks: the whole 64K context's top-k chunk by chunk and phase, the (SAMPLES, RUN) grid, and the
-# whole context per FILTER variant against the default (bench/gpu/topk_chunks.py; topk_filter_gpu.json runs 13-15)
+# whole context per FILTER variant against the default, and the selects in order against on their own
+# stream (bench/gpu/topk_chunks.py; topk_filter_gpu.json runs 13-18). Owed since session 19 on an H200:
+# `kernels` (KERNELS=indexer) and `gpu_kernel_tests` (the selects' own-stream test has not run)
 has topk_chunks && part topk_chunks 300 python3 bench/gpu/topk_chunks.py --out "$OUT/topk_chunks.json"
 # dsa_switch: the 5-layer GLM-5.2 forward+backward, Megatron's unfused DSA vs the switch with each
 # backward impl (DSA_BWD_IMPLS), one model, at DSA_SEQLENS tokens (dsa_switch_h200.json)
