@@ -6,10 +6,11 @@ reads its first n = row0 + r + 1 keys of it). This replays that with the default
 phases timed apart per chunk (thresholds, filter given them, select) beside the whole call, and counts
 each chunk's rows whose candidates missed [k, CAP] (the refilter kernel filters them again; `paths` counts the rows
 the refilter served and those left to the full radix select; the thresholds are timed apart, as
-SPLIT_T would run them). Then, on the longest chunk, a grid of
-(SAMPLES, RUN): the thresholds alone, their loads alone (stream_floor.threshold_floor), and the rows
-each leaves outside [k, CAP]. Last, the whole context's top-k per FILTER variant (fewer samples, the
-thresholds at fewer warps, the refilter off), each checked equal to the default's output.
+SPLIT_T would run them; on the longest chunk, the select's stages alone: stream_floor.select_floor).
+Then, on the longest chunk, a grid of (SAMPLES, RUN): the thresholds alone, their loads alone
+(stream_floor.threshold_floor), and the rows each leaves outside [k, CAP]. Then the whole context's
+top-k per FILTER variant (VARIANTS), each checked equal to the default's output. Last (`overlap`), the
+whole context with every select in order against the selects on their own stream (indexer_topk's way).
 """
 from __future__ import annotations
 
