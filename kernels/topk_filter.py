@@ -23,9 +23,13 @@ Exact whatever the sample: if >= k keys of a row are >= t, its k-th key is >= t,
 full select would take (ties included) is a candidate. A row with fewer than k candidates (t too
 high) or more than CAP (t too low) is filtered once more (_refilter_kernel, between the two: its
 samples searched again with their count scaled by what the row showed); a row that misses again
-(heavy ties) is finished by the full radix select over the row (topk_common.emit_full) inside the
-select kernel. The refilter is what lets the threshold come from 1024 samples (1.2% of a 64K
+(heavy ties) is finished by the full radix select over the row (topk_common.emit_full), in the
+refilter kernel when it is given the output (topk_rows_filtered does: then the select reads no
+scores of a chunk whose rows all pass CAP, and may run on a stream of its own, SelectPipeline), else
+in the select kernel. The refilter is what lets the threshold come from 2048 samples (0.06% of a 64K
 context's rows refiltered): a row's full select costs ~0.16 ms, alone at the end of the kernel.
+Since session 19 the filter takes two blocks a step (PAIR: one prefix sum and one sum of packed
+counts place both; the longest 64K chunk 0.705 ms against 0.798, H100, run 18).
 The float compare keeps a superset of the keys >= t (-0.0 and +0.0 compare equal; NaN scores are
 kept by `x != x`), which is all exactness needs: the select orders the candidates by ordered_key.
 Row reads: one, plus SAMPLES / RUN sectors for the threshold; candidates: ~1.5 k x 8 bytes written
@@ -47,8 +51,9 @@ from kernels.topk_common import (LAST_KEYS, emit_full, emit_short_row, key_to_fl
 class Candidates(NamedTuple):
     """What the filter leaves for the select: per row, up to CAP scores and their indices in index
     order, how many keys passed the threshold (past CAP when they overflowed), and which path the
-    row took (int32: 0 the first threshold's candidates, 1 the refilter's, 2 the full select; the
-    select writes it for the rows the filter skips and those it finishes by the full select)."""
+    row took (int32: 0 the first threshold's candidates, 1 the refilter's, 2 the full select, by the
+    refilter given the output, else by the select; the select writes it for the rows the filter
+    skips)."""
     scores: torch.Tensor
     indices: torch.Tensor
     counts: torch.Tensor
