@@ -127,7 +127,7 @@ def _topk_cases() -> list[tuple[str, Any, dict, dict, list]]:
     4096 rows of a 64K context, k = 2048)."""
     from kernels._tuning import KernelConfig
     from kernels.topk import EXPERIMENTAL_TOPK_CONFIGS, TOPK_CONFIGS
-    from kernels.topk_filter import _filter_kernel, _refilter_kernel, _select_kernel
+    from kernels.topk_filter import AIM_PCT, _filter_kernel, _refilter_kernel, _select_kernel
 
     S, K = 65536, 2048
     shapes = [dict(c.params) | {"warps": c.num_warps, "stages": c.num_stages}
@@ -141,12 +141,12 @@ def _topk_cases() -> list[tuple[str, Any, dict, dict, list]]:
         # the kernels' constexprs and launch, from the tuner config that drives both
         filt = KernelConfig.make(p["warps"], p["stages"], BLOCK=p["BLOCK"], SAMPLES=p["SAMPLES"], RUN=p["RUN"],
                                  CAP=cap, STAGES=p["stages"], SPLIT_T=bool(p.get("SPLIT_T", 0)),
-                                 ASM_STORE=True, AIM=p.get("AIM_PCT", 150) / 100, PAIR=bool(p.get("PAIR", 0)))
+                                 ASM_STORE=True, AIM=p.get("AIM_PCT", AIM_PCT) / 100, PAIR=bool(p.get("PAIR", 0)))
         sel = KernelConfig.make(p["SELECT_WARPS"], 1, CAP=cap, BLOCK=1024, RADIX_BITS=p["RADIX_BITS"],
-                                N_PASSES=-(-32 // p["RADIX_BITS"]), ASM_STORE=True, RANK_KEYS=p.get("RANK_KEYS", 32))
+                                N_PASSES=-(-32 // p["RADIX_BITS"]), ASM_STORE=True)
         cases.append(("topk_filter", _filter_kernel, {**common, "stride_c": cap}, {"K": K}, [(filt, {})]))
         refilt = KernelConfig.make(p["warps"], p["stages"], BLOCK=p["BLOCK"], SAMPLES=p["SAMPLES"], RUN=p["RUN"],
-                                   CAP=cap, STAGES=p["stages"], ASM_STORE=True, AIM=p.get("AIM_PCT", 150) / 100,
+                                   CAP=cap, STAGES=p["stages"], ASM_STORE=True, AIM=p.get("AIM_PCT", AIM_PCT) / 100,
                                    PAIR=bool(p.get("PAIR", 0)), FULL=True, RADIX_BITS=p["RADIX_BITS"],
                                    N_PASSES=-(-32 // p["RADIX_BITS"]))
         cases.append(("topk_refilter", _refilter_kernel,

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from kernels._tuning import Autotuner, KernelConfig
 from kernels.topk import _bucket, _radix_schedule, topk_rows_chunk
-from kernels.topk_common import (LAST_KEYS, emit_short_row, finish_unordered_candidates, ordered_key, select_in_registers,
+from kernels.topk_common import (emit_short_row, finish_unordered_candidates, ordered_key, select_in_registers,
                                   threshold_at_count)
 
 # Sampled keys per row and candidate slots per row: the values kernels/topk_sample.py measured
@@ -173,7 +173,7 @@ def _select_kernel(out_ptr, cnt_ptr, ckey_ptr, cidx_ptr, flag_ptr, shift_ptr, dm
                 ok = j < n_cand
                 key = tl.load(ckey_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0)
                 idx = tl.load(cidx_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0)
-                select_in_registers(key, idx, ok, out_row, idx_bits, K, False, False, LAST_KEYS)
+                select_in_registers(key, idx, ok, out_row, idx_bits, K, False, False)
             else:
                 finish_unordered_candidates(out_row, ckey_ptr + r.to(tl.int64) * stride_c,
                                             cidx_ptr + r.to(tl.int64) * stride_c, n_cand, shift_ptr, dmask_ptr,

@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from kernels._tuning import Autotuner, KernelConfig
-from kernels.topk_common import LAST_KEYS, emit_full, emit_short_row, finish_candidates, ordered_key, radix_pass
+from kernels.topk_common import emit_full, emit_short_row, finish_candidates, ordered_key, radix_pass
+from kernels.topk_filter import AIM_PCT
 
 # H200, 4096 rows of a 64K context. Full variant: 7 bits / 512 / 4 warps 4.4-4.6 ms, 6 bits 4.6 ms,
 # 8 bits 6.1 ms, 4 bits 6.4 ms, 11 bits 33.7 ms (tl.histogram cost grows with the bins).
@@ -205,8 +206,7 @@ def topk_rows_chunk(scores, row0, rows, offset, S, topk, out, config: KernelConf
                                filter_warps=cfg.num_warps, filter_stages=cfg.num_stages,
                                select_warps=p["SELECT_WARPS"], split_t=bool(p.get("SPLIT_T", 0)),
                                t_warps=p.get("T_WARPS", 4), refilter=bool(p.get("REFILTER", 1)),
-                               aim=p.get("AIM_PCT", 150) / 100, rank_keys=p.get("RANK_KEYS", int(LAST_KEYS)),
-                               pair=bool(p.get("PAIR", 0)), pipeline=pipeline)
+                               aim=p.get("AIM_PCT", AIM_PCT) / 100, pair=bool(p.get("PAIR", 0)), pipeline=pipeline)
             return
         if "SAMPLES" in p:
             from kernels.topk_sample import topk_rows_sampled

@@ -235,27 +235,28 @@ def kth_key(keys, ok, need, scratch, SCRATCH: tl.constexpr, ASM_STORE: tl.conste
     valid keys, with the search's last passes replaced by a rank: once the bracket holds <= LAST_KEYS
     keys (at most SCRATCH: `scratch` holds SCRATCH int32 this program may overwrite), they are
     compacted there and the need-th largest is the largest window key with >= need - n_hi window
-    keys at or above it. SCRATCH 0: no rank (the search narrows the bracket to one key)."""
+    keys at or above it. (Searching on to a one-key bracket instead of the rank made the filter
+    top-k's select 19% slower: the whole 64K top-k 8.60 ms against 7.21, H200, topk_filter_gpu.json
+    run 16.)"""
     E: tl.constexpr = LAST_KEYS if SCRATCH >= LAST_KEYS else SCRATCH
     lo, hi, n_lo, n_hi = search_bracket(keys, ok, need, -1, E)
     kth = lo.to(tl.uint32)
     n_above = n_hi  # a one-key bracket: lo is the k-th key and count(> lo) = count(>= hi)
-    if E > 0:  # SCRATCH 0: no rank, the search went on to a one-key bracket
-        if hi - lo > 1:
-            inw = ok & (keys >= lo.to(tl.uint32)) & (keys <= (hi - 1).to(tl.uint32))
-            pos = tl.cumsum(inw.to(tl.int32), axis=0) - 1
-            if ASM_STORE:
-                scatter_b32(scratch + pos, keys.to(tl.int32, bitcast=True), inw)
-            else:
-                tl.store(scratch + pos, keys.to(tl.int32, bitcast=True), mask=inw)
-            tl.debug_barrier()
-            j = tl.arange(0, E)
-            valid = j < n_lo - n_hi
-            wk = tl.load(scratch + j, mask=valid, other=0).to(tl.uint32, bitcast=True)
-            ge = tl.sum(((wk[None, :] >= wk[:, None]) & valid[None, :]).to(tl.int32), axis=1)
-            kth = tl.max(tl.where(valid & (ge >= need - n_hi), wk, 0), axis=0)
-            n_above = n_hi + tl.sum((valid & (wk > kth)).to(tl.int32), axis=0)
-            tl.debug_barrier()  # the caller's stores may overwrite scratch
+    if hi - lo > 1:
+        inw = ok & (keys >= lo.to(tl.uint32)) & (keys <= (hi - 1).to(tl.uint32))
+        pos = tl.cumsum(inw.to(tl.int32), axis=0) - 1
+        if ASM_STORE:
+            scatter_b32(scratch + pos, keys.to(tl.int32, bitcast=True), inw)
+        else:
+            tl.store(scratch + pos, keys.to(tl.int32, bitcast=True), mask=inw)
+        tl.debug_barrier()
+        j = tl.arange(0, E)
+        valid = j < n_lo - n_hi
+        wk = tl.load(scratch + j, mask=valid, other=0).to(tl.uint32, bitcast=True)
+        ge = tl.sum(((wk[None, :] >= wk[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+        kth = tl.max(tl.where(valid & (ge >= need - n_hi), wk, 0), axis=0)
+        n_above = n_hi + tl.sum((valid & (wk > kth)).to(tl.int32), axis=0)
+        tl.debug_barrier()  # the caller's stores may overwrite scratch
     return kth, n_above
 
 
@@ -366,16 +367,15 @@ def scatter_b32(ptr, val, mask):
 
 @triton.jit
 def select_in_registers(key, idx, ok, out_row, idx_bits, K: tl.constexpr, ORDERED: tl.constexpr,
-                        ASM_STORE: tl.constexpr, RANK_KEYS: tl.constexpr):
+                        ASM_STORE: tl.constexpr):
     """Exact top-K of the valid (key, index) pairs of a register tile (>= K valid, indices distinct):
     writes the K indices ascending to out_row.
 
-    The k-th key by kth_key (out_row is its scratch; its rank takes the last <= RANK_KEYS keys, 0: none,
-    the search goes on instead); of the keys equal to it, the lowest indices: by position
+    The k-th key by kth_key (out_row is its scratch); of the keys equal to it, the lowest indices: by position
     when the tile is in index order (ORDERED), else by a bitwise search over the index
     (idx_bits passes, only when more keys tie than are needed), then the K indices are sorted.
     ASM_STORE (ORDERED only): the indices go out through scatter_b32 (CUDA)."""
-    kth, n_above = kth_key(key, ok, K, out_row, RANK_KEYS if RANK_KEYS < K else K, ASM_STORE)
+    kth, n_above = kth_key(key, ok, K, out_row, K, ASM_STORE)
     above = ok & (key > kth)
     tied = ok & (key == kth)
     need = K - n_above

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.topk_common import (LAST_KEYS, emit_full, emit_short_row, key_to_float, ordered_key, sampled_threshold,
+from kernels.topk_common import (emit_full, emit_short_row, key_to_float, ordered_key, sampled_threshold,
                                  scatter_b32, select_in_registers)
 
 
@@ -91,6 +91,9 @@ def _filter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, ro
         tl.store(path_ptr + r, 0)
 
 
+# The candidates the sampled thresholds aim at, in percent of k (config key AIM_PCT). Runs 16-17 (H200):
+# 125-140 were within the noise at 64K and 1.7-1.9x slower at 128K (more rows refiltered).
+AIM_PCT = 150
 REFILTER_TRIES: tl.constexpr = tl.constexpr(2)  # run 15: one try left 2 of 725 refiltered rows (1024 samples)
 
 
@@ -120,7 +123,7 @@ def _refilter_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, path_ptr, t_ptr, 
                     scale = scale * (AIM * K) / tl.maximum(n_cand, 1).to(tl.float32)
                     t2 = sampled_threshold(row, n, K, SAMPLES, RUN, scale)
                     # t2 == 0: the scaled need passed the samples (keep every key: more than CAP of
-                    # them), a pass that cannot land; the row goes to the select's full radix select
+                    # them), a pass that cannot land; the row goes to the full radix select
                     if (t2 != 0) & (((n_cand < K) & (t2 < t)) | ((n_cand > CAP) & (t2 > t))):
                         n_cand = filter_row(row, n, key_to_float(t2), ckey_ptr + r.to(tl.int64) * stride_c,
                                             cidx_ptr + r.to(tl.int64) * stride_c, BLOCK, CAP, STAGES, ASM_STORE,
@@ -151,19 +154,25 @@ def filter_row(row, n, t_f, ckey_row, cidx_row, BLOCK: tl.constexpr, CAP: tl.con
         x = tl.load(row + idx)
         if PAIR:
             x2 = tl.load(row + idx + BLOCK)
-            n_cand = _append_pair(ckey_row, cidx_row, n_cand, x, x2, idx, (x >= t_f) | (x != x),
-                                  (x2 >= t_f) | (x2 != x2), BLOCK, CAP, ASM_STORE)
+            n_cand = _append_pair(ckey_row, cidx_row, n_cand, x, x2, idx, _passes(x, t_f), _passes(x2, t_f),
+                                  BLOCK, CAP, ASM_STORE)
         else:
-            n_cand = _append_hits(ckey_row, cidx_row, n_cand, x, idx, (x >= t_f) | (x != x), CAP, ASM_STORE)
+            n_cand = _append_hits(ckey_row, cidx_row, n_cand, x, idx, _passes(x, t_f), CAP, ASM_STORE)
     idx = n_full + tl.arange(0, BLOCK)
     ok = idx < n
     x = tl.load(row + idx, mask=ok, other=0.0)
     if PAIR:
         ok2 = idx + BLOCK < n
         x2 = tl.load(row + idx + BLOCK, mask=ok2, other=0.0)
-        return _append_pair(ckey_row, cidx_row, n_cand, x, x2, idx, ok & ((x >= t_f) | (x != x)),
-                            ok2 & ((x2 >= t_f) | (x2 != x2)), BLOCK, CAP, ASM_STORE)
-    return _append_hits(ckey_row, cidx_row, n_cand, x, idx, ok & ((x >= t_f) | (x != x)), CAP, ASM_STORE)
+        return _append_pair(ckey_row, cidx_row, n_cand, x, x2, idx, ok & _passes(x, t_f), ok2 & _passes(x2, t_f),
+                            BLOCK, CAP, ASM_STORE)
+    return _append_hits(ckey_row, cidx_row, n_cand, x, idx, ok & _passes(x, t_f), CAP, ASM_STORE)
+
+
+@triton.jit
+def _passes(x, t_f):
+    """The scores a filter at t_f keeps: those >= t_f, and NaNs (which compare false)."""
+    return (x >= t_f) | (x != x)
 
 
 @triton.jit
@@ -204,8 +213,7 @@ def _append_pair(ckey_row, cidx_row, n_cand, x, x2, idx, hit, hit2, BLOCK: tl.co
 @triton.jit
 def _select_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, out_ptr, path_ptr, shift_ptr, dmask_ptr, row0, offset,
                    S, stride_s, stride_c, stride_o, K: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
-                   RADIX_BITS: tl.constexpr, N_PASSES: tl.constexpr, ASM_STORE: tl.constexpr,
-                   RANK_KEYS: tl.constexpr):
+                   RADIX_BITS: tl.constexpr, N_PASSES: tl.constexpr, ASM_STORE: tl.constexpr):
     r = tl.program_id(0)
     n = tl.minimum(row0 + r + offset + 1, S)
     row = score_ptr + r.to(tl.int64) * stride_s
@@ -227,7 +235,7 @@ def _select_kernel(score_ptr, ckey_ptr, cidx_ptr, count_ptr, out_ptr, path_ptr, 
             key = ordered_key(tl.load(ckey_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0.0))
             idx = tl.load(cidx_ptr + r.to(tl.int64) * stride_c + j, mask=ok, other=0)
         if (count >= K) & (count <= CAP):
-            select_in_registers(key, idx, ok, out_row, 0, K, True, ASM_STORE, RANK_KEYS)
+            select_in_registers(key, idx, ok, out_row, 0, K, True, ASM_STORE)
         elif tl.load(path_ptr + r) != 2:  # (2: the refilter wrote the row) the sampled thresholds
             # missed (or heavy ties): the full radix select over the row
             zero = tl.zeros([], tl.uint32)
@@ -242,7 +250,7 @@ def asm_stores(t: torch.Tensor) -> bool:
     return t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
-def row_thresholds(scores, row0, rows, offset, S, topk, *, samples, run, cap, warps=4, aim=1.5):
+def row_thresholds(scores, row0, rows, offset, S, topk, *, samples, run, cap, warps=4, aim=AIM_PCT / 100):
     """SPLIT_T's first kernel: each row's sampled threshold (uint32 ordered key; unset for rows of <= CAP keys).
     4 warps a row: 1, 2, 8 or 16 were slower (H100, 4096 x 64K rows: bench/results/topk_filter_gpu.json
     run 8; the search's cost follows its keys, not its reductions' barriers)."""
@@ -293,7 +301,7 @@ class SelectPipeline:
 
 
 def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap, warps, stages, split_t=False,
-                asm_store=None, thresh=None, t_warps=4, refilter=True, aim=1.5, pair=False, finish=None,
+                asm_store=None, thresh=None, t_warps=4, refilter=True, aim=AIM_PCT / 100, pair=False, finish=None,
                 buffers=None):
     """Phase 1: the rows' candidates, Candidates(scores [rows, CAP] fp32, indices [rows, CAP] int32,
     counts [rows] int32: the keys >= t, past CAP when they overflowed; unset for rows with <= CAP
@@ -335,21 +343,19 @@ def filter_rows(scores, row0, rows, offset, S, topk, *, samples, run, block, cap
     return Candidates(ckey, cidx, count, paths)
 
 
-def select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, *, radix_bits, warps, asm_store=None,
-                rank_keys=LAST_KEYS):
+def select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, *, radix_bits, warps, asm_store=None):
     """Phase 2: the exact top-k of each row from its Candidates (or its scores) into out[row0 + r];
-    completes cand.paths. ``rank_keys``: the k-th key's search ends with a rank of the last <= that many
-    keys (topk_common.kth_key; 0: it searches on to one key)."""
+    completes cand.paths."""
     _select_kernel[(rows,)](scores, cand.scores, cand.indices, cand.counts, out, cand.paths, shifts, masks, row0,
                             offset, S, scores.stride(0), cand.scores.stride(0), out.stride(0), K=topk,
                             CAP=cand.scores.shape[1], BLOCK=1024, RADIX_BITS=radix_bits, N_PASSES=shifts.numel(),
                             ASM_STORE=asm_stores(scores) if asm_store is None else asm_store,
-                            RANK_KEYS=int(rank_keys), num_warps=warps, num_stages=1)
+                            num_warps=warps, num_stages=1)
 
 
 def topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, *, samples, run, block, cap,
                        radix_bits, filter_warps, filter_stages, select_warps, split_t=False, t_warps=4, refilter=True,
-                       aim=1.5, rank_keys=LAST_KEYS, pair=False, pipeline=None):
+                       aim=AIM_PCT / 100, pair=False, pipeline=None):
     """Same contract as topk.topk_rows_chunk: filter_rows, then select_rows.
 
     ``pipeline`` (a SelectPipeline, CUDA): the select runs on its stream, after what the current stream
@@ -357,18 +363,18 @@ def topk_rows_filtered(scores, row0, rows, offset, S, topk, out, shifts, masks, 
     finishes the rows that miss), so the caller may overwrite ``scores`` at once; it must join the
     pipeline before it reads ``out``. The select (latency-bound, ~0.2 ms a chunk of 4096 rows) then
     runs beside the next chunk's work: the whole 64K top-k 6.81 ms against 7.05 (H200, run 16)."""
-    side = pipeline if (pipeline is not None and refilter and min(row0 + offset + 1, S) > cap) else None
+    piped = pipeline is not None and refilter and min(row0 + offset + 1, S) > cap
     kw = dict(samples=samples, run=run, block=block, cap=cap, warps=filter_warps, stages=filter_stages,
               split_t=split_t, t_warps=t_warps, refilter=refilter, aim=aim, pair=pair,
               finish=(out, shifts, masks, radix_bits))
-    if side is None:
+    if not piped:
         cand = filter_rows(scores, row0, rows, offset, S, topk, **kw)
         select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
-                    warps=select_warps, rank_keys=rank_keys)
+                    warps=select_warps)
         return
-    cand = filter_rows(scores, row0, rows, offset, S, topk, **kw, buffers=side.acquire(rows, cap, scores.device))
-    side.stream.wait_stream(torch.cuda.current_stream(scores.device))
-    with torch.cuda.stream(side.stream):
+    cand = filter_rows(scores, row0, rows, offset, S, topk, **kw, buffers=pipeline.acquire(rows, cap, scores.device))
+    pipeline.stream.wait_stream(torch.cuda.current_stream(scores.device))
+    with torch.cuda.stream(pipeline.stream):
         select_rows(scores, cand, row0, rows, offset, S, topk, out, shifts, masks, radix_bits=radix_bits,
-                    warps=select_warps, rank_keys=rank_keys)
-    side.release()
+                    warps=select_warps)
+    pipeline.release()

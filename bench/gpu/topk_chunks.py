@@ -28,7 +28,8 @@ THRESHOLD_GRID = [(4096, 8), (4096, 16), (4096, 32), (2048, 8), (2048, 16), (102
 # inline 7.39-7.85 (more rows refiltered), RUN 4 / 16 no better, thresholds apart at 2 warps 7.74-8.18,
 # the select at 8 warps 7.85.
 # Runs 16-17 (H200): 1024 samples and AIM_PCT 125-140 within ~4% at 64K (noise ~0.1 ms), worse at 128K;
-# RANK_KEYS 16 the same, 0 (no rank) 19% slower. PAIR: the filter's two blocks a step.
+# the select's rank over 16 keys the same, searching on to one key instead 19% slower (both removed).
+# PAIR: the filter's two blocks a step.
 VARIANTS = [{"PAIR": 1}, {"PAIR": 1, "BLOCK": 512}, {"SAMPLES": 1024}]
 PARTS = ("breakdown", "thresholds", "variants", "overlap")
 
@@ -163,7 +164,7 @@ def main() -> int:
                 cand = tf.filter_rows(scores, r0, rows, 0, S, K, samples=params["SAMPLES"], run=params["RUN"],
                                       block=params["BLOCK"], cap=params["CAP"], warps=vcfg.num_warps,
                                       stages=vcfg.num_stages, split_t=True, t_warps=params.get("T_WARPS", 4),
-                                      refilter=bool(params.get("REFILTER", 1)), aim=params.get("AIM_PCT", 150) / 100)
+                                      refilter=bool(params.get("REFILTER", 1)), aim=params.get("AIM_PCT", tf.AIM_PCT) / 100)
                 tf.select_rows(scores, cand, r0, rows, 0, S, K, got, shifts, masks, radix_bits=8,
                                warps=params["SELECT_WARPS"])
                 for i in range(3):

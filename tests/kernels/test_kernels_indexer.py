@@ -227,7 +227,7 @@ def _filter_case(device, rows=12, S=400):
     return scores, torch.full((rows,), S, device=device)
 
 
-def _filtered_topk(scores, K, cap, samples=64, run=4, split_t=False, refilter=True, rank_keys=32, pair=False,
+def _filtered_topk(scores, K, cap, samples=64, run=4, split_t=False, refilter=True, pair=False,
                    finish=False):
     """(the top-k by filter then select, the rows' final candidate counts, the path each row took);
     finish: the refilter runs the full select of the rows that still miss (else the select does)."""
@@ -239,16 +239,15 @@ def _filtered_topk(scores, K, cap, samples=64, run=4, split_t=False, refilter=Tr
     cand = tf.filter_rows(scores, 0, rows, S - 1, S, K, samples=samples, run=run, block=64, cap=cap,
                           warps=4, stages=1, split_t=split_t, refilter=refilter, pair=pair,
                           finish=(out, shifts, masks, 8) if finish else None)
-    tf.select_rows(scores, cand, 0, rows, S - 1, S, K, out, shifts, masks, radix_bits=8, warps=4, rank_keys=rank_keys)
+    tf.select_rows(scores, cand, 0, rows, S - 1, S, K, out, shifts, masks, radix_bits=8, warps=4)
     return out, cand.counts, cand.paths
 
 
-@pytest.mark.parametrize("split_t,rank_keys,pair", [(False, 32, False), (True, 32, False), (False, 0, False),
-                                                   (False, 32, True)],
-                         ids=["threshold_inline", "threshold_kernel", "no_rank", "pairs"])
-def test_filter_select_is_exact_when_candidates_fit(device, split_t, rank_keys, pair):
+@pytest.mark.parametrize("split_t,pair", [(False, False), (True, False), (False, True)],
+                         ids=["threshold_inline", "threshold_kernel", "pairs"])
+def test_filter_select_is_exact_when_candidates_fit(device, split_t, pair):
     scores, n = _filter_case(device)
-    out, count, _ = _filtered_topk(scores, K=16, cap=128, split_t=split_t, rank_keys=rank_keys, pair=pair)
+    out, count, _ = _filtered_topk(scores, K=16, cap=128, split_t=split_t, pair=pair)
     assert ((count >= 16) & (count <= 128)).all(), count  # the premise: no row took the fallback
     assert torch.equal(out, select_topk(scores, n, 16, stable=True))
 
@@ -399,7 +398,7 @@ def test_kth_key_is_the_need_th_largest_key_for_any_score_distribution(device):
     """kth_key (the tail-model search, then a rank of the last <= 32 keys) against a sort, on score rows
     the model fits (a Gaussian's and an exponential's tail) and rows it does not (ties, two clusters,
     infinities and NaNs, one value), for every need from 1 to the valid keys, with a scratch of 16 or
-    32 keys, or none (SCRATCH 0: the search goes on to a one-key bracket, no rank)."""
+    32 keys."""
     gen = torch.Generator().manual_seed(3)
     n = 400
     g = torch.randn(n, generator=gen)
@@ -416,10 +415,10 @@ def test_kth_key_is_the_need_th_largest_key_for_any_score_distribution(device):
     }
     for name, x in rows.items():
         want_sorted = sorted(_ordered_keys(x).tolist(), reverse=True)
-        for slots in (0, 16, 64):
+        for slots in (16, 64):
             for need in (1, 2, 17, 200, 333, 399, 400):
                 out = torch.zeros(2, dtype=torch.uint32, device=device)
-                scratch = torch.zeros(max(slots, 1), dtype=torch.int32, device=device)
+                scratch = torch.zeros(slots, dtype=torch.int32, device=device)
                 _kth_key_kernel[(1,)](x.to(device), n, need, out, scratch, BLOCK=512, SCRATCH=slots)
                 got, n_above = (int(v) & 0xFFFFFFFF for v in out.to(torch.int64).tolist())
                 assert got == want_sorted[need - 1], (name, slots, need)
