@@ -64,7 +64,10 @@ def compile_sm90(fn, args: dict[str, Any], constexprs: dict[str, Any], num_warps
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32"
-    src = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+    source = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():  # a @gluon.jit kernel (its layouts are written out)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     usage = _resource_usage(compiled.asm["cubin"])
@@ -89,11 +92,13 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
 
 
 def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
+    from kernels._tuning import KernelConfig
     from kernels.sparse_mla import CONFIGS as FWD_CONFIGS
     from kernels.sparse_mla import _sparse_mla_fwd_kernel
     from kernels.sparse_mla_bwd import BWD_CONFIGS
     from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
     from kernels.sparse_mla_bwd_split import DKV_CONFIGS, DQ_CONFIGS, _dkv_from_dsp_kernel
+    from kernels import sparse_mla_gluon as gluon_fwd
 
     H, DV, DR, K = 64, 512, 64, 2048  # the benchmark's GLM-5.2 shapes (strides do not depend on tokens)
     dims = {"HEADS": H, "D_V": DV, "D_R": DR}
@@ -113,6 +118,8 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
     return [
         ("sparse_mla_fwd", _sparse_mla_fwd_kernel, fwd_args,
          {**dims, "WS": False}, [(c, {}) for c in FWD_CONFIGS if not dict(c.params).get("WS")]),
+        ("sparse_mla_fwd_gluon", gluon_fwd._sparse_mla_fwd_gluon, fwd_args, {"HEADS": H, **gluon_fwd.constexprs()},
+         [(KernelConfig.make(num_warps=8, num_stages=1), {})]),
         ("sparse_mla_bwd_atomic", sparse_mla_bwd_rows_kernel, rows_args,
          {**dims, "WITH_DKV": True, "STORE_DSP": False}, [(c, {}) for c in BWD_CONFIGS]),
         ("sparse_mla_bwd_split_dq", sparse_mla_bwd_rows_kernel, rows_args,

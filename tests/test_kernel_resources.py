@@ -56,3 +56,13 @@ def test_the_filter_prefix_sum_stays_in_the_load_layout_with_ptx_stores():
     res = {asm: kr.compile_sm90(fn, args, {**constexprs, **dict(cfg.params), "ASM_STORE": asm}, cfg.num_warps,
                                 cfg.num_stages) for asm in (False, True)}
     assert res[True]["shfl"] * 2 < res[False]["shfl"] and res[True]["bar_sync"] < res[False]["bar_sync"], res
+
+
+def test_the_gluon_forward_specialises_its_warps_and_fits_in_shared_memory():
+    case = next(c for c in kr._sparse_mla_bwd_cases() if c[0] == "sparse_mla_fwd_gluon")
+    _, fn, args, constexprs, configs = case
+    cfg, _ = configs[0]
+    res = kr.compile_sm90(fn, args, {**constexprs, **dict(cfg.params)}, cfg.num_warps, cfg.num_stages)
+    # q (72 KB) + two KV slots (144 KB) + P (8 KB) + barriers, under the H200's 227 KB a block
+    assert 224 * 1024 <= res["shared_bytes"] <= 232448
+    assert res["wgmma"] > 0 and res["cp_async"] > 0 and res["mma_sync"] == 0

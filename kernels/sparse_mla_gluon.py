@@ -1,0 +1,209 @@
+"""Sparse MLA forward in Gluon: gathers by a producer warpgroup, the math by two consumer warpgroups.
+
+Same contract as kernels/sparse_mla.py's sparse_mla_forward (q [T, heads, 576], kv [S, 576], idx [T,
+topk] int32 with -1 for unused slots; returns out [T, heads, 512] and the natural-log lse), for the
+GLM-5.2 shape only: 512 latent + 64 rope columns, heads in blocks of 64.
+
+Why not Triton: its kernel (sparse_mla.py) runs 4.7 us a 64-key tile on the H200 against ~1.2 us of
+tensor-core work, with the gathers, the softmax and the two GEMMs one after another in each of its 8
+warps, and one CTA an SM (q plus two KV stages fill 216 KB of shared memory); Triton's own warp
+specialisation of the loop gained nothing (4.68 against 4.66 ms). Here the schedule is written out:
+- a producer partition (4 warps, few registers) gathers each tile's 64 KV rows with cp.async into a
+  two-slot ring and signals the slot's `full` barrier when its copies land; it refills a slot once
+  the consumers signal its `empty` barrier;
+- the consumers (8 warps: two warpgroups, each owning 256 of the value columns of the [64, 512]
+  fp32 accumulator) issue tile i+1's QK^T before tile i's softmax, so the tensor cores run the
+  scores while the CUDA cores run exp2; P goes through shared memory (8 KB) to the PV GEMM.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+BLOCK_H = 64  # heads a program: one wgmma M
+BLOCK_N = 64  # keys a tile
+STAGES = 2  # KV slots: q (72 KB) + 2 x 72 KB + P (8 KB) = 224 KB of the 227 KB an SM has
+D_V, D_R = 512, 64
+PRODUCER_WARPS = 4
+PRODUCER_REGS = 56
+ROW_GROUP = 16  # rows per cp.async call in the producer (8 16-byte copies a thread)
+
+
+@gluon.jit
+def _producer(kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty,
+              BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr,
+              ROW_GROUP: gl.constexpr):
+    nope_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [ROW_GROUP, 512]
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [BLOCK_N, 64]
+    cn = gl.arange(0, D_V, layout=gl.SliceLayout(0, nope_l))
+    cr = gl.arange(0, D_R, layout=gl.SliceLayout(0, rope_l))
+    n_tiles = gl.cdiv(n_idx, BLOCK_N)
+    for i in range(n_tiles):
+        s = i % STAGES
+        # a fresh barrier counts as having completed the phase before its first: the first round passes
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        for g in gl.static_range(BLOCK_N // ROW_GROUP):
+            j = i * BLOCK_N + g * ROW_GROUP + gl.arange(0, ROW_GROUP, layout=gl.SliceLayout(1, nope_l))
+            ids = gl.load(idx_row + j, mask=j < n_idx, other=-1)
+            rows = kv_ptr + gl.where(ids >= 0, ids, 0).to(gl.int64) * stride_kv  # -1: row 0, P = 0 there
+            cp.async_copy_global_to_shared(kv_nope.index(s).slice(g * ROW_GROUP, ROW_GROUP, dim=0),
+                                           rows[:, None] + cn[None, :])
+        j = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rope_l))
+        ids = gl.load(idx_row + j, mask=j < n_idx, other=-1)
+        rows = kv_ptr + gl.where(ids >= 0, ids, 0).to(gl.int64) * stride_kv + D_V
+        cp.async_copy_global_to_shared(kv_rope.index(s), rows[:, None] + cr[None, :])
+        cp.mbarrier_arrive(full.index(s), increment_count=False)  # each thread, once its copies land
+
+
+@gluon.jit
+def _tile_ids(idx_row, n_idx, i, cols, BLOCK_N: gl.constexpr):
+    j = i * BLOCK_N + cols
+    return gl.load(idx_row + j, mask=j < n_idx, other=-1)
+
+
+@gluon.jit
+def _softmax_into_p(ids, scores, scale_log2, acc, m, denom, p_smem, o_l: gl.constexpr):
+    """Online softmax of a tile's scores (base 2; ids < 0 masked): P into p_smem for the PV GEMM, the
+    accumulator rescaled; the new running max and denominator."""
+    s = gl.where((ids >= 0)[None, :], scores * scale_log2, float("-inf"))
+    m_new = gl.maximum(m, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no valid key yet
+    alpha = gl.exp2(m - m_safe)
+    p = gl.exp2(s - m_safe[:, None])
+    denom = denom * alpha + gl.sum(p, axis=1)
+    p_smem.store(p.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()  # both warpgroups' halves of P are in place before either reads all of it
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+    return acc, m_new, denom
+
+
+@gluon.jit
+def _consumer(idx_row, n_idx, scale_log2, q_nope, q_rope, kv_nope, kv_rope, p_smem, full, empty,
+              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, STAGES: gl.constexpr):
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
+    zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+    m = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+    denom = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
+    acc = gl.zeros([BLOCK_H, D_V], gl.float32, o_l)
+    n_tiles = gl.cdiv(n_idx, BLOCK_N)
+
+    mbarrier.wait(full.index(0), 0)
+    fence_async_shared()
+    s_tok = warpgroup_mma(q_nope, kv_nope.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(q_rope, kv_rope.index(0).permute((1, 0)), s_tok, is_async=True)
+    ids = _tile_ids(idx_row, n_idx, 0, cols, BLOCK_N)
+    scores = warpgroup_mma_wait(0, deps=(s_tok, ))
+    for i in range(n_tiles - 1):
+        nxt = (i + 1) % STAGES
+        # tile i+1's scores on the tensor cores while this tile's softmax runs
+        mbarrier.wait(full.index(nxt), ((i + 1) // STAGES) & 1)
+        fence_async_shared()
+        n_tok = warpgroup_mma(q_nope, kv_nope.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        n_tok = warpgroup_mma(q_rope, kv_rope.index(nxt).permute((1, 0)), n_tok, is_async=True)
+        ids_next = _tile_ids(idx_row, n_idx, i + 1, cols, BLOCK_N)  # its latency hidden behind this softmax
+        acc, m, denom = _softmax_into_p(ids, scores, scale_log2, acc, m, denom, p_smem, o_l)
+        ids = ids_next
+        o_tok = warpgroup_mma(p_smem, kv_nope.index(i % STAGES), acc, is_async=True)
+        acc, scores = warpgroup_mma_wait(0, deps=(o_tok, n_tok))
+        gl.thread_barrier()  # every warp's PV is done with the slot and with P
+        mbarrier.arrive(empty.index(i % STAGES), count=1)
+    last = n_tiles - 1
+    acc, m, denom = _softmax_into_p(ids, scores, scale_log2, acc, m, denom, p_smem, o_l)
+    o_tok = warpgroup_mma(p_smem, kv_nope.index(last % STAGES), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+    return acc, m, denom
+
+
+@gluon.jit
+def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n_idx,
+                          stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
+                          HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
+                          D_R: gl.constexpr, STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+                          PRODUCER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr):
+    t = gl.program_id(0).to(gl.int64)
+    h0 = gl.program_id(1) * BLOCK_H
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    qn_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_V], gl.bfloat16)
+    qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_R], gl.bfloat16)
+    kn_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_V], gl.bfloat16)
+    kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
+    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_V], qn_sl)
+    q_rope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_R], qr_sl)
+    kv_nope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V], kn_sl)
+    kv_rope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_R], kr_sl)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_sl)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
+        mbarrier.init(empty.index(s), count=1)
+
+    # q into shared memory once (heads past HEADS as zeros)
+    ql: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+    hq = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ql))
+    q_row = q_ptr + t * stride_qt + hq[:, None] * stride_qh
+    cn = gl.arange(0, D_V, layout=gl.SliceLayout(0, ql))
+    cr = gl.arange(0, D_R, layout=gl.SliceLayout(0, ql))
+    q_nope.store(gl.load(q_row + cn[None, :], mask=(hq < HEADS)[:, None], other=0.0))
+    q_rope.store(gl.load(q_row + D_V + cr[None, :], mask=(hq < HEADS)[:, None], other=0.0))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    idx_row = idx_ptr + t * stride_it
+    acc, m, denom = gl.warp_specialize(
+        [(_consumer, (idx_row, n_idx, scale_log2, q_nope, q_rope, kv_nope, kv_rope, p_smem, full, empty,
+                      BLOCK_H, BLOCK_N, D_V, STAGES)),
+         (_producer, (kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty,
+                      BLOCK_N, D_V, D_R, STAGES, ROW_GROUP))],
+        [PRODUCER_WARPS], [PRODUCER_REGS])
+
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    l_safe = gl.where(denom > 0, denom, 1.0)
+    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_l))[:, None]
+    ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+    co = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_l))
+    gl.store(out_ptr + t * stride_ot + ho[:, None] * stride_oh + co[None, :], out.to(dtype),
+             mask=(ho < HEADS)[:, None])
+    lse = gl.where(denom > 0, (m + gl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    hl = h0 + gl.arange(0, BLOCK_H, layout=m.type.layout)
+    gl.store(lse_ptr + t * stride_lt + hl, lse, mask=hl < HEADS)
+
+
+def constexprs() -> dict:
+    """The kernel's compile-time constants besides HEADS (what a launch and bench/kernel_resources pass)."""
+    return dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, D_V=D_V, D_R=D_R, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
+                PRODUCER_REGS=PRODUCER_REGS, ROW_GROUP=ROW_GROUP)
+
+
+def supports(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
+    """The shapes and machines this kernel is written for: bf16 on sm_90, 512 + 64 columns."""
+    return (q.is_cuda and q.dtype == torch.bfloat16 and kv.dtype == torch.bfloat16 and d_v == D_V
+            and q.shape[-1] == D_V + D_R and torch.cuda.get_device_capability(q.device)[0] == 9)
+
+
+def sparse_mla_forward_gluon(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
+                             d_v: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there)."""
+    if not supports(q, kv, d_v):
+        raise ValueError("the Gluon sparse MLA forward needs bf16 q and kv on an sm_90 GPU with 512 + 64 "
+                         f"columns; got q {q.dtype} {tuple(q.shape)} on {q.device}, d_v={d_v}")
+    q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
+    T, heads, _ = q.shape
+    out = torch.empty((T, heads, d_v), device=q.device, dtype=q.dtype)
+    lse = torch.empty((T, heads), device=q.device, dtype=torch.float32)
+    if T == 0:
+        return out, lse
+    _sparse_mla_fwd_gluon[(T, triton.cdiv(heads, BLOCK_H))](
+        q, kv, idx, out, lse, sm_scale * 1.4426950408889634, idx.shape[1], q.stride(0), q.stride(1),
+        kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+        HEADS=heads, **constexprs(), num_warps=8)
+    return out, lse
