@@ -32,6 +32,7 @@ D_V, D_R = 512, 64
 PRODUCER_WARPS = 4
 PRODUCER_REGS = 56
 ROW_GROUP = 16  # rows per cp.async call in the producer (8 16-byte copies a thread)
+EARLY_S = True
 
 
 @gluon.jit
@@ -85,8 +86,12 @@ def _softmax_into_p(ids, scores, scale_log2, acc, m, denom, p_smem, o_l: gl.cons
 
 @gluon.jit
 def _consumer(idx_row, n_idx, scale_log2, q_nope, q_rope, kv_nope, kv_rope, p_smem, full, empty,
-              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, STAGES: gl.constexpr):
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, STAGES: gl.constexpr,
+              EARLY_S: gl.constexpr):
+    """EARLY_S: tile i+1's QK^T is issued before tile i's softmax (it holds two slots at once, so the
+    producer can run ahead by STAGES - 2 tiles only); else one tile at a time."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_N // 2, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
     zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
@@ -94,6 +99,21 @@ def _consumer(idx_row, n_idx, scale_log2, q_nope, q_rope, kv_nope, kv_rope, p_sm
     denom = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
     acc = gl.zeros([BLOCK_H, D_V], gl.float32, o_l)
     n_tiles = gl.cdiv(n_idx, BLOCK_N)
+    if not EARLY_S:  # each tile's scores, softmax and PV in order; the producer up to STAGES - 1 tiles ahead
+        for i in range(n_tiles):
+            slot = i % STAGES
+            ids = _tile_ids(idx_row, n_idx, i, cols, BLOCK_N)
+            mbarrier.wait(full.index(slot), (i // STAGES) & 1)
+            fence_async_shared()
+            s_tok = warpgroup_mma(q_nope, kv_nope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(q_rope, kv_rope.index(slot).permute((1, 0)), s_tok, is_async=True)
+            scores = warpgroup_mma_wait(0, deps=(s_tok, ))
+            acc, m, denom = _softmax_into_p(ids, scores, scale_log2, acc, m, denom, p_smem, o_l)
+            o_tok = warpgroup_mma(p_smem, kv_nope.index(slot), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+            gl.thread_barrier()  # every warp's PV is done with the slot and with P
+            mbarrier.arrive(empty.index(slot), count=1)
+        return acc, m, denom
 
     mbarrier.wait(full.index(0), 0)
     fence_async_shared()
@@ -127,7 +147,7 @@ def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, 
                           stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
                           HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
                           D_R: gl.constexpr, STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr):
+                          PRODUCER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr, EARLY_S: gl.constexpr):
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -161,7 +181,7 @@ def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, 
     idx_row = idx_ptr + t * stride_it
     acc, m, denom = gl.warp_specialize(
         [(_consumer, (idx_row, n_idx, scale_log2, q_nope, q_rope, kv_nope, kv_rope, p_smem, full, empty,
-                      BLOCK_H, BLOCK_N, D_V, STAGES)),
+                      BLOCK_H, BLOCK_N, D_V, STAGES, EARLY_S)),
          (_producer, (kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty,
                       BLOCK_N, D_V, D_R, STAGES, ROW_GROUP))],
         [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -178,10 +198,15 @@ def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, 
     gl.store(lse_ptr + t * stride_lt + hl, lse, mask=hl < HEADS)
 
 
-def constexprs() -> dict:
-    """The kernel's compile-time constants besides HEADS (what a launch and bench/kernel_resources pass)."""
-    return dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, D_V=D_V, D_R=D_R, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
-                PRODUCER_REGS=PRODUCER_REGS, ROW_GROUP=ROW_GROUP)
+def constexprs(**change) -> dict:
+    """The kernel's compile-time constants besides HEADS (what a launch and bench/kernel_resources pass);
+    change: the schedule variants (BLOCK_N, STAGES, EARLY_S) bench/gpu/sparse_mla_gluon_check.py times."""
+    base = dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, D_V=D_V, D_R=D_R, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
+                PRODUCER_REGS=PRODUCER_REGS, ROW_GROUP=ROW_GROUP, EARLY_S=EARLY_S)
+    unknown = set(change) - set(base)
+    if unknown:
+        raise ValueError(f"unknown Gluon sparse MLA constants {sorted(unknown)}; known: {sorted(base)}")
+    return base | change
 
 
 def supports(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
@@ -191,7 +216,7 @@ def supports(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
 
 
 def sparse_mla_forward_gluon(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
-                             d_v: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+                             d_v: int = 512, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
     """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there)."""
     if not supports(q, kv, d_v):
         raise ValueError("the Gluon sparse MLA forward needs bf16 q and kv on an sm_90 GPU with 512 + 64 "
@@ -202,8 +227,10 @@ def sparse_mla_forward_gluon(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tenso
     lse = torch.empty((T, heads), device=q.device, dtype=torch.float32)
     if T == 0:
         return out, lse
+    if idx.shape[1] == 0:  # no slot: the consumers would wait for a first tile that never comes
+        return out.zero_(), lse.fill_(float("-inf"))
     _sparse_mla_fwd_gluon[(T, triton.cdiv(heads, BLOCK_H))](
         q, kv, idx, out, lse, sm_scale * 1.4426950408889634, idx.shape[1], q.stride(0), q.stride(1),
         kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        HEADS=heads, **constexprs(), num_warps=8)
+        HEADS=heads, **constexprs(**schedule), num_warps=8)
     return out, lse

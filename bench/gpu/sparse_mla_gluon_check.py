@@ -1,9 +1,10 @@
 """The Gluon sparse MLA forward (kernels/sparse_mla_gluon.py) against the Triton one, on one GPU.
 
 First exactness against the fp32 torch definition on small cases (heads 64 and 48, -1 slots, a
-top-k that is not a multiple of the tile, rows with no valid key), then both kernels timed on the
-kernels benchmark's shape (4096 tokens, 64 heads, top-2048 of a 64K and an 8K context, the same
-random inputs for both), ms and TFLOP/s side by side. Writes JSON to --out.
+top-k that is not a multiple of the tile, rows with no valid key) for each schedule in SCHEDULES
+(the kernel's defaults first), then the Triton kernel and every schedule timed on the kernels
+benchmark's shape (4096 tokens, 64 heads, top-2048 of a 64K and an 8K context, the same random
+inputs for all), ms and TFLOP/s side by side. Writes JSON to --out.
 """
 from __future__ import annotations
 
@@ -34,16 +35,26 @@ def _case(T, heads, S, K, holes, dev, seed):
     return q, kv, idx
 
 
-def check(dev) -> list[dict]:
+# schedule variants (kernels/sparse_mla_gluon.constexprs): the defaults; scores, softmax and PV one tile
+# at a time (the producer a tile ahead); 32-key tiles in 4 or 3 slots (the producer 2 or 1 ahead of the
+# early scores)
+SCHEDULES = [{}, {"EARLY_S": False}, {"BLOCK_N": 32, "STAGES": 4}, {"BLOCK_N": 32, "STAGES": 4, "EARLY_S": False},
+             {"BLOCK_N": 32, "STAGES": 3}]
+
+
+CASES = [(64, 64, 4096, 2048, True), (40, 48, 3000, 300, True), (33, 128, 9000, 2048, False), (16, 64, 512, 64, False),
+         (16, 64, 512, 1, False)]
+
+
+def check(dev, schedule, cases) -> list[dict]:
     rows = []
-    for T, heads, S, K, holes in [(64, 64, 4096, 2048, True), (40, 48, 3000, 300, True), (33, 128, 9000, 2048, False),
-                                  (16, 64, 512, 64, False), (16, 64, 512, 1, False)]:
+    for T, heads, S, K, holes in cases:
         q, kv, idx = _case(T, heads, S, K, holes, dev, seed=T + heads + K)
         scale = default_sm_scale()
-        out, lse = sparse_mla_forward_gluon(q, kv, idx, scale)
+        out, lse = sparse_mla_forward_gluon(q, kv, idx, scale, **schedule)
         ref_out, ref_lse = reference_sparse_mla(q, kv, idx, scale, chunk_tokens=16)
         fin = torch.isfinite(ref_lse)
-        row = {"T": T, "heads": heads, "S": S, "topk": K, "holes": holes,
+        row = {"schedule": schedule, "T": T, "heads": heads, "S": S, "topk": K, "holes": holes,
                "max_abs_err_out": float((out.float() - ref_out.float()).abs().max()),
                "max_abs_err_lse": float((lse[fin] - ref_lse[fin]).abs().max()) if fin.any() else 0.0,
                "lse_inf_rows_match": bool(torch.equal(torch.isinf(lse), torch.isinf(ref_lse)))}
@@ -53,7 +64,7 @@ def check(dev) -> list[dict]:
     return rows
 
 
-def timed(dev) -> list[dict]:
+def timed(dev, schedules) -> list[dict]:
     rows = []
     T, heads, K = 4096, 64, 2048
     for S in (65536, 8192):
@@ -61,16 +72,19 @@ def timed(dev) -> list[dict]:
         idx = idx.sort(dim=1).values
         scale = default_sm_scale()
         flops = sparse_mla_flops(T, heads, K)
-        got, want = sparse_mla_forward_gluon(q, kv, idx, scale), sparse_mla_forward(q, kv, idx, scale)
-        row = {"tokens": T, "heads": heads, "context": S, "topk": K,
-               "max_abs_diff_vs_triton": float((got[0].float() - want[0].float()).abs().max())}
-        for name, fn in (("triton", sparse_mla_forward), ("gluon", sparse_mla_forward_gluon)):
-            ms = triton.testing.do_bench(lambda fn=fn: fn(q, kv, idx, scale), warmup=50, rep=400)
-            row[f"{name}_ms"] = round(ms, 3)
-            row[f"{name}_tflops"] = round(flops / ms / 1e9, 1)
-        row["speedup"] = round(row["triton_ms"] / row["gluon_ms"], 3)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        want = sparse_mla_forward(q, kv, idx, scale)
+        t_ms = triton.testing.do_bench(lambda: sparse_mla_forward(q, kv, idx, scale), warmup=50, rep=400)
+        base = {"tokens": T, "heads": heads, "context": S, "topk": K}
+        rows.append({**base, "kernel": "triton", "ms": round(t_ms, 3), "tflops": round(flops / t_ms / 1e9, 1)})
+        print(json.dumps(rows[-1]), flush=True)
+        for sch in schedules:
+            got = sparse_mla_forward_gluon(q, kv, idx, scale, **sch)
+            ms = triton.testing.do_bench(lambda sch=sch: sparse_mla_forward_gluon(q, kv, idx, scale, **sch),
+                                         warmup=50, rep=400)
+            rows.append({**base, "kernel": "gluon", "schedule": sch, "ms": round(ms, 3),
+                         "tflops": round(flops / ms / 1e9, 1), "speedup_over_triton": round(t_ms / ms, 3),
+                         "max_abs_diff_vs_triton": float((got[0].float() - want[0].float()).abs().max())})
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -78,16 +92,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--parts", default="check,time")
+    ap.add_argument("--schedules", type=json.loads, default=SCHEDULES, help="JSON list of schedule dicts")
     a = ap.parse_args()
     dev = torch.device("cuda")
     result = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
               "python": platform.python_version()}
     parts = a.parts.split(",")
     try:
+        ok = []
         if "check" in parts:
-            result["check"] = check(dev)
-        if "time" in parts and all(r["ok"] for r in result.get("check", [])):
-            result["time"] = timed(dev)
+            # every case for the first schedule; for the others the 64-head ones (one compile each)
+            result["check"] = [row for i, sch in enumerate(a.schedules)
+                               for row in check(dev, sch, CASES if i == 0 else [CASES[0], CASES[4]])]
+            ok = [sch for sch in a.schedules if all(r["ok"] for r in result["check"] if r["schedule"] == sch)]
+        if "time" in parts and ok:
+            result["time"] = timed(dev, ok)
     finally:
         a.out.write_text(json.dumps(result, indent=1))
     return 0
