@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import sparse_mla_gluon
 from kernels._tuning import Autotuner, KernelConfig
 
 # H200, 4096 tokens, 64 heads, top-2048 (ms at 64K / 8K context), three rounds of configs:
@@ -80,12 +81,20 @@ def _bucket(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+# "gluon": kernels/sparse_mla_gluon.py (bf16, 512 + 64 columns, sm_90 only; 1.51x the Triton kernel on an
+# H100); "triton": the kernel above (any power-of-two split, any CUDA GPU, the interpreter on CPU).
+FWD_IMPLS = ("gluon", "triton")
+
+
 def sparse_mla_forward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
-                       d_v: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+                       d_v: int = 512, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out [T, heads, d_v] in q's dtype, lse [T, heads] fp32, natural log).
 
-    Rows whose indices are all -1 give out = 0 and lse = -inf.
+    Rows whose indices are all -1 give out = 0 and lse = -inf. impl: one of FWD_IMPLS; None takes
+    "gluon" where it runs (sparse_mla_gluon.supports), else "triton".
     """
+    if impl not in (None, *FWD_IMPLS):
+        raise ValueError(f"impl must be one of {FWD_IMPLS} or None, got {impl!r}")
     if q.dim() != 3 or kv.dim() != 2 or q.shape[2] != kv.shape[1]:
         raise ValueError(f"q must be [T, heads, D] and kv [S, D] with equal D; got q "
                          f"{tuple(q.shape)}, kv {tuple(kv.shape)}")
@@ -99,6 +108,8 @@ def sparse_mla_forward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_
         raise ValueError(f"q ({q.dtype}) and kv ({kv.dtype}) must share a dtype")
     if not sm_scale > 0:
         raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
+    if impl == "gluon" or (impl is None and sparse_mla_gluon.supports(q, kv, d_v)):
+        return sparse_mla_gluon.sparse_mla_forward_gluon(q, kv, idx, sm_scale, d_v)
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
     out = torch.empty((T, heads, d_v), device=q.device, dtype=q.dtype)
     lse = torch.empty((T, heads), device=q.device, dtype=torch.float32)

@@ -11,9 +11,16 @@ specialisation of the loop gained nothing (4.68 against 4.66 ms). Here the sched
 - a producer partition (4 warps, few registers) gathers each tile's 64 KV rows with cp.async into a
   two-slot ring and signals the slot's `full` barrier when its copies land; it refills a slot once
   the consumers signal its `empty` barrier;
-- the consumers (8 warps: two warpgroups, each owning 256 of the value columns of the [64, 512]
-  fp32 accumulator) issue tile i+1's QK^T before tile i's softmax, so the tensor cores run the
-  scores while the CUDA cores run exp2; P goes through shared memory (8 KB) to the PV GEMM.
+- the consumers (8 warps: two warpgroups, each owning half of a tile's key columns of S and 256 of
+  the value columns of the [64, 512] fp32 accumulator) take the tiles in order: S = QK^T, the online
+  softmax, P through shared memory (8 KB) to the PV GEMM, then the slot back to the producer, which
+  by then has the next tile in the other slot.
+Measured on an H100 (bench/results/sparse_mla_gluon_gpu.json): 3.06 ms at 4096 tokens x top-2048 of
+a 64K context, 382 TFLOP/s, 1.51x the Triton kernel in the same run (8K context: 400 TFLOP/s). Tried
+and removed (run 2): issuing tile i+1's QK^T before tile i's softmax (FA3's overlap) made the
+consumers hold both slots at once, so the producer could not run ahead and every gather's latency
+was exposed: 5.13 ms, 0.90x Triton; with 32-key tiles in 3-4 slots (room to run ahead again, but
+16-column wgmmas) 4.27 ms; 32-key tiles in order 3.99 ms.
 """
 from __future__ import annotations
 
@@ -30,9 +37,10 @@ BLOCK_N = 64  # keys a tile
 STAGES = 2  # KV slots: q (72 KB) + 2 x 72 KB + P (8 KB) = 224 KB of the 227 KB an SM has
 D_V, D_R = 512, 64
 PRODUCER_WARPS = 4
-PRODUCER_REGS = 56
-ROW_GROUP = 16  # rows per cp.async call in the producer (8 16-byte copies a thread)
-EARLY_S = True
+# H100, 64K context (bench/results/sparse_mla_gluon_gpu.json run 2, one warm machine, ~5% noise between
+# timings): 88 registers and 32-row copies 3.06 ms; 56 / 16 rows 3.16-3.36; 88 / 64 rows 3.32; 152 / 64 3.38
+PRODUCER_REGS = 88
+ROW_GROUP = 32  # rows per cp.async call in the producer (16 16-byte copies a thread)
 
 
 @gluon.jit
@@ -86,10 +94,9 @@ def _softmax_into_p(ids, scores, scale_log2, acc, m, denom, p_smem, o_l: gl.cons
 
 @gluon.jit
 def _consumer(idx_row, n_idx, scale_log2, q_nope, q_rope, kv_nope, kv_rope, p_smem, full, empty,
-              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, STAGES: gl.constexpr,
-              EARLY_S: gl.constexpr):
-    """EARLY_S: tile i+1's QK^T is issued before tile i's softmax (it holds two slots at once, so the
-    producer can run ahead by STAGES - 2 tiles only); else one tile at a time."""
+              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, STAGES: gl.constexpr):
+    """Each tile's scores, softmax and PV in order, while the producer fills the next slot."""
+    # each warpgroup computes half of a tile's key columns of S and half of the value columns of O
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_N // 2, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
@@ -98,47 +105,19 @@ def _consumer(idx_row, n_idx, scale_log2, q_nope, q_rope, kv_nope, kv_rope, p_sm
     m = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
     denom = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
     acc = gl.zeros([BLOCK_H, D_V], gl.float32, o_l)
-    n_tiles = gl.cdiv(n_idx, BLOCK_N)
-    if not EARLY_S:  # each tile's scores, softmax and PV in order; the producer up to STAGES - 1 tiles ahead
-        for i in range(n_tiles):
-            slot = i % STAGES
-            ids = _tile_ids(idx_row, n_idx, i, cols, BLOCK_N)
-            mbarrier.wait(full.index(slot), (i // STAGES) & 1)
-            fence_async_shared()
-            s_tok = warpgroup_mma(q_nope, kv_nope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s_tok = warpgroup_mma(q_rope, kv_rope.index(slot).permute((1, 0)), s_tok, is_async=True)
-            scores = warpgroup_mma_wait(0, deps=(s_tok, ))
-            acc, m, denom = _softmax_into_p(ids, scores, scale_log2, acc, m, denom, p_smem, o_l)
-            o_tok = warpgroup_mma(p_smem, kv_nope.index(slot), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(o_tok, ))
-            gl.thread_barrier()  # every warp's PV is done with the slot and with P
-            mbarrier.arrive(empty.index(slot), count=1)
-        return acc, m, denom
-
-    mbarrier.wait(full.index(0), 0)
-    fence_async_shared()
-    s_tok = warpgroup_mma(q_nope, kv_nope.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    s_tok = warpgroup_mma(q_rope, kv_rope.index(0).permute((1, 0)), s_tok, is_async=True)
-    ids = _tile_ids(idx_row, n_idx, 0, cols, BLOCK_N)
-    scores = warpgroup_mma_wait(0, deps=(s_tok, ))
-    for i in range(n_tiles - 1):
-        nxt = (i + 1) % STAGES
-        # tile i+1's scores on the tensor cores while this tile's softmax runs
-        mbarrier.wait(full.index(nxt), ((i + 1) // STAGES) & 1)
-        fence_async_shared()
-        n_tok = warpgroup_mma(q_nope, kv_nope.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        n_tok = warpgroup_mma(q_rope, kv_rope.index(nxt).permute((1, 0)), n_tok, is_async=True)
-        ids_next = _tile_ids(idx_row, n_idx, i + 1, cols, BLOCK_N)  # its latency hidden behind this softmax
+    for i in range(gl.cdiv(n_idx, BLOCK_N)):
+        slot = i % STAGES
+        ids = _tile_ids(idx_row, n_idx, i, cols, BLOCK_N)
+        mbarrier.wait(full.index(slot), (i // STAGES) & 1)
+        fence_async_shared()  # the copies landed through the generic proxy; wgmma reads through the async one
+        s_tok = warpgroup_mma(q_nope, kv_nope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s_tok = warpgroup_mma(q_rope, kv_rope.index(slot).permute((1, 0)), s_tok, is_async=True)
+        scores = warpgroup_mma_wait(0, deps=(s_tok, ))
         acc, m, denom = _softmax_into_p(ids, scores, scale_log2, acc, m, denom, p_smem, o_l)
-        ids = ids_next
-        o_tok = warpgroup_mma(p_smem, kv_nope.index(i % STAGES), acc, is_async=True)
-        acc, scores = warpgroup_mma_wait(0, deps=(o_tok, n_tok))
+        o_tok = warpgroup_mma(p_smem, kv_nope.index(slot), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(o_tok, ))
         gl.thread_barrier()  # every warp's PV is done with the slot and with P
-        mbarrier.arrive(empty.index(i % STAGES), count=1)
-    last = n_tiles - 1
-    acc, m, denom = _softmax_into_p(ids, scores, scale_log2, acc, m, denom, p_smem, o_l)
-    o_tok = warpgroup_mma(p_smem, kv_nope.index(last % STAGES), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+        mbarrier.arrive(empty.index(slot), count=1)  # one thread (count 1), after the barrier
     return acc, m, denom
 
 
@@ -147,7 +126,7 @@ def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, 
                           stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
                           HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
                           D_R: gl.constexpr, STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr, EARLY_S: gl.constexpr):
+                          PRODUCER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr):
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -181,7 +160,7 @@ def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, 
     idx_row = idx_ptr + t * stride_it
     acc, m, denom = gl.warp_specialize(
         [(_consumer, (idx_row, n_idx, scale_log2, q_nope, q_rope, kv_nope, kv_rope, p_smem, full, empty,
-                      BLOCK_H, BLOCK_N, D_V, STAGES, EARLY_S)),
+                      BLOCK_H, BLOCK_N, D_V, STAGES)),
          (_producer, (kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty,
                       BLOCK_N, D_V, D_R, STAGES, ROW_GROUP))],
         [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -200,9 +179,10 @@ def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, 
 
 def constexprs(**change) -> dict:
     """The kernel's compile-time constants besides HEADS (what a launch and bench/kernel_resources pass);
-    change: the schedule variants (BLOCK_N, STAGES, EARLY_S) bench/gpu/sparse_mla_gluon_check.py times."""
+    change: the variants bench/gpu/sparse_mla_gluon_check.py times (BLOCK_N 32 with STAGES 3-4, PRODUCER_REGS,
+    ROW_GROUP)."""
     base = dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, D_V=D_V, D_R=D_R, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
-                PRODUCER_REGS=PRODUCER_REGS, ROW_GROUP=ROW_GROUP, EARLY_S=EARLY_S)
+                PRODUCER_REGS=PRODUCER_REGS, ROW_GROUP=ROW_GROUP)
     unknown = set(change) - set(base)
     if unknown:
         raise ValueError(f"unknown Gluon sparse MLA constants {sorted(unknown)}; known: {sorted(base)}")

@@ -30,6 +30,13 @@ def test_flop_formula_counts_qk_and_pv():
     assert sm.sparse_mla_flops(2, 64, 2048) == 2 * 2 * 64 * 2048 * 1088
 
 
+def test_an_unknown_impl_is_named(device):
+    q = torch.zeros(1, 16, 48, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        sm.sparse_mla_forward(q, torch.zeros(4, 48, device=device, dtype=torch.bfloat16),
+                              torch.zeros(1, 2, device=device, dtype=torch.int32), 0.1, d_v=32, impl="cuda")
+
+
 def test_bad_shapes_are_named(device):
     q = torch.zeros(2, 16, 48, device=device, dtype=torch.bfloat16)
     kv = torch.zeros(5, 48, device=device, dtype=torch.bfloat16)
@@ -48,10 +55,11 @@ def test_forward_gpu_glm_dims():
     kv = torch.randn(S, 576, device="cuda").to(torch.bfloat16)
     idx = torch.stack([torch.randperm(S, device="cuda")[:K] for _ in range(T)]).to(torch.int32)
     idx[:8, 1000:] = -1
-    out, lse = sm.sparse_mla_forward(q, kv, idx, sm.default_sm_scale())
     ref_out, ref_lse = sm.reference_sparse_mla(q, kv, idx, sm.default_sm_scale(), chunk_tokens=32)
-    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-4)
+    for impl in (None, "triton"):  # the default (Gluon on sm_90) and the Triton kernel
+        out, lse = sm.sparse_mla_forward(q, kv, idx, sm.default_sm_scale(), impl=impl)
+        torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.gpu
@@ -67,7 +75,7 @@ def test_every_gpu_config_is_correct(monkeypatch):
     for cfg in sm.CONFIGS:
         monkeypatch.setattr(sm, "TUNER", Autotuner("mla", [cfg]))
         try:
-            out, lse = sm.sparse_mla_forward(q, kv, idx, 0.0625)
+            out, lse = sm.sparse_mla_forward(q, kv, idx, 0.0625, impl="triton")
         except Exception as exc:  # a config the device cannot run (shared memory) is skipped by the tuner
             if ("resources" in str(exc).lower() or "shared memory" in str(exc).lower()
                     or type(exc).__module__.startswith("triton")):  # the compiler rejects it
