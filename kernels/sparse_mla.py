@@ -91,7 +91,7 @@ def sparse_mla_forward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_
     """Returns (out [T, heads, d_v] in q's dtype, lse [T, heads] fp32, natural log).
 
     Rows whose indices are all -1 give out = 0 and lse = -inf. impl: one of FWD_IMPLS; None takes
-    "gluon" where it runs (sparse_mla_gluon.supports), else "triton".
+    "gluon" where it runs (sparse_mla_gluon.supports) with heads a multiple of 64, else "triton".
     """
     if impl not in (None, *FWD_IMPLS):
         raise ValueError(f"impl must be one of {FWD_IMPLS} or None, got {impl!r}")
@@ -108,7 +108,10 @@ def sparse_mla_forward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_
         raise ValueError(f"q ({q.dtype}) and kv ({kv.dtype}) must share a dtype")
     if not sm_scale > 0:
         raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
-    if impl == "gluon" or (impl is None and sparse_mla_gluon.supports(q, kv, d_v)):
+    # by default only where no head rows are padded: it computes 64 heads a program (one wgmma M), so 16
+    # heads a rank (GLM-5.2 at TP4) would cost it 4x, where the Triton kernel takes 16-head blocks
+    if impl == "gluon" or (impl is None and heads % sparse_mla_gluon.BLOCK_H == 0
+                           and sparse_mla_gluon.supports(q, kv, d_v)):
         return sparse_mla_gluon.sparse_mla_forward_gluon(q, kv, idx, sm_scale, d_v)
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
     out = torch.empty((T, heads, d_v), device=q.device, dtype=q.dtype)
