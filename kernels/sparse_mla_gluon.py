@@ -46,9 +46,10 @@ ROW_GROUP = 32  # rows per cp.async call in the producer (16 16-byte copies a th
 @gluon.jit
 def _producer(kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty,
               BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr,
-              ROW_GROUP: gl.constexpr):
-    nope_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [ROW_GROUP, 512]
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [BLOCK_N, 64]
+              ROW_GROUP: gl.constexpr, WARPS: gl.constexpr):
+    # 16-byte chunks (8 bf16) a thread, a warp's threads along the row
+    nope_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])  # [ROW_GROUP, 512]
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])  # [BLOCK_N, 64]
     cn = gl.arange(0, D_V, layout=gl.SliceLayout(0, nope_l))
     cr = gl.arange(0, D_R, layout=gl.SliceLayout(0, rope_l))
     n_tiles = gl.cdiv(n_idx, BLOCK_N)
@@ -162,7 +163,7 @@ def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, 
         [(_consumer, (idx_row, n_idx, scale_log2, q_nope, q_rope, kv_nope, kv_rope, p_smem, full, empty,
                       BLOCK_H, BLOCK_N, D_V, STAGES)),
          (_producer, (kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty,
-                      BLOCK_N, D_V, D_R, STAGES, ROW_GROUP))],
+                      BLOCK_N, D_V, D_R, STAGES, ROW_GROUP, PRODUCER_WARPS))],
         [PRODUCER_WARPS], [PRODUCER_REGS])
 
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
