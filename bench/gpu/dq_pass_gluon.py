@@ -12,7 +12,10 @@ ms against Triton's 4.61, H100, sparse_mla_gluon_gpu.json run 2).
 Not part of the product until it is measured: on a GPU, `python bench/gpu/dq_pass_gluon.py --out
 X.json` checks dq, dS and P against the shipped pass on one 2048-token chunk (4096 x top-2048 of a
 64K context, the kernels benchmark's inputs) and times both; `--compile-only` compiles it for sm_90
-here (bench/kernel_resources.py) and prints its registers and shared memory.
+here (bench/kernel_resources.py) and prints its registers and shared memory: 217 KB at 32-key tiles
+in two slots; the consumers (the register file less the producer's PRODUCER_REGS, 208 a thread at 88)
+spill 184-288 bytes a thread (the dq accumulator alone is 144 registers), which the first GPU run
+should weigh before anything else.
 """
 from __future__ import annotations
 
