@@ -15,8 +15,9 @@ specialisation of the loop gained nothing (4.68 against 4.66 ms). Here the sched
   the value columns of the [64, 512] fp32 accumulator) take the tiles in order: S = QK^T, the online
   softmax, P through shared memory (8 KB) to the PV GEMM, then the slot back to the producer, which
   by then has the next tile in the other slot.
-Measured on an H100 (bench/results/sparse_mla_gluon_gpu.json): 3.06 ms at 4096 tokens x top-2048 of
-a 64K context, 382 TFLOP/s, 1.51x the Triton kernel in the same run (8K context: 400 TFLOP/s). Tried
+Measured on an H100 (bench/results/sparse_mla_gluon_gpu.json run 3, three samples): 3.06-3.13 ms at 4096
+tokens x top-2048 of a 64K context, 374-382 TFLOP/s, 1.50-1.53x the Triton kernel in the same process
+(8K context: 382-393 TFLOP/s). Tried
 and removed (run 2): issuing tile i+1's QK^T before tile i's softmax (FA3's overlap) made the
 consumers hold both slots at once, so the producer could not run ahead and every gather's latency
 was exposed: 5.13 ms, 0.90x Triton; with 32-key tiles in 3-4 slots (room to run ahead again, but
@@ -180,8 +181,8 @@ def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, 
 
 def constexprs(**change) -> dict:
     """The kernel's compile-time constants besides HEADS (what a launch and bench/kernel_resources pass);
-    change: the variants bench/gpu/sparse_mla_gluon_check.py times (BLOCK_N 32 with STAGES 3-4, PRODUCER_REGS,
-    ROW_GROUP)."""
+    change: the variants bench/gpu/sparse_mla_gluon_check.py times (BLOCK_N 32 with STAGES up to 4,
+    PRODUCER_REGS, PRODUCER_WARPS, ROW_GROUP)."""
     base = dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, D_V=D_V, D_R=D_R, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
                 PRODUCER_REGS=PRODUCER_REGS, ROW_GROUP=ROW_GROUP)
     unknown = set(change) - set(base)
