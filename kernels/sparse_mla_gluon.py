@@ -124,6 +124,16 @@ def _consumer(idx_row, n_idx, scale_log2, q_nope, q_rope, kv_nope, kv_rope, p_sm
 
 
 @gluon.jit
+def rows_to_shared(smem, base, stride_row, r0, n_rows, col0):
+    """smem [R, C] = rows r0 .. r0 + R of a row-major block at base (rows n_rows and past as zeros),
+    columns col0 .. col0 + C; by the 8 warps outside the specialised region."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+    r = r0 + gl.arange(0, smem.shape[0], layout=gl.SliceLayout(1, layout))
+    c = col0 + gl.arange(0, smem.shape[1], layout=gl.SliceLayout(0, layout))
+    smem.store(gl.load(base + r[:, None] * stride_row + c[None, :], mask=(r < n_rows)[:, None], other=0.0))
+
+
+@gluon.jit
 def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n_idx,
                           stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
                           HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
@@ -148,14 +158,8 @@ def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, 
         mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
         mbarrier.init(empty.index(s), count=1)
 
-    # q into shared memory once (heads past HEADS as zeros)
-    ql: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
-    hq = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ql))
-    q_row = q_ptr + t * stride_qt + hq[:, None] * stride_qh
-    cn = gl.arange(0, D_V, layout=gl.SliceLayout(0, ql))
-    cr = gl.arange(0, D_R, layout=gl.SliceLayout(0, ql))
-    q_nope.store(gl.load(q_row + cn[None, :], mask=(hq < HEADS)[:, None], other=0.0))
-    q_rope.store(gl.load(q_row + D_V + cr[None, :], mask=(hq < HEADS)[:, None], other=0.0))
+    rows_to_shared(q_nope, q_ptr + t * stride_qt, stride_qh, h0, HEADS, 0)  # once; heads past HEADS as zeros
+    rows_to_shared(q_rope, q_ptr + t * stride_qt, stride_qh, h0, HEADS, D_V)
     fence_async_shared()
     gl.thread_barrier()
 

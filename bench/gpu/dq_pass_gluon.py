@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels.sparse_mla_gluon import _producer  # noqa: E402
+from kernels.sparse_mla_gluon import _producer, rows_to_shared  # noqa: E402
 
 SCHEDULES = [{"BLOCK_N": 32, "STAGES": 2}, {"BLOCK_N": 64, "STAGES": 1}]
 
@@ -109,15 +109,9 @@ def _dq_pass_gluon(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, d
     for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
         mbarrier.init(empty.index(s), count=1)
-    ql: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
-    hq = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ql))
-    cn = gl.arange(0, D_V, layout=gl.SliceLayout(0, ql))
-    cr = gl.arange(0, D_R, layout=gl.SliceLayout(0, ql))
-    hm = (hq < HEADS)[:, None]
-    q_row = q_ptr + t * stride_qt + hq[:, None] * stride_qh
-    q_nope.store(gl.load(q_row + cn[None, :], mask=hm, other=0.0))
-    q_rope.store(gl.load(q_row + D_V + cr[None, :], mask=hm, other=0.0))
-    do_s.store(gl.load(do_ptr + t * stride_dot + hq[:, None] * stride_doh + cn[None, :], mask=hm, other=0.0))
+    rows_to_shared(q_nope, q_ptr + t * stride_qt, stride_qh, 0, HEADS, 0)
+    rows_to_shared(q_rope, q_ptr + t * stride_qt, stride_qh, 0, HEADS, D_V)
+    rows_to_shared(do_s, do_ptr + t * stride_dot, stride_doh, 0, HEADS, 0)
     fence_async_shared()
     gl.thread_barrier()
     idx_row = idx_ptr + t * stride_it
@@ -182,22 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from bench.machine import machine
+    from bench.gpu.split_dkv_floor import backward_inputs
     from kernels import sparse_mla_bwd_split as spl
-    from kernels.sparse_mla import LOG2E, default_sm_scale, sparse_mla_forward
-    from kernels.sparse_mla_bwd import _delta
+    from kernels.sparse_mla import LOG2E
     from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
 
     T, S, H, DV, DR, K = 2048, 65536, 64, 512, 64, 2048
     dev = torch.device("cuda")
-    torch.manual_seed(0)
-    q = torch.randn(T, H, DV + DR, device=dev).to(torch.bfloat16)
-    kv = torch.randn(S, DV + DR, device=dev).to(torch.bfloat16)
-    idx = torch.randint(0, S, (T, K), device=dev, dtype=torch.int32).sort(dim=1).values
-    idx[:4, 1000:] = -1  # -1 slots and a partial last tile's worth of them
-    dout = torch.randn(T, H, DV, device=dev).to(torch.bfloat16)
-    scale = default_sm_scale()
-    out, lse = sparse_mla_forward(q, kv, idx, scale)
-    delta = _delta(dout, out)
+    q, kv, idx, dout, scale, lse, delta = backward_inputs(T, S, H, K, hole_rows=4)  # -1 slots past 1000
     ds0, p0 = (torch.empty((T, H, K), device=dev, dtype=torch.bfloat16) for _ in range(2))
     dq0 = torch.empty_like(q)
     spl.split_backward(q, kv, idx, dout, lse, delta, scale, DV)  # tunes the shipped dq pass

@@ -48,6 +48,26 @@ def _variant(src: str, name: str, scatter: bool):
     return mod
 
 
+def backward_inputs(tokens: int, context: int = 65536, heads: int = 64, topk: int = 2048, hole_rows: int = 0):
+    """The kernels benchmark's sparse MLA backward inputs on CUDA (seed 0): q, kv, idx (sorted random
+    keys; the first hole_rows rows -1 past slot 1000), dO, the scale, and the forward's lse and Delta."""
+    import torch
+
+    from kernels.sparse_mla import default_sm_scale, sparse_mla_forward
+    from kernels.sparse_mla_bwd import _delta
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    q = torch.randn(tokens, heads, 576, device=dev).to(torch.bfloat16)
+    kv = torch.randn(context, 576, device=dev).to(torch.bfloat16)
+    idx = torch.randint(0, context, (tokens, topk), device=dev, dtype=torch.int32).sort(dim=1).values
+    idx[:hole_rows, 1000:] = -1
+    dout = torch.randn(tokens, heads, 512, device=dev).to(torch.bfloat16)
+    scale = default_sm_scale()
+    out, lse = sparse_mla_forward(q, kv, idx, scale)
+    return q, kv, idx, dout, scale, lse, _delta(dout, out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -57,22 +77,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.machine import machine
     from kernels import sparse_mla_bwd_split as spl
-    from kernels.sparse_mla import default_sm_scale, sparse_mla_forward
-    from kernels.sparse_mla_bwd import _delta
 
     T, S, H, DV, DR, K = 4096, 65536, 64, 512, 64, 2048
     dev = torch.device("cuda")
-    torch.manual_seed(0)
-    q = torch.randn(T, H, DV + DR, device=dev).to(torch.bfloat16)
-    kv = torch.randn(S, DV + DR, device=dev).to(torch.bfloat16)
-    idx = torch.randint(0, S, (T, K), device=dev, dtype=torch.int32).sort(dim=1).values
-    dout = torch.randn(T, H, DV, device=dev).to(torch.bfloat16)
-    scale = default_sm_scale()
-    out, lse = sparse_mla_forward(q, kv, idx, scale)
+    q, kv, idx, dout, scale, lse, delta = backward_inputs(T, S, H, K)
     n = 2048  # one chunk of the default scratch
     ds = torch.empty((n, H, K), device=dev, dtype=torch.bfloat16)
     p = torch.empty_like(ds)
-    delta = _delta(dout, out)
     spl.split_backward(q[:n], kv, idx[:n], dout[:n], lse[:n], delta[:n], scale, DV)  # tunes the dq pass
     from kernels.sparse_mla import LOG2E
     from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
