@@ -264,8 +264,8 @@ def bench_sparse_mla(torch, dev, sh, timer) -> Iterator[dict]:
 
 
 def _bench_sparse_mla_one(torch, dev, sh, timer, S) -> dict:
-    from kernels import sparse_mla_gluon
     from kernels.sparse_mla import (
+        default_forward_impl,
         default_sm_scale,
         reference_sparse_mla,
         sparse_mla_flops,
@@ -288,9 +288,9 @@ def _bench_sparse_mla_one(torch, dev, sh, timer, S) -> dict:
     triton_ms = timer(lambda: sparse_mla_forward(q, kv, idx, scale, d_v=dv, impl="triton"))
     ref_ms = timer(lambda: reference_sparse_mla(q, kv, idx, scale, d_v=dv, chunk_tokens=256), min_iters=1,
                    max_iters=2)
-    impl = "gluon" if sparse_mla_gluon.supports(q, kv, dv) else "triton"
     return make_entry("sparse_mla_fwd", shape, ms, flops=sparse_mla_flops(T, Hh, K, dv, dr), reference_ms=ref_ms,
-                     impl=impl, triton_ms=round(triton_ms, 4), speedup_over_triton=round(triton_ms / ms, 3),
+                     impl=default_forward_impl(q, kv, dv), triton_ms=round(triton_ms, 4),
+                     speedup_over_triton=round(triton_ms / ms, 3),
                      correct=err_out < 3e-2 and err_lse < 1e-2, max_abs_err_out=err_out, max_abs_err_lse=err_lse,
                      flop_formula="2 * tokens * heads * topk * (d_qk + d_v)",
                      reference="torch gather + fp32 einsum softmax, 256-token chunks",

@@ -92,13 +92,13 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
 
 
 def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
+    from kernels import sparse_mla_gluon as gluon_fwd
     from kernels._tuning import KernelConfig
     from kernels.sparse_mla import CONFIGS as FWD_CONFIGS
     from kernels.sparse_mla import _sparse_mla_fwd_kernel
     from kernels.sparse_mla_bwd import BWD_CONFIGS
     from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
     from kernels.sparse_mla_bwd_split import DKV_CONFIGS, DQ_CONFIGS, _dkv_from_dsp_kernel
-    from kernels import sparse_mla_gluon as gluon_fwd
 
     H, DV, DR, K = 64, 512, 64, 2048  # the benchmark's GLM-5.2 shapes (strides do not depend on tokens)
     dims = {"HEADS": H, "D_V": DV, "D_R": DR}

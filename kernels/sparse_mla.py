@@ -86,12 +86,21 @@ def _bucket(n: int) -> int:
 FWD_IMPLS = ("gluon", "triton")
 
 
+def default_forward_impl(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str:
+    """The FWD_IMPLS entry sparse_mla_forward takes when none is named: "gluon" where it runs and no head
+    rows are padded (it computes 64 heads a program, one wgmma M, so 16 heads a rank, GLM-5.2 at TP4,
+    would cost it 4x, where the Triton kernel takes 16-head blocks), else "triton"."""
+    if q.shape[1] % sparse_mla_gluon.BLOCK_H == 0 and sparse_mla_gluon.supports(q, kv, d_v):
+        return "gluon"
+    return "triton"
+
+
 def sparse_mla_forward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
                        d_v: int = 512, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out [T, heads, d_v] in q's dtype, lse [T, heads] fp32, natural log).
 
-    Rows whose indices are all -1 give out = 0 and lse = -inf. impl: one of FWD_IMPLS; None takes
-    "gluon" where it runs (sparse_mla_gluon.supports) with heads a multiple of 64, else "triton".
+    Rows whose indices are all -1 give out = 0 and lse = -inf. impl: one of FWD_IMPLS; None:
+    default_forward_impl's choice.
     """
     if impl not in (None, *FWD_IMPLS):
         raise ValueError(f"impl must be one of {FWD_IMPLS} or None, got {impl!r}")
@@ -108,10 +117,7 @@ def sparse_mla_forward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_
         raise ValueError(f"q ({q.dtype}) and kv ({kv.dtype}) must share a dtype")
     if not sm_scale > 0:
         raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
-    # by default only where no head rows are padded: it computes 64 heads a program (one wgmma M), so 16
-    # heads a rank (GLM-5.2 at TP4) would cost it 4x, where the Triton kernel takes 16-head blocks
-    if impl == "gluon" or (impl is None and heads % sparse_mla_gluon.BLOCK_H == 0
-                           and sparse_mla_gluon.supports(q, kv, d_v)):
+    if (impl or default_forward_impl(q, kv, d_v)) == "gluon":
         return sparse_mla_gluon.sparse_mla_forward_gluon(q, kv, idx, sm_scale, d_v)
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
     out = torch.empty((T, heads, d_v), device=q.device, dtype=q.dtype)

@@ -72,12 +72,6 @@ def _producer(kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty,
 
 
 @gluon.jit
-def _tile_ids(idx_row, n_idx, i, cols, BLOCK_N: gl.constexpr):
-    j = i * BLOCK_N + cols
-    return gl.load(idx_row + j, mask=j < n_idx, other=-1)
-
-
-@gluon.jit
 def _softmax_into_p(ids, scores, scale_log2, acc, m, denom, p_smem, o_l: gl.constexpr):
     """Online softmax of a tile's scores (base 2; ids < 0 masked): P into p_smem for the PV GEMM, the
     accumulator rescaled; the new running max and denominator."""
@@ -109,7 +103,8 @@ def _consumer(idx_row, n_idx, scale_log2, q_nope, q_rope, kv_nope, kv_rope, p_sm
     acc = gl.zeros([BLOCK_H, D_V], gl.float32, o_l)
     for i in range(gl.cdiv(n_idx, BLOCK_N)):
         slot = i % STAGES
-        ids = _tile_ids(idx_row, n_idx, i, cols, BLOCK_N)
+        j = i * BLOCK_N + cols
+        ids = gl.load(idx_row + j, mask=j < n_idx, other=-1)
         mbarrier.wait(full.index(slot), (i // STAGES) & 1)
         fence_async_shared()  # the copies landed through the generic proxy; wgmma reads through the async one
         s_tok = warpgroup_mma(q_nope, kv_nope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)

@@ -37,6 +37,15 @@ def test_an_unknown_impl_is_named(device):
                               torch.zeros(1, 2, device=device, dtype=torch.int32), 0.1, d_v=32, impl="cuda")
 
 
+def test_the_gluon_kernel_is_the_default_only_without_padded_heads(monkeypatch):
+    from kernels import sparse_mla_gluon
+    kv = torch.zeros(4, 576, dtype=torch.bfloat16)
+    assert sm.default_forward_impl(torch.zeros(1, 64, 576, dtype=torch.bfloat16), kv, 512) == "triton"  # CPU
+    monkeypatch.setattr(sparse_mla_gluon, "supports", lambda q, kv, d_v: True)  # as on an sm_90 GPU
+    assert sm.default_forward_impl(torch.zeros(1, 128, 576, dtype=torch.bfloat16), kv, 512) == "gluon"
+    assert sm.default_forward_impl(torch.zeros(1, 16, 576, dtype=torch.bfloat16), kv, 512) == "triton"
+
+
 def test_bad_shapes_are_named(device):
     q = torch.zeros(2, 16, 48, device=device, dtype=torch.bfloat16)
     kv = torch.zeros(5, 48, device=device, dtype=torch.bfloat16)
