@@ -72,6 +72,20 @@ def _producer(kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty,
 
 
 @gluon.jit
+def tile_scores(i, idx_row, n_idx, cols, q_nope, q_rope, kv_nope, kv_rope, full, zero_s, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr):
+    """Tile i's ring slot, its key ids (-1 past n_idx) and its S = QK^T issued (async) once the producer's
+    copies are in the slot."""
+    slot = i % STAGES
+    j = i * BLOCK_N + cols
+    ids = gl.load(idx_row + j, mask=j < n_idx, other=-1)
+    mbarrier.wait(full.index(slot), (i // STAGES) & 1)
+    fence_async_shared()  # the copies landed through the generic proxy; wgmma reads through the async one
+    s_tok = warpgroup_mma(q_nope, kv_nope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    return slot, ids, warpgroup_mma(q_rope, kv_rope.index(slot).permute((1, 0)), s_tok, is_async=True)
+
+
+@gluon.jit
 def _softmax_into_p(ids, scores, scale_log2, acc, m, denom, p_smem, o_l: gl.constexpr):
     """Online softmax of a tile's scores (base 2; ids < 0 masked): P into p_smem for the PV GEMM, the
     accumulator rescaled; the new running max and denominator."""
@@ -102,13 +116,8 @@ def _consumer(idx_row, n_idx, scale_log2, q_nope, q_rope, kv_nope, kv_rope, p_sm
     denom = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
     acc = gl.zeros([BLOCK_H, D_V], gl.float32, o_l)
     for i in range(gl.cdiv(n_idx, BLOCK_N)):
-        slot = i % STAGES
-        j = i * BLOCK_N + cols
-        ids = gl.load(idx_row + j, mask=j < n_idx, other=-1)
-        mbarrier.wait(full.index(slot), (i // STAGES) & 1)
-        fence_async_shared()  # the copies landed through the generic proxy; wgmma reads through the async one
-        s_tok = warpgroup_mma(q_nope, kv_nope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s_tok = warpgroup_mma(q_rope, kv_rope.index(slot).permute((1, 0)), s_tok, is_async=True)
+        slot, ids, s_tok = tile_scores(i, idx_row, n_idx, cols, q_nope, q_rope, kv_nope, kv_rope, full, zero_s,
+                                       BLOCK_N, STAGES)
         scores = warpgroup_mma_wait(0, deps=(s_tok, ))
         acc, m, denom = _softmax_into_p(ids, scores, scale_log2, acc, m, denom, p_smem, o_l)
         o_tok = warpgroup_mma(p_smem, kv_nope.index(slot), acc, is_async=True)

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels.sparse_mla_gluon import _producer, rows_to_shared  # noqa: E402
+from kernels.sparse_mla_gluon import _producer, rows_to_shared, tile_scores  # noqa: E402
 
 SCHEDULES = [{"BLOCK_N": 32, "STAGES": 2}, {"BLOCK_N": 64, "STAGES": 1}]
 
@@ -57,13 +57,9 @@ def _dq_consumer(idx_row, n_idx, lse_row, delta_row, ds_row, p_row, scale, scale
     dq_n = gl.zeros([BLOCK_H, D_V], gl.float32, dn_l)
     dq_r = gl.zeros([BLOCK_H, D_R], gl.float32, dr_l)
     for i in range(gl.cdiv(n_idx, BLOCK_N)):
-        slot = i % STAGES
+        slot, ids, s_tok = tile_scores(i, idx_row, n_idx, cols, q_nope, q_rope, kv_nope, kv_rope, full, zero_s,
+                                       BLOCK_N, STAGES)
         j = i * BLOCK_N + cols
-        ids = gl.load(idx_row + j, mask=j < n_idx, other=-1)
-        mbarrier.wait(full.index(slot), (i // STAGES) & 1)
-        fence_async_shared()
-        s_tok = warpgroup_mma(q_nope, kv_nope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s_tok = warpgroup_mma(q_rope, kv_rope.index(slot).permute((1, 0)), s_tok, is_async=True)
         dp_tok = warpgroup_mma(do_s, kv_nope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
         live = row_ok[:, None] & (ids >= 0)[None, :]
