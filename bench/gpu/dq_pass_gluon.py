@@ -34,13 +34,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernels.sparse_mla_gluon import _producer, rows_to_shared, tile_scores  # noqa: E402
 
-SCHEDULES = [{"BLOCK_N": 32, "STAGES": 2}, {"BLOCK_N": 64, "STAGES": 1}]
+# the default (32-key tiles, two slots, 56 producer registers so that the consumers get 224: no spills);
+# 32-row copies; 88 producer registers (208 for the consumers: 40 bytes spilled); the constant-index q
+# (312 bytes spilled); 64-key tiles in one slot (80 bytes spilled)
+SCHEDULES = [{}, {"ROW_GROUP": 32}, {"PRODUCER_REGS": 88}, {"PRODUCER_REGS": 88, "OPAQUE_Q": False},
+             {"BLOCK_N": 64, "STAGES": 1}]
+
+
+@gluon.jit
+def _tile_to_global(smem, row, k0, n_idx, HEADS: gl.constexpr):
+    """A [heads, keys] bf16 tile from shared memory into the [heads, topk] scratch rows at key k0: 16 bytes
+    a thread, one address each. Stored straight from the wgmma layout, each thread held 8 scattered
+    values and 8 64-bit addresses (the loop-invariant part hoisted), 32 registers of the 208 the
+    consumers have, and they spilled 288 bytes a thread."""
+    kpt: gl.constexpr = smem.shape[1] // 8
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // kpt, kpt], [8, 1], [1, 0])
+    h = gl.arange(0, smem.shape[0], layout=gl.SliceLayout(1, layout))
+    k = k0 + gl.arange(0, smem.shape[1], layout=gl.SliceLayout(0, layout))
+    gl.store(row + h[:, None] * n_idx + k[None, :], smem.load(layout),
+             mask=(h < HEADS)[:, None] & (k < n_idx)[None, :])
 
 
 @gluon.jit
 def _dq_consumer(idx_row, n_idx, lse_row, delta_row, ds_row, p_row, scale, scale_log2, q_nope, q_rope, do_s,
-                 kv_nope, kv_rope, ds_smem, full, empty, HEADS: gl.constexpr, BLOCK_H: gl.constexpr,
-                 BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr):
+                 kv_nope, kv_rope, ds_smem, p_smem, full, empty, HEADS: gl.constexpr, BLOCK_H: gl.constexpr,
+                 BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr,
+                 OPAQUE_Q: gl.constexpr):
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_N // 2, 16])
     dn_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
@@ -57,23 +76,25 @@ def _dq_consumer(idx_row, n_idx, lse_row, delta_row, ds_row, p_row, scale, scale
     dq_n = gl.zeros([BLOCK_H, D_V], gl.float32, dn_l)
     dq_r = gl.zeros([BLOCK_H, D_R], gl.float32, dr_l)
     for i in range(gl.cdiv(n_idx, BLOCK_N)):
-        slot, ids, s_tok = tile_scores(i, idx_row, n_idx, cols, q_nope, q_rope, kv_nope, kv_rope, full, zero_s,
-                                       BLOCK_N, STAGES)
-        j = i * BLOCK_N + cols
-        dp_tok = warpgroup_mma(do_s, kv_nope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        # q's and dO's tiles at a loop-variant index that is always 0 (i + n_idx < 2^30): with a constant one
+        # the compiler hoists the 68 64-bit wgmma descriptors of their k-steps out of the loop, 136 registers
+        # the consumers do not have (they spilled 288 bytes a thread); computed in the loop they are uniform adds
+        z = (i + n_idx) >> 30 if OPAQUE_Q else 0
+        slot, ids, s_tok = tile_scores(i, idx_row, n_idx, cols, q_nope.index(z), q_rope.index(z), kv_nope, kv_rope,
+                                       full, zero_s, BLOCK_N, STAGES)
+        dp_tok = warpgroup_mma(do_s.index(z), kv_nope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
         live = row_ok[:, None] & (ids >= 0)[None, :]
         p = gl.where(live, gl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
         ds = (p * (dp - delta[:, None]) * scale).to(gl.bfloat16)
-        slot_off = heads[:, None] * n_idx + j[None, :]  # the [heads, topk] scratch rows, keys contiguous
-        keep = head_ok[:, None] & (j < n_idx)[None, :]
-        gl.store(ds_row + slot_off, ds, mask=keep)
-        gl.store(p_row + slot_off, p.to(gl.bfloat16), mask=keep)
         ds_smem.store(ds)
+        p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
-        gl.thread_barrier()  # both warpgroups' halves of dS in place before either reads all of it
+        gl.thread_barrier()  # both warpgroups' halves of dS and P in place before either reads all of it
         n_tok = warpgroup_mma(ds_smem, kv_nope.index(slot), dq_n, is_async=True)
         r_tok = warpgroup_mma(ds_smem, kv_rope.index(slot), dq_r, is_async=True)
+        _tile_to_global(ds_smem, ds_row, i * BLOCK_N, n_idx, HEADS)  # while the wgmmas run (they only read)
+        _tile_to_global(p_smem, p_row, i * BLOCK_N, n_idx, HEADS)
         dq_n, dq_r = warpgroup_mma_wait(0, deps=(n_tok, r_tok))
         gl.thread_barrier()  # every warp is done with the slot and with dS
         mbarrier.arrive(empty.index(slot), count=1)
@@ -85,14 +106,14 @@ def _dq_pass_gluon(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, d
                    n_idx, stride_qt, stride_qh, stride_kv, stride_it, stride_dot, stride_doh, stride_lt, stride_dqt,
                    stride_dqh, stride_st, HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                    D_V: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                   PRODUCER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr):
+                   PRODUCER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr, OPAQUE_Q: gl.constexpr):
     t = gl.program_id(0).to(gl.int64)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_V], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_V],
+    q_nope = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_V], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_V],
                                                                                                   gl.bfloat16))
-    q_rope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_R], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_R],
+    q_rope = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_R], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_R],
                                                                                                   gl.bfloat16))
-    do_s = gl.allocate_shared_memory(dtype, [BLOCK_H, D_V], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_V],
+    do_s = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_V], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_V],
                                                                                                 gl.bfloat16))
     kv_nope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_V], gl.bfloat16))
@@ -100,21 +121,23 @@ def _dq_pass_gluon(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, d
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], gl.bfloat16))
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16))
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16))
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
         mbarrier.init(empty.index(s), count=1)
-    rows_to_shared(q_nope, q_ptr + t * stride_qt, stride_qh, 0, HEADS, 0)
-    rows_to_shared(q_rope, q_ptr + t * stride_qt, stride_qh, 0, HEADS, D_V)
-    rows_to_shared(do_s, do_ptr + t * stride_dot, stride_doh, 0, HEADS, 0)
+    rows_to_shared(q_nope.index(0), q_ptr + t * stride_qt, stride_qh, 0, HEADS, 0)
+    rows_to_shared(q_rope.index(0), q_ptr + t * stride_qt, stride_qh, 0, HEADS, D_V)
+    rows_to_shared(do_s.index(0), do_ptr + t * stride_dot, stride_doh, 0, HEADS, 0)
     fence_async_shared()
     gl.thread_barrier()
     idx_row = idx_ptr + t * stride_it
     dq_n, dq_r = gl.warp_specialize(
         [(_dq_consumer, (idx_row, n_idx, lse_ptr + t * stride_lt, delta_ptr + t * stride_lt, ds_ptr + t * stride_st,
                          p_ptr + t * stride_st, scale, scale_log2, q_nope, q_rope, do_s, kv_nope, kv_rope, ds_smem,
-                         full, empty, HEADS, BLOCK_H, BLOCK_N, D_V, D_R, STAGES)),
+                         p_smem, full, empty, HEADS, BLOCK_H, BLOCK_N, D_V, D_R, STAGES, OPAQUE_Q)),
          (_producer, (kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty, BLOCK_N, D_V, D_R, STAGES,
                       ROW_GROUP, PRODUCER_WARPS))],
         [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -131,8 +154,8 @@ def _dq_pass_gluon(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, d
 
 
 def constexprs(heads: int = 64, **change) -> dict:
-    base = dict(HEADS=heads, BLOCK_H=64, BLOCK_N=32, D_V=512, D_R=64, STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=88,
-                ROW_GROUP=16)
+    base = dict(HEADS=heads, BLOCK_H=64, BLOCK_N=32, D_V=512, D_R=64, STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=56,
+                ROW_GROUP=16, OPAQUE_Q=True)
     base |= change
     base["ROW_GROUP"] = min(base["ROW_GROUP"], base["BLOCK_N"])
     return base
