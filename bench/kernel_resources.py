@@ -92,6 +92,7 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
 
 
 def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
+    from kernels import sparse_mla_bwd_gluon as gluon_dq
     from kernels import sparse_mla_gluon as gluon_fwd
     from kernels._tuning import KernelConfig
     from kernels.sparse_mla import CONFIGS as FWD_CONFIGS
@@ -111,6 +112,7 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
     dkv_args = {k: rows_args[k] for k in ("q_ptr", "do_ptr", "idx_ptr", "ds_ptr", "p_ptr", "dkv_ptr", "n_idx",
                                           "stride_qt", "stride_qh", "stride_dot", "stride_doh", "stride_it",
                                           "stride_st", "stride_dkv")}
+    gluon_dq_args = {k: v for k, v in rows_args.items() if k not in ("dkv_ptr", "stride_dkv")}
     fwd_args = {"q_ptr": Ptr("bf16"), "kv_ptr": Ptr("bf16"), "idx_ptr": Ptr("i32"), "out_ptr": Ptr("bf16"),
                 "lse_ptr": Ptr("fp32"), "scale_log2": 0.09, "n_idx": K, "stride_qt": H * (DV + DR),
                 "stride_qh": DV + DR, "stride_kv": DV + DR, "stride_it": K, "stride_ot": H * DV, "stride_oh": DV,
@@ -124,6 +126,8 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
          {**dims, "WITH_DKV": True, "STORE_DSP": False}, [(c, {}) for c in BWD_CONFIGS]),
         ("sparse_mla_bwd_split_dq", sparse_mla_bwd_rows_kernel, rows_args,
          {**dims, "WITH_DKV": False, "STORE_DSP": True}, [(c, {}) for c in DQ_CONFIGS]),
+        ("sparse_mla_bwd_split_dq_gluon", gluon_dq.dq_pass_kernel, gluon_dq_args, gluon_dq.constexprs(H),
+         [(KernelConfig.make(num_warps=8, num_stages=1), {})]),
         ("sparse_mla_bwd_split_dkv", _dkv_from_dsp_kernel, dkv_args,
          {**dims, "BLOCK_H": 64}, [(c, {}) for c in DKV_CONFIGS]),
     ]

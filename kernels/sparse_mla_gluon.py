@@ -45,7 +45,7 @@ ROW_GROUP = 32  # rows per cp.async call in the producer (16 16-byte copies a th
 
 
 @gluon.jit
-def _producer(kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty,
+def gather_tiles(kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty,
               BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr,
               ROW_GROUP: gl.constexpr, WARPS: gl.constexpr):
     # 16-byte chunks (8 bf16) a thread, a warp's threads along the row
@@ -171,7 +171,7 @@ def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, 
     acc, m, denom = gl.warp_specialize(
         [(_consumer, (idx_row, n_idx, scale_log2, q_nope, q_rope, kv_nope, kv_rope, p_smem, full, empty,
                       BLOCK_H, BLOCK_N, D_V, STAGES)),
-         (_producer, (kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty,
+         (gather_tiles, (kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty,
                       BLOCK_N, D_V, D_R, STAGES, ROW_GROUP, PRODUCER_WARPS))],
         [PRODUCER_WARPS], [PRODUCER_REGS])
 
