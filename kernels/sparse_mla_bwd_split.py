@@ -56,6 +56,8 @@ DKV_CONFIGS = [
     KernelConfig.make(BLOCK_N=64, N_COLS=1, COL_SPLIT=4, num_warps=8, num_stages=2),
     KernelConfig.make(BLOCK_N=64, N_COLS=2, COL_SPLIT=2, num_warps=8, num_stages=2),
 ]
+# "gluon": kernels/sparse_mla_bwd_gluon.py (bf16, 512 + 64 columns, sm_90); "triton": DQ_CONFIGS, tuned
+DQ_IMPLS = ("gluon", "triton")
 DQ_TUNER = Autotuner("sparse_mla_bwd_split_dq", DQ_CONFIGS)
 DKV_TUNER = Autotuner("sparse_mla_bwd_split_dkv", DKV_CONFIGS)
 
@@ -155,12 +157,22 @@ def tuning_key(q: torch.Tensor, idx: torch.Tensor) -> tuple:
     return (min(_bucket(T), 4096), heads, dim, idx.shape[1], q.dtype)
 
 
+def default_dq_impl(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str:
+    """The DQ_IMPLS entry split_backward takes when none is named: "gluon" where it runs and no head
+    block is padded (it computes 64 heads a program; the Triton pass's smaller head blocks waste less)."""
+    if q.shape[1] % sparse_mla_bwd_gluon.BLOCK_H == 0 and sparse_mla_bwd_gluon.supports(q, kv, d_v):
+        return "gluon"
+    return "triton"
+
+
 def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_out: torch.Tensor,
                    lse: torch.Tensor, delta: torch.Tensor, sm_scale: float, d_v: int,
-                   pass_ms: dict[str, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   pass_ms: dict[str, float] | None = None, dq_impl: str | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dkv fp32) from contiguous inputs, fp32 lse and Delta = rowsum(dO * out) [T, heads]
     (the checks and preparation are sparse_mla_backward's). pass_ms, if given, receives the
-    summed CUDA time of each pass ("dq", "dkv"; the benchmark's breakdown, it synchronises)."""
+    summed CUDA time of each pass ("dq", "dkv"; the benchmark's breakdown, it synchronises).
+    dq_impl: a DQ_IMPLS entry (None: default_dq_impl's choice)."""
     T, heads, dim = q.shape
     n_idx = idx.shape[1]
     dq = torch.empty_like(q)
@@ -171,9 +183,9 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
     ds = torch.empty((chunk, heads, n_idx), device=q.device, dtype=q.dtype)
     p = torch.empty_like(ds)
     key = tuning_key(q, idx)
-    # the Gluon pass computes 64 heads a program: where heads are not a multiple of 64 the Triton pass's
-    # smaller head blocks waste less
-    gluon_dq = heads % sparse_mla_bwd_gluon.BLOCK_H == 0 and sparse_mla_bwd_gluon.supports(q, kv, d_v)
+    dq_impl = dq_impl or default_dq_impl(q, kv, d_v)
+    if dq_impl not in DQ_IMPLS:
+        raise ValueError(f"dq_impl must be one of {DQ_IMPLS}, got {dq_impl!r}")
 
     timed = pass_ms is not None and q.is_cuda
     marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
@@ -205,7 +217,7 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
         def launch_dkv(cfg: KernelConfig, out: torch.Tensor) -> None:
             dkv_pass(cfg, qc, gc, ic, ds, p, out, d_v)
 
-        if gluon_dq:
+        if dq_impl == "gluon":
             run("dq", lambda: sparse_mla_bwd_gluon.dq_pass(qc, kv, ic, gc, lc, dc, dqc, ds, p, sm_scale))
         else:
             dq_cfg = DQ_TUNER.choose(key, q.device, launch_dq)

@@ -74,6 +74,20 @@ def test_split_is_the_default_through_autograd(device, monkeypatch):
     assert _rel(qa.grad, ref_dq) < 2e-2 and _rel(kva.grad, ref_dkv) < 2e-2
 
 
+def test_the_gluon_dq_pass_is_the_default_only_without_padded_heads(monkeypatch, device):
+    from kernels import sparse_mla_bwd_gluon
+    kv = torch.zeros(4, 576, dtype=torch.bfloat16)
+    assert spl.default_dq_impl(torch.zeros(1, 64, 576, dtype=torch.bfloat16), kv, 512) == "triton"  # CPU
+    monkeypatch.setattr(sparse_mla_bwd_gluon, "supports", lambda q, kv, d_v: True)  # as on an sm_90 GPU
+    assert spl.default_dq_impl(torch.zeros(1, 128, 576, dtype=torch.bfloat16), kv, 512) == "gluon"
+    assert spl.default_dq_impl(torch.zeros(1, 48, 576, dtype=torch.bfloat16), kv, 512) == "triton"
+    q, kv, idx = _inputs(device, 2, 8, 16, 16, 16, 4)
+    lse = torch.zeros(2, 16, device=device)
+    with pytest.raises(ValueError, match="dq_impl must be one of"):
+        spl.split_backward(q, kv, idx, torch.zeros(2, 16, 16, device=device, dtype=torch.bfloat16), lse, lse, 0.1,
+                           16, dq_impl="cuda")
+
+
 def test_delta_kernel_is_the_fp32_row_sum(device):
     g = torch.randn(5, 20, 32, device=device).to(torch.bfloat16)  # 20 heads: a partial head block
     o = torch.randn(5, 20, 32, device=device).to(torch.bfloat16)
@@ -113,7 +127,7 @@ def test_every_split_config_is_correct_gpu(monkeypatch):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("T,heads,S,K,holes", [(64, 64, 4096, 2048, True), (40, 128, 3000, 300, True),
-                                               (16, 64, 512, 1, False)])
+                                               (16, 64, 512, 3, False)])
 def test_gluon_dq_pass_matches_the_triton_pass_and_the_reference(monkeypatch, T, heads, S, K, holes):
     from kernels import sparse_mla_bwd_gluon
     q, kv, idx = _inputs("cuda", T, S, heads, 512, 64, K)
@@ -129,7 +143,7 @@ def test_gluon_dq_pass_matches_the_triton_pass_and_the_reference(monkeypatch, T,
     monkeypatch.setattr(sparse_mla_bwd_gluon, "dq_pass", lambda *a, **k: called.append(1) or real(*a, **k))
     dq, dkv = _backward(q, kv, idx, 0.0625, 512, dout, "split")
     assert called, "the split backward did not take the Gluon dq pass on sm_90"
-    monkeypatch.setattr(sparse_mla_bwd_gluon, "supports", lambda q, kv, d_v: False)
+    monkeypatch.setattr(sparse_mla_bwd_gluon, "supports", lambda q, kv, d_v: False)  # the Triton pass
     tri_dq, tri_dkv = _backward(q, kv, idx, 0.0625, 512, dout, "split")
     assert _rel(dq, tri_dq) < 2e-3 and _rel(dkv, tri_dkv) < 2e-3, (_rel(dq, tri_dq), _rel(dkv, tri_dkv))
     _, ref_dq, ref_dkv = reference_grads(q, kv, idx, 0.0625, 512, dout)
