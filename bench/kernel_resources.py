@@ -111,7 +111,7 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
                  "stride_dqh": DV + DR, "stride_dkv": DV + DR, "stride_st": K * H}
     dkv_args = {k: rows_args[k] for k in ("q_ptr", "do_ptr", "idx_ptr", "ds_ptr", "p_ptr", "dkv_ptr", "n_idx",
                                           "stride_qt", "stride_qh", "stride_dot", "stride_doh", "stride_it",
-                                          "stride_st", "stride_dkv")} | {"n_tokens": 2048}
+                                          "stride_st", "stride_dkv")}
     gluon_dq_args = {k: v for k, v in rows_args.items() if k not in ("dkv_ptr", "stride_dkv")}
     fwd_args = {"q_ptr": Ptr("bf16"), "kv_ptr": Ptr("bf16"), "idx_ptr": Ptr("i32"), "out_ptr": Ptr("bf16"),
                 "lse_ptr": Ptr("fp32"), "scale_log2": 0.09, "n_idx": K, "stride_qt": H * (DV + DR),
@@ -129,7 +129,7 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
         ("sparse_mla_bwd_split_dq_gluon", gluon_dq.dq_pass_kernel, gluon_dq_args, gluon_dq.constexprs(H),
          [(KernelConfig.make(num_warps=8, num_stages=1), {})]),
         ("sparse_mla_bwd_split_dkv", _dkv_from_dsp_kernel, dkv_args,
-         {**dims, "BLOCK_H": 64, "PROGRAMS": 0}, [(c, {}) for c in DKV_CONFIGS] + [(DKV_CONFIGS[1], {"PROGRAMS": 48})]),
+         {**dims, "BLOCK_H": 64}, [(c, {}) for c in DKV_CONFIGS]),
     ]
 
 

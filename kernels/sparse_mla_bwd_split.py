@@ -59,12 +59,6 @@ DKV_CONFIGS = [
 # "gluon": kernels/sparse_mla_bwd_gluon.py (bf16, 512 + 64 columns, sm_90); "triton": DQ_CONFIGS, tuned
 DQ_IMPLS = ("gluon", "triton")
 DQ_TUNER = Autotuner("sparse_mla_bwd_split_dq", DQ_CONFIGS)
-# The dkv pass is bound by its fp32 scatter-adds into L2 (~2.3 TB/s however laid out), the Gluon dq pass
-# by its gathers and MMAs; on one stream each waits for the other. With OVERLAP_DKV_PROGRAMS > 0 each
-# chunk's dkv pass runs as that many persistent programs on a higher-priority side stream while the next
-# chunk's dq pass takes the remaining SMs; chunks of OVERLAP_CHUNK_TOKENS, two scratch pairs.
-OVERLAP_DKV_PROGRAMS = 0
-OVERLAP_CHUNK_TOKENS = 1024
 DKV_TUNER = Autotuner("sparse_mla_bwd_split_dkv", DKV_CONFIGS)
 
 
@@ -77,15 +71,18 @@ def _dkv_columns(rows, cols, ds_t, p_t, q_c, do_c, valid):
 
 
 @triton.jit
-def _dkv_item(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx, t, part,
-              stride_qt, stride_qh, stride_dot, stride_doh, stride_it, stride_st, stride_dkv,
-              HEADS: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-              N_COLS: tl.constexpr, COL_SPLIT: tl.constexpr):
-    # Item (token t, s = part) is value columns [s, s + 1) * D_V / COL_SPLIT in N_COLS (1, 2 or 4)
-    # blocks, and for the last part also the rope columns: a whole [keys, 512] fp32 tile spills (2.7 KB
+def _dkv_from_dsp_kernel(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx,
+                         stride_qt, stride_qh, stride_dot, stride_doh, stride_it, stride_st, stride_dkv,
+                         HEADS: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, N_COLS: tl.constexpr,
+                         COL_SPLIT: tl.constexpr):
+    # Program (token, s) owns value columns [s, s + 1) * D_V / COL_SPLIT in N_COLS (1, 2 or 4)
+    # blocks, and the last one also the rope columns: a whole [keys, 512] fp32 tile spills (2.7 KB
     # a thread at 64 keys, 8 warps: bench/kernel_resources.py). Its q / dO column blocks are loaded
     # once, before the key loop, so they stay in shared memory; COL_SPLIT 2 halves that footprint
     # (and reads each dS / P tile twice).
+    t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     dr = tl.arange(0, D_R)
     BLOCK_C: tl.constexpr = D_V // (N_COLS * COL_SPLIT)
     c = part * (D_V // COL_SPLIT) + tl.arange(0, BLOCK_C)
@@ -126,26 +123,6 @@ def _dkv_item(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx, t, part,
                               sem="relaxed")
 
 
-@triton.jit
-def _dkv_from_dsp_kernel(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx, n_tokens,
-                         stride_qt, stride_qh, stride_dot, stride_doh, stride_it, stride_st, stride_dkv,
-                         HEADS: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, N_COLS: tl.constexpr,
-                         COL_SPLIT: tl.constexpr, PROGRAMS: tl.constexpr = 0):
-    # PROGRAMS 0: program (token, s) takes item (token, s); PROGRAMS > 0: a grid of that many programs, each
-    # taking items in turn, so that the pass holds only those SMs and the next chunk's dq pass can run beside
-    # it on the others (split_backward's overlap)
-    if PROGRAMS:
-        for item in range(tl.program_id(0), n_tokens * COL_SPLIT, tl.num_programs(0)):
-            _dkv_item(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx, tl.cast(item // COL_SPLIT, tl.int64),
-                      item % COL_SPLIT, stride_qt, stride_qh, stride_dot, stride_doh, stride_it, stride_st,
-                      stride_dkv, HEADS, D_V, D_R, BLOCK_H, BLOCK_N, N_COLS, COL_SPLIT)
-    else:
-        _dkv_item(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx, tl.program_id(0).to(tl.int64),
-                  tl.program_id(1), stride_qt, stride_qh, stride_dot, stride_doh, stride_it, stride_st, stride_dkv,
-                  HEADS, D_V, D_R, BLOCK_H, BLOCK_N, N_COLS, COL_SPLIT)
-
-
 def _n_cols(n_cols: int, col_split: int, d_v: int) -> tuple[int, int]:
     """The config's (column blocks, programs per token), fewer where a block would be under
     tl.dot's 16 columns."""
@@ -157,18 +134,16 @@ def _n_cols(n_cols: int, col_split: int, d_v: int) -> tuple[int, int]:
 
 
 def dkv_pass(cfg: KernelConfig, q: torch.Tensor, grad_out: torch.Tensor, idx: torch.Tensor, ds: torch.Tensor,
-             p: torch.Tensor, dkv: torch.Tensor, d_v: int, programs: int = 0) -> None:
-    """dkv += the dkv pass over q's tokens from their dS / P scratch rows (cfg: a DKV_CONFIGS entry;
-    programs > 0: that many persistent programs); bench/gpu/split_dkv_floor.py runs it from copies of
-    this module."""
+             p: torch.Tensor, dkv: torch.Tensor, d_v: int) -> None:
+    """dkv += the dkv pass over q's tokens from their dS / P scratch rows (cfg: a DKV_CONFIGS entry);
+    bench/gpu/split_dkv_floor.py runs it from copies of this module."""
     n, heads, dim = q.shape
     n_cols, col_split = _n_cols(cfg["N_COLS"], cfg["COL_SPLIT"], d_v)
-    grid = (min(programs, n * col_split),) if programs else (n, col_split)
-    _dkv_from_dsp_kernel[grid](
-        q, grad_out, idx, ds, p, dkv, idx.shape[1], n,
+    _dkv_from_dsp_kernel[(n, col_split)](
+        q, grad_out, idx, ds, p, dkv, idx.shape[1],
         q.stride(0), q.stride(1), grad_out.stride(0), grad_out.stride(1), idx.stride(0), ds.stride(0),
         dkv.stride(0), HEADS=heads, D_V=d_v, D_R=dim - d_v, BLOCK_H=min(64, max(16, triton.next_power_of_2(heads))),
-        BLOCK_N=cfg["BLOCK_N"], N_COLS=n_cols, COL_SPLIT=col_split, PROGRAMS=int(programs > 0),
+        BLOCK_N=cfg["BLOCK_N"], N_COLS=n_cols, COL_SPLIT=col_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -192,37 +167,25 @@ def default_dq_impl(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str:
 
 def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_out: torch.Tensor,
                    lse: torch.Tensor, delta: torch.Tensor, sm_scale: float, d_v: int,
-                   pass_ms: dict[str, float] | None = None, dq_impl: str | None = None,
-                   overlap_programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   pass_ms: dict[str, float] | None = None, dq_impl: str | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dkv fp32) from contiguous inputs, fp32 lse and Delta = rowsum(dO * out) [T, heads]
     (the checks and preparation are sparse_mla_backward's). pass_ms, if given, receives the
     summed CUDA time of each pass ("dq", "dkv"; the benchmark's breakdown, it synchronises).
-    dq_impl: a DQ_IMPLS entry (None: default_dq_impl's choice). overlap_programs (None:
-    OVERLAP_DKV_PROGRAMS; 0: off): on CUDA, each chunk's dkv pass runs on a side stream as that many
-    persistent programs while the next chunk's dq pass runs on the remaining SMs.
-    """
+    dq_impl: a DQ_IMPLS entry (None: default_dq_impl's choice)."""
     T, heads, dim = q.shape
     n_idx = idx.shape[1]
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
     if T == 0 or n_idx == 0:
         return dq.zero_(), dkv
+    chunk = min(T, _chunk_tokens(n_idx, heads, q.element_size()))
+    ds = torch.empty((chunk, heads, n_idx), device=q.device, dtype=q.dtype)
+    p = torch.empty_like(ds)
     key = tuning_key(q, idx)
     dq_impl = dq_impl or default_dq_impl(q, kv, d_v)
     if dq_impl not in DQ_IMPLS:
         raise ValueError(f"dq_impl must be one of {DQ_IMPLS}, got {dq_impl!r}")
-    programs = OVERLAP_DKV_PROGRAMS if overlap_programs is None else overlap_programs
-    chunk = min(T, _chunk_tokens(n_idx, heads, q.element_size()))
-    overlap = programs > 0 and q.is_cuda and T > 1
-    if overlap:  # two scratch pairs in the same bytes, chunks of at most OVERLAP_CHUNK_TOKENS: more overlap
-        chunk = max(1, min(chunk // 2, OVERLAP_CHUNK_TOKENS, -(-T // 2)))
-    scratch = [tuple(torch.empty((chunk, heads, n_idx), device=q.device, dtype=q.dtype) for _ in range(2))
-               for _ in range(2 if overlap else 1)]
-    main = torch.cuda.current_stream(q.device) if overlap else None
-    side = torch.cuda.Stream(q.device, priority=-1) if overlap else None  # its CTAs first onto free SMs
-    freed: list[torch.cuda.Event | None] = [None, None]
-    if overlap:
-        side.wait_stream(main)  # dkv's zeros, the inputs
 
     timed = pass_ms is not None and q.is_cuda
     marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
@@ -237,11 +200,10 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
         stop.record()
         marks.append((name, start, stop))
 
-    for i, c0 in enumerate(range(0, T, chunk)):
+    for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
         qc, ic, gc, lc, dc, dqc = q[c0:c1], idx[c0:c1], grad_out[c0:c1], lse[c0:c1], delta[c0:c1], dq[c0:c1]
         n = c1 - c0
-        ds, p = scratch[i % len(scratch)]
 
         def launch_dq(cfg: KernelConfig) -> None:
             bh = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(heads)))
@@ -252,31 +214,19 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
                 HEADS=heads, D_V=d_v, D_R=dim - d_v, BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], WITH_DKV=False,
                 STORE_DSP=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-        def launch_dkv(cfg: KernelConfig, out: torch.Tensor, programs: int = 0) -> None:
-            dkv_pass(cfg, qc, gc, ic, ds, p, out, d_v, programs=programs)
+        def launch_dkv(cfg: KernelConfig, out: torch.Tensor) -> None:
+            dkv_pass(cfg, qc, gc, ic, ds, p, out, d_v)
 
-        if overlap and freed[i % 2] is not None:
-            main.wait_event(freed[i % 2])  # the dkv pass two chunks back is done with this scratch pair
         if dq_impl == "gluon":
             run("dq", lambda: sparse_mla_bwd_gluon.dq_pass(qc, kv, ic, gc, lc, dc, dqc, ds, p, sm_scale))
         else:
             dq_cfg = DQ_TUNER.choose(key, q.device, launch_dq)
             run("dq", lambda: launch_dq(dq_cfg))
         if key not in DKV_TUNER.records:  # tuning adds several times: into a scratch of its own
-            tune_out = torch.zeros_like(dkv)
-            DKV_TUNER.choose(key, q.device, lambda cfg: launch_dkv(cfg, tune_out))
-            del tune_out
-        best = DKV_TUNER.records[key].best
-        if not overlap:
-            run("dkv", lambda: launch_dkv(best, dkv))
-            continue
-        side.wait_stream(main)  # this chunk's dS and P
-        with torch.cuda.stream(side):
-            run("dkv", lambda: launch_dkv(best, dkv, programs))
-            freed[i % 2] = torch.cuda.Event()
-            freed[i % 2].record(side)
-    if overlap:
-        main.wait_stream(side)  # dkv complete; the scratch is freed after this in main's order
+            scratch = torch.zeros_like(dkv)
+            DKV_TUNER.choose(key, q.device, lambda cfg: launch_dkv(cfg, scratch))
+            del scratch
+        run("dkv", lambda: launch_dkv(DKV_TUNER.records[key].best, dkv))
     if timed:
         torch.cuda.synchronize(q.device)
         for name, start, stop in marks:

@@ -29,13 +29,15 @@ def _variant(src: str, name: str, scatter: bool):
                        "tl.store(own[:, None] + cols[None, :], dk, mask=valid[:, None])")
     body = body.replace('''                tl.atomic_add(rows[:, None] + D_V + dr[None, :], tl.dot(ds_t, q_rope), mask=valid[:, None],
                               sem="relaxed")''', '''                tl.store((rows if SCATTER else own)[:, None] + D_V + dr[None, :], tl.dot(ds_t, q_rope),
-                         mask=valid[:, None])'''.replace("(rows if SCATTER else own)", "rows" if scatter else "own"))
+                         mask=valid[:, None])''')
     body = body.replace("def _dkv_columns(rows, cols, ds_t, p_t, q_c, do_c, valid):",
                         "def _dkv_columns(rows, cols, ds_t, p_t, q_c, do_c, valid, own):")
     body = body.replace("_dkv_columns(rows, ", "_dkv_columns(rows, ").replace(", valid)\n", ", valid, own)\n")
     body = body.replace("            rows = dkv_ptr + tl.where(valid, ids, 0).to(tl.int64) * stride_dkv\n",
                         "            rows = dkv_ptr + tl.where(valid, ids, 0).to(tl.int64) * stride_dkv\n"
                         "            own = dkv_ptr + (t * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64) % 65536 * stride_dkv\n")
+    body = body.replace("                         COL_SPLIT: tl.constexpr):",
+                        f"                         COL_SPLIT: tl.constexpr, SCATTER: tl.constexpr = {scatter}):")
     if "tl.atomic_add(rows" in body:
         raise RuntimeError(f"{name}: the kernel's atomics changed shape; update this probe")
     path = Path(tempfile.mkdtemp()) / f"{name}.py"

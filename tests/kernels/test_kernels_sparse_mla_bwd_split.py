@@ -46,26 +46,6 @@ def test_every_dkv_column_layout_gives_the_reference(device, monkeypatch, cfg):
     assert _rel(dkv[:, d_v:], ref_dkv[:, d_v:]) < 2e-2  # the rope columns: added exactly once
 
 
-@pytest.mark.parametrize("programs", [1, 3, 64])
-def test_persistent_dkv_programs_give_the_same_dkv(device, programs):
-    # programs take the (token, column part) items in turn: 1 takes all, 64 more than there are items
-    from kernels._tuning import KernelConfig
-    T, S, heads, d_v, d_r, K = 5, 30, 16, 64, 16, 24
-    q, kv, idx = _inputs(device, T, S, heads, d_v, d_r, K)
-    idx[1, 3] = idx[1, 2]
-    idx[4, 10:] = -1
-    ds = torch.randn(T, heads, K, device=device).to(torch.bfloat16)
-    p = torch.rand(T, heads, K, device=device).to(torch.bfloat16)
-    dout = torch.randn(T, heads, d_v, device=device).to(torch.bfloat16)
-    cfg = KernelConfig.make(BLOCK_N=16, N_COLS=2, COL_SPLIT=2, num_warps=4, num_stages=1)
-    want = torch.zeros(S, d_v + d_r, device=device)
-    spl.dkv_pass(cfg, q, dout, idx, ds, p, want, d_v)
-    got = torch.zeros_like(want)
-    spl.dkv_pass(cfg, q, dout, idx, ds, p, got, d_v, programs=programs)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
-    assert want.abs().sum() > 0
-
-
 def test_split_with_more_heads_than_one_block_and_masked_heads(device):
     # 80 heads: the dkv pass loops over two head blocks (64 + 16 of which 0 masked) per token
     T, S, heads, d_v, d_r, K = 3, 24, 80, 16, 16, 16
@@ -170,21 +150,3 @@ def test_gluon_dq_pass_matches_the_triton_pass_and_the_reference(monkeypatch, T,
     assert _rel(dq, ref_dq) < 1e-2 and _rel(dkv, ref_dkv) < 1e-2, (_rel(dq, ref_dq), _rel(dkv, ref_dkv))
     if holes:
         assert (dq[0] == 0).all()
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("programs,chunk_tokens", [(8, 7), (48, 1024)])
-def test_overlapped_dkv_gives_the_serial_gradients(monkeypatch, programs, chunk_tokens):
-    # chunks of 7 tokens: 6 chunks over 40, both scratch pairs reused, the side stream's order checked
-    monkeypatch.setattr(spl, "OVERLAP_CHUNK_TOKENS", chunk_tokens)
-    q, kv, idx = _inputs("cuda", 40, 3000, 64, 512, 64, 300)
-    idx[torch.rand(40, 300, device="cuda") < 0.2] = -1
-    dout = torch.randn(40, 64, 512, device="cuda").to(torch.bfloat16)
-    from kernels.sparse_mla import sparse_mla_forward
-    out, lse = sparse_mla_forward(q, kv, idx, 0.0625, 512)
-    delta = smb._delta(dout, out)
-    dq0, dkv0 = spl.split_backward(q, kv, idx, dout, lse, delta, 0.0625, 512, overlap_programs=0)
-    dq1, dkv1 = spl.split_backward(q, kv, idx, dout, lse, delta, 0.0625, 512, overlap_programs=programs)
-    assert torch.equal(dq1, dq0)
-    torch.testing.assert_close(dkv1, dkv0, atol=1e-4, rtol=1e-4)  # the atomics' order differs
