@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import sparse_mla_bwd_dkv_gluon, sparse_mla_bwd_gluon
+from kernels import sparse_mla_bwd_gluon
 from kernels._tuning import Autotuner, KernelConfig
 from kernels.sparse_mla import LOG2E, _bucket
 from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
@@ -58,10 +58,6 @@ DKV_CONFIGS = [
 ]
 # "gluon": kernels/sparse_mla_bwd_gluon.py (bf16, 512 + 64 columns, sm_90); "triton": DQ_CONFIGS, tuned
 DQ_IMPLS = ("gluon", "triton")
-# "gluon": kernels/sparse_mla_bwd_dkv_gluon.py (bf16, 512 + 64 columns, sm_90, 64 or 128 heads); "triton":
-# DKV_CONFIGS, tuned
-DKV_IMPLS = ("gluon", "triton")
-DEFAULT_DKV_IMPL = "triton"
 DQ_TUNER = Autotuner("sparse_mla_bwd_split_dq", DQ_CONFIGS)
 DKV_TUNER = Autotuner("sparse_mla_bwd_split_dkv", DKV_CONFIGS)
 
@@ -169,21 +165,14 @@ def default_dq_impl(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str:
     return "triton"
 
 
-def default_dkv_impl(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str:
-    """The DKV_IMPLS entry split_backward takes when none is named."""
-    if DEFAULT_DKV_IMPL == "gluon" and sparse_mla_bwd_dkv_gluon.supports(q, kv, d_v):
-        return "gluon"
-    return "triton"
-
-
 def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_out: torch.Tensor,
                    lse: torch.Tensor, delta: torch.Tensor, sm_scale: float, d_v: int,
-                   pass_ms: dict[str, float] | None = None, dq_impl: str | None = None,
-                   dkv_impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   pass_ms: dict[str, float] | None = None, dq_impl: str | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dkv fp32) from contiguous inputs, fp32 lse and Delta = rowsum(dO * out) [T, heads]
     (the checks and preparation are sparse_mla_backward's). pass_ms, if given, receives the
     summed CUDA time of each pass ("dq", "dkv"; the benchmark's breakdown, it synchronises).
-    dq_impl, dkv_impl: DQ_IMPLS / DKV_IMPLS entries (None: default_dq_impl's / default_dkv_impl's choice)."""
+    dq_impl: a DQ_IMPLS entry (None: default_dq_impl's choice)."""
     T, heads, dim = q.shape
     n_idx = idx.shape[1]
     dq = torch.empty_like(q)
@@ -197,9 +186,6 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
     dq_impl = dq_impl or default_dq_impl(q, kv, d_v)
     if dq_impl not in DQ_IMPLS:
         raise ValueError(f"dq_impl must be one of {DQ_IMPLS}, got {dq_impl!r}")
-    dkv_impl = dkv_impl or default_dkv_impl(q, kv, d_v)
-    if dkv_impl not in DKV_IMPLS:
-        raise ValueError(f"dkv_impl must be one of {DKV_IMPLS}, got {dkv_impl!r}")
 
     timed = pass_ms is not None and q.is_cuda
     marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
@@ -236,9 +222,6 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
         else:
             dq_cfg = DQ_TUNER.choose(key, q.device, launch_dq)
             run("dq", lambda: launch_dq(dq_cfg))
-        if dkv_impl == "gluon":
-            run("dkv", lambda: sparse_mla_bwd_dkv_gluon.dkv_pass(qc, gc, ic, ds, p, dkv))
-            continue
         if key not in DKV_TUNER.records:  # tuning adds several times: into a scratch of its own
             scratch = torch.zeros_like(dkv)
             DKV_TUNER.choose(key, q.device, lambda cfg: launch_dkv(cfg, scratch))

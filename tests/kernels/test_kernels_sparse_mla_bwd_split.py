@@ -150,28 +150,3 @@ def test_gluon_dq_pass_matches_the_triton_pass_and_the_reference(monkeypatch, T,
     assert _rel(dq, ref_dq) < 1e-2 and _rel(dkv, ref_dkv) < 1e-2, (_rel(dq, ref_dq), _rel(dkv, ref_dkv))
     if holes:
         assert (dq[0] == 0).all()
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("T,heads,S,K", [(64, 64, 4096, 2048), (40, 128, 3000, 300), (16, 64, 512, 3)])
-def test_gluon_dkv_pass_matches_the_triton_pass_and_the_reference(T, heads, S, K):
-    from kernels import sparse_mla_bwd_dkv_gluon
-    q, kv, idx = _inputs("cuda", T, S, heads, 512, 64, K)
-    if not sparse_mla_bwd_dkv_gluon.supports(q, kv, 512):
-        pytest.skip("the Gluon dkv pass is written for sm_90")
-    idx[torch.rand(T, K, device="cuda") < 0.2] = -1  # -1 slots anywhere, a partial last tile
-    idx[1, 1] = idx[1, 0] = 7  # a key twice in a row, and by several tokens
-    idx[2, 0] = 7
-    idx[0] = -1  # a row with no key
-    dout = torch.randn(T, heads, 512, device="cuda").to(torch.bfloat16)
-    from kernels.sparse_mla import sparse_mla_forward
-    out, lse = sparse_mla_forward(q, kv, idx, 0.0625, 512)
-    delta = smb._delta(dout, out)
-    dq, dkv = spl.split_backward(q, kv, idx, dout, lse, delta, 0.0625, 512, dkv_impl="gluon")
-    tri_dq, tri_dkv = spl.split_backward(q, kv, idx, dout, lse, delta, 0.0625, 512, dkv_impl="triton")
-    assert torch.equal(dq, tri_dq)
-    torch.testing.assert_close(dkv, tri_dkv, atol=1e-4, rtol=1e-3)  # the same products, summed in another order
-    _, ref_dq, ref_dkv = reference_grads(q, kv, idx, 0.0625, 512, dout)
-    assert _rel(dkv, ref_dkv) < 1e-2, _rel(dkv, ref_dkv)
-    assert (dkv[7] != 0).any()
