@@ -25,12 +25,12 @@
 #   [K2] `kernels`: every sparse MLA backward impl (kernels.json sparse_mla_bwd entries); the indexer
 #        family, with the fused top-k (indexer_topk_fused) beside the default (KERNELS= picks the
 #        families); `fused`: its GPU test
-#   [K2] owed on an H200 (session 20 got H100s only): `KERNELS=indexer,sparse_mla bash bench/gpu/pending.sh
-#        kernels` (the select pipeline's top-k, ~29% of the copy rate on an H100; the Gluon sparse MLA
-#        forward, 382 TFLOP/s on an H100) into kernels.json; `gluon`: bench/gpu/sparse_mla_gluon_check.py
-#        (every schedule variant against Triton; sparse_mla_gluon_gpu.json); `dq_gluon`: the probe
-#        bench/gpu/dq_pass_gluon.py (the split backward's dq pass with that schedule, against the shipped
-#        one; never run on a GPU yet)
+#   [K2] owed on an H200 (sessions 20 and 21 got H100s only): `KERNELS=indexer,sparse_mla,sparse_mla_bwd bash
+#        bench/gpu/pending.sh kernels` (the select pipeline's top-k, ~29% of the copy rate on an H100; the
+#        Gluon sparse MLA forward, 378-396 TFLOP/s on an H100; the backward with the Gluon dq pass, 176.5 on
+#        an H100) into kernels.json; `gluon`: bench/gpu/sparse_mla_gluon_check.py (every forward schedule
+#        against Triton; sparse_mla_gluon_gpu.json); `dq_gluon`: bench/gpu/dq_pass_gluon.py (the split
+#        backward's Gluon dq pass, each schedule against the Triton pass; dq_pass_gluon_gpu.json)
 #   [V]  `engine`: the embedded engine eager, static decode (CUDA graphs, rollout.embedded.
 #        static_decode_len) and static with gathered admission (admit_wait_steps), SmolLM2 shapes,
 #        8/32/64 clients, with the greedy-equality check (engine_static_h200.json); needs
