@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# [K2] what is owed on an H200 (the goals are for one H200), in one device call: exits at once on
+# any other card so that a call that gets an H100 costs only the machine's start. Writes under $OUT:
+# kernels_indexer.json (indexer family: the top-k's share of the copy rate), kernels_mla.json (sparse MLA
+# forward and every backward impl), dq_pass_gluon.json (the Gluon dq pass's schedules against Triton).
+# Merge into bench/results/kernels.json by hand (the files carry the machine and versions).
+set -u
+OUT=${OUT:?set OUT}
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "GPU: $GPU"
+case "$GPU" in *H200*) ;; *) echo "not an H200: nothing run"; exit 0 ;; esac
+bash bench/gpu/pending.sh stage > "$OUT/stage.log" 2>&1
+export PYTHONPATH=$PWD:/tmp/site2:/tmp/site PYTHONUNBUFFERED=1
+run() { local name=$1 t=$2; shift 2; timeout -k 20 "$t" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc $?"; tail -3 "$OUT/$name.log"; }
+run kernels_mla 170 python3 -m bench.kernels --only sparse_mla,sparse_mla_bwd --out "$OUT/kernels_mla.json"
+run kernels_indexer 280 python3 -m bench.kernels --only indexer --out "$OUT/kernels_indexer.json"
+run dq_gluon 90 python3 bench/gpu/dq_pass_gluon.py --out "$OUT/dq_pass_gluon.json"
