@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from kernels import sparse_mla_gluon
-from kernels.sparse_mla_gluon import gather_tiles, rows_to_shared, tile_scores
+from kernels.sparse_mla_gluon import gather_tiles, kv_ring, rows_to_shared, tile_scores
 
 BLOCK_H = 64  # heads a program: one wgmma M
 D_V, D_R = 512, 64
@@ -107,21 +107,13 @@ def dq_pass_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, d
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     qn_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_V], gl.bfloat16)
     qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_R], gl.bfloat16)
-    kn_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_V], gl.bfloat16)
-    kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], gl.bfloat16)
     t_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
     q_nope = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_V], qn_sl)  # [1, ...]: for a loop-variant index
     q_rope = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_R], qr_sl)
     do_s = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_V], qn_sl)
-    kv_nope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V], kn_sl)
-    kv_rope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_R], kr_sl)
+    kv_nope, kv_rope, full, empty = kv_ring(dtype, BLOCK_N, D_V, D_R, STAGES, PRODUCER_WARPS)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], t_sl)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], t_sl)
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
-        mbarrier.init(empty.index(s), count=1)
     rows_to_shared(q_nope.index(0), q_ptr + t * stride_qt, stride_qh, h0, HEADS, 0)  # heads past HEADS: zeros
     rows_to_shared(q_rope.index(0), q_ptr + t * stride_qt, stride_qh, h0, HEADS, D_V)
     rows_to_shared(do_s.index(0), do_ptr + t * stride_dot, stride_doh, h0, HEADS, 0)

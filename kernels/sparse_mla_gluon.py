@@ -138,6 +138,23 @@ def rows_to_shared(smem, base, stride_row, r0, n_rows, col0):
 
 
 @gluon.jit
+def kv_ring(dtype: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr,
+            PRODUCER_WARPS: gl.constexpr):
+    """The KV tiles' ring in shared memory ([STAGES, BLOCK_N, D_V] and [STAGES, BLOCK_N, D_R]) and its slots'
+    `full` barriers (one arrival per producer thread, as its copies land) and `empty` ones (one arrival)."""
+    kv_nope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_V], gl.bfloat16))
+    kv_rope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_R],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], gl.bfloat16))
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
+        mbarrier.init(empty.index(s), count=1)
+    return kv_nope, kv_rope, full, empty
+
+
+@gluon.jit
 def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n_idx,
                           stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
                           HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
@@ -148,19 +165,11 @@ def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, 
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     qn_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_V], gl.bfloat16)
     qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_R], gl.bfloat16)
-    kn_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_V], gl.bfloat16)
-    kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], gl.bfloat16)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
     q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_V], qn_sl)
     q_rope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_R], qr_sl)
-    kv_nope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V], kn_sl)
-    kv_rope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_R], kr_sl)
+    kv_nope, kv_rope, full, empty = kv_ring(dtype, BLOCK_N, D_V, D_R, STAGES, PRODUCER_WARPS)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_sl)
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
-        mbarrier.init(empty.index(s), count=1)
 
     rows_to_shared(q_nope, q_ptr + t * stride_qt, stride_qh, h0, HEADS, 0)  # once; heads past HEADS as zeros
     rows_to_shared(q_rope, q_ptr + t * stride_qt, stride_qh, h0, HEADS, D_V)
