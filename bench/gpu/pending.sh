@@ -30,7 +30,8 @@
 #        Gluon sparse MLA forward, 378-396 TFLOP/s on an H100; the backward with the Gluon dq pass, 176.5 on
 #        an H100) into kernels.json; `gluon`: bench/gpu/sparse_mla_gluon_check.py (every forward schedule
 #        against Triton; sparse_mla_gluon_gpu.json); `dq_gluon`: bench/gpu/dq_pass_gluon.py (the split
-#        backward's Gluon dq pass, each schedule against the Triton pass; dq_pass_gluon_gpu.json)
+#        backward's Gluon dq pass, each schedule against the Triton pass; dq_pass_gluon_gpu.json).
+#        bench/gpu/h200_owed.sh runs these in one call and does nothing on any other card.
 #   [V]  `engine`: the embedded engine eager, static decode (CUDA graphs, rollout.embedded.
 #        static_decode_len) and static with gathered admission (admit_wait_steps), SmolLM2 shapes,
 #        8/32/64 clients, with the greedy-equality check (engine_static_h200.json); needs
