@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [x for x in impls if x is not None and x not in BWD_IMPLS]
     if bad:
         parser.error(f"--bwd-impls: unknown {bad}; choose from {', '.join(BWD_IMPLS)}")
-    result = run(args.arch, [int(x) for x in args.seqlens.split(",")], args.iters, impls)
+    from bench.machine import machine  # the card and versions travel with the numbers (CI cannot rerun them)
+
+    result = {"machine": machine(), **run(args.arch, [int(x) for x in args.seqlens.split(",")], args.iters, impls)}
     print(json.dumps(result, indent=1))
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
