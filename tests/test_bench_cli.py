@@ -59,3 +59,16 @@ def test_a_plan_the_capacity_model_cannot_use_is_a_one_line_error(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.exit_code == 2 and len(lines) == 1 and "no hardware numbers for 'cpu'" in lines[0], r.output
     assert not (tmp_path / "c.json").exists()
+
+
+def test_bench_kernels_without_cuda_refuses_and_leaves_the_report(tmp_path):
+    import pytest
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("checks the no-GPU refusal")
+    out = tmp_path / "kernels.json"
+    out.write_text('{"recorded": "on an H200"}')
+    r = CliRunner().invoke(app, ["bench", "kernels", "--out", str(out), "--only", "fp8"])
+    assert r.exit_code == 2, r.output
+    assert "no CUDA device" in r.stderr
+    assert out.read_text() == '{"recorded": "on an H200"}'
