@@ -204,7 +204,9 @@ def learning(run_dir: Path = typer.Argument(..., help="A finished run's director
 
 
 @app.command("megatron")
-def megatron(out: Path = typer.Option(RESULTS / "megatron.json", help="Where the JSON report goes."),
+def megatron(out: Path | None = typer.Option(None, help="Where the JSON report goes (default: bench/results/megatron.json; "
+                                                 "with --small runs/bench/megatron_small.json, so that a smoke run "
+                                                 "never replaces the recorded GPU report)."),
              small: bool = typer.Option(False, help="CPU smoke sizes (gloo, no 5-layer model, 30 MiB export)."),
              export_gib: float = typer.Option(8.0, help="Bytes of GLM-shaped weights to broadcast (GiB)."),
              bucket_mb: int = typer.Option(256, help="Weight-sync bucket size (MiB).")) -> None:
@@ -215,6 +217,8 @@ def megatron(out: Path = typer.Option(RESULTS / "megatron.json", help="Where the
     import sys
     import tempfile
 
+    if out is None:
+        out = Path("runs/bench/megatron_small.json") if small else RESULTS / "megatron.json"
     script = Path(__file__).resolve().parent / "gpu" / "megatron_gpu.py"
     with tempfile.TemporaryDirectory(prefix="agentrl-megatron-bench-") as tmp:
         cmd = [sys.executable, str(script), "all", "--out-dir", tmp, "--export-gib", str(export_gib),

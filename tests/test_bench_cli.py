@@ -72,3 +72,25 @@ def test_bench_kernels_without_cuda_refuses_and_leaves_the_report(tmp_path):
     assert r.exit_code == 2, r.output
     assert "no CUDA device" in r.stderr
     assert out.read_text() == '{"recorded": "on an H200"}'
+
+
+def test_bench_megatron_small_never_replaces_the_recorded_report(tmp_path, monkeypatch):
+    import subprocess
+    from pathlib import Path
+
+    def fake_script(cmd, check=False):  # stands in for bench/gpu/megatron_gpu.py (Megatron, minutes)
+        out_dir = Path(cmd[cmd.index("--out-dir") + 1])
+        (out_dir / "megatron.json").write_text('{"smoke": true}')
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_script)
+    monkeypatch.chdir(tmp_path)  # RESULTS is bench/results under the working directory
+    (tmp_path / "bench/results").mkdir(parents=True)
+    recorded = tmp_path / "bench/results/megatron.json"
+    recorded.write_text('{"recorded": "on two H200s"}')
+    r = CliRunner().invoke(app, ["bench", "megatron", "--small"])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "runs/bench/megatron_small.json").read_text() == '{"smoke": true}'
+    assert recorded.read_text() == '{"recorded": "on two H200s"}'
+    r = CliRunner().invoke(app, ["bench", "megatron"])  # the full run writes the recorded report
+    assert r.exit_code == 0 and recorded.read_text() == '{"smoke": true}', r.output
