@@ -186,6 +186,9 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
     dq_impl = dq_impl or default_dq_impl(q, kv, d_v)
     if dq_impl not in DQ_IMPLS:
         raise ValueError(f"dq_impl must be one of {DQ_IMPLS}, got {dq_impl!r}")
+    if dq_impl == "gluon" and not sparse_mla_bwd_gluon.supports(q, kv, d_v):
+        raise ValueError("dq_impl='gluon' needs bf16 q and kv on an sm_90 GPU with 512 + 64 columns; got q "
+                         f"{q.dtype} {tuple(q.shape)} on {q.device}, d_v={d_v} (use dq_impl='triton')")
 
     timed = pass_ms is not None and q.is_cuda
     marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []

@@ -86,6 +86,11 @@ def test_the_gluon_dq_pass_is_the_default_only_without_padded_heads(monkeypatch,
     with pytest.raises(ValueError, match="dq_impl must be one of"):
         spl.split_backward(q, kv, idx, torch.zeros(2, 16, 16, device=device, dtype=torch.bfloat16), lse, lse, 0.1,
                            16, dq_impl="cuda")
+    if device.type != "cuda":
+        monkeypatch.undo()  # the real rule: no sm_90 GPU here
+        with pytest.raises(ValueError, match="dq_impl='gluon' needs bf16 q and kv on an sm_90 GPU"):
+            spl.split_backward(q, kv, idx, torch.zeros(2, 16, 16, device=device, dtype=torch.bfloat16), lse, lse,
+                               0.1, 16, dq_impl="gluon")
 
 
 def test_delta_kernel_is_the_fp32_row_sum(device):
