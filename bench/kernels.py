@@ -144,11 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = (only or set()) - {"logprobs", "indexer", "sparse_mla", "sparse_mla_bwd", "fp8"}
     if unknown:
         parser.error(f"--only: unknown kernel families {sorted(unknown)}")
-    if not args.tiny and not _has_cuda():
+    cuda = _has_cuda()
+    if not args.tiny and not cuda:
         print("[bench] no CUDA device: the GLM-5.2 shapes need an H200-class GPU (on CPU the harness is "
               "checked by `pytest tests/kernels/test_kernels_bench.py`)", file=sys.stderr)
         return 2
-    if not _has_cuda() and os.environ.get("TRITON_INTERPRET") != "1":
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
         # Triton's interpreter would run them (TRITON_INTERPRET=1, set before triton is imported), but the whole
         # tiny set takes over 15 minutes there on 2 cores; the tests cover the harness on CPU in seconds
         print("[bench] no CUDA device: --tiny runs the kernels on a GPU; on CPU the harness is checked by "

@@ -3,7 +3,8 @@
 Same contract as sparse_mla_bwd_rows.py's kernel with STORE_DSP and without WITH_DKV (what
 kernels/sparse_mla_bwd_split.py launches): per (token, block of 64 heads) it recomputes S and P from
 lse, accumulates dq = dS kv, and writes the bf16 dS and P tiles into the [tokens, heads, topk]
-scratch from which the dkv pass builds dkv. For the GLM-5.2 shape only (bf16, 512 + 64 columns).
+scratch from which the dkv pass builds dkv. For the GLM-5.2 shape only (bf16, 512 + 64 columns): where the Gluon forward runs
+(sparse_mla_gluon.supports).
 
 Why: the Triton dq pass runs one stage, because q, dO and one 64-key KV tile fill 208 KB of shared
 memory, so its gathers never overlap its GEMMs (4.62 ms a 2048-token chunk of 4096 x top-2048 of
@@ -11,9 +12,9 @@ memory, so its gathers never overlap its GEMMs (4.62 ms a 2048-token chunk of 40
 32-key tiles into a two-slot ring beside q and dO (221 KB) while two consumer warpgroups compute,
 per tile: S = q kv^T and dP = dO kv_nope^T (each warpgroup half of the key columns), P and dS, both
 through shared memory to the dq GEMMs (dq += dS kv: each warpgroup half of the 576 columns) and,
-while those run, out to the scratch in 16-byte rows. Measured on an H100
-(bench/results/dq_pass_gluon_gpu.json run 1, one process): 2.54-2.61 ms, 1.77-1.82x the Triton pass,
-dq, dS and P bit-identical to it.
+while those run, out to the scratch in 16-byte rows. Measured on H100s
+(bench/results/dq_pass_gluon_gpu.json, three runs, each in one process): 2.52-2.64 ms, 1.74-1.83x the
+Triton pass, dq, dS and P bit-identical to it.
 Register budget: the dq accumulator is 144 fp32 registers a thread. With the q and dO tiles at a
 constant shared-memory address the compiler hoists the 68 64-bit wgmma descriptors of their
 k-steps out of the key loop, 136 more registers, and the consumers spilled 312 bytes a thread (3.74
@@ -22,20 +23,17 @@ PRODUCER_REGS 56 (the consumers get 224) nothing spills.
 """
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels import sparse_mla_gluon
-from kernels.sparse_mla_gluon import gather_tiles, kv_ring, rows_to_shared, tile_scores
+from kernels.sparse_mla_gluon import BLOCK_H, D_R, D_V, gather_tiles, kv_ring, rows_to_shared, tile_scores
 
-BLOCK_H = 64  # heads a program: one wgmma M
-D_V, D_R = 512, 64
-# H100, one 2048-token chunk (bench/results/dq_pass_gluon_gpu.json run 1): 32-key tiles in 2 slots, 56
-# producer registers 2.61 ms (32-row copies 2.54); 88 producer registers (the consumers get 208 and
-# spill 40 bytes) 2.59; 64-key tiles in 1 slot 2.83; q at a constant address 3.74
+# H100, one 2048-token chunk (bench/results/dq_pass_gluon_gpu.json runs 1-3): 32-key tiles in 2 slots;
+# producer registers 40, 56, 72 or 88 (the consumers get 208 there and spill 40 bytes), 2 producer warps,
+# 16- or 32-row copies all within 2.52-2.64 ms (noise); 64-key tiles in 1 slot 2.83; q at a constant
+# address 3.74-3.82
 SCHEDULE = dict(BLOCK_N=32, STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=56, ROW_GROUP=32, OPAQUE_Q=True)
 
 
@@ -151,11 +149,6 @@ def constexprs(heads: int, **change) -> dict:
     base |= change
     base["ROW_GROUP"] = min(base["ROW_GROUP"], base["BLOCK_N"])
     return base
-
-
-def supports(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
-    """Where this pass runs: the Gluon forward's machines and shapes (bf16 on sm_90, 512 + 64 columns)."""
-    return sparse_mla_gluon.supports(q, kv, d_v)
 
 
 def dq_pass(q, kv, idx, grad_out, lse, delta, dq, ds, p, sm_scale: float, **schedule) -> None:

@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import sparse_mla_bwd_gluon
+from kernels import sparse_mla_bwd_gluon, sparse_mla_gluon
 from kernels._tuning import Autotuner, KernelConfig
-from kernels.sparse_mla import LOG2E, _bucket
+from kernels.sparse_mla import LOG2E, _bucket, default_forward_impl
 from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
 
 # Upper bound of the dS + P scratch: 1 GiB is 2048 tokens at top-2048 x 64 heads.
@@ -158,11 +158,9 @@ def tuning_key(q: torch.Tensor, idx: torch.Tensor) -> tuple:
 
 
 def default_dq_impl(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str:
-    """The DQ_IMPLS entry split_backward takes when none is named: "gluon" where it runs and no head
-    block is padded (it computes 64 heads a program; the Triton pass's smaller head blocks waste less)."""
-    if q.shape[1] % sparse_mla_bwd_gluon.BLOCK_H == 0 and sparse_mla_bwd_gluon.supports(q, kv, d_v):
-        return "gluon"
-    return "triton"
+    """The DQ_IMPLS entry split_backward takes when none is named: the forward's rule
+    (sparse_mla.default_forward_impl: "gluon" where the Gluon kernels run and no 64-head block is padded)."""
+    return default_forward_impl(q, kv, d_v)
 
 
 def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_out: torch.Tensor,
@@ -186,7 +184,7 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
     dq_impl = dq_impl or default_dq_impl(q, kv, d_v)
     if dq_impl not in DQ_IMPLS:
         raise ValueError(f"dq_impl must be one of {DQ_IMPLS}, got {dq_impl!r}")
-    if dq_impl == "gluon" and not sparse_mla_bwd_gluon.supports(q, kv, d_v):
+    if dq_impl == "gluon" and not sparse_mla_gluon.supports(q, kv, d_v):
         raise ValueError("dq_impl='gluon' needs bf16 q and kv on an sm_90 GPU with 512 + 64 columns; got q "
                          f"{q.dtype} {tuple(q.shape)} on {q.device}, d_v={d_v} (use dq_impl='triton')")
 

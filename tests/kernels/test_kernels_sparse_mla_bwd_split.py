@@ -75,10 +75,10 @@ def test_split_is_the_default_through_autograd(device, monkeypatch):
 
 
 def test_the_gluon_dq_pass_is_the_default_only_without_padded_heads(monkeypatch, device):
-    from kernels import sparse_mla_bwd_gluon
+    from kernels import sparse_mla_gluon
     kv = torch.zeros(4, 576, dtype=torch.bfloat16)
     assert spl.default_dq_impl(torch.zeros(1, 64, 576, dtype=torch.bfloat16), kv, 512) == "triton"  # CPU
-    monkeypatch.setattr(sparse_mla_bwd_gluon, "supports", lambda q, kv, d_v: True)  # as on an sm_90 GPU
+    monkeypatch.setattr(sparse_mla_gluon, "supports", lambda q, kv, d_v: True)  # as on an sm_90 GPU
     assert spl.default_dq_impl(torch.zeros(1, 128, 576, dtype=torch.bfloat16), kv, 512) == "gluon"
     assert spl.default_dq_impl(torch.zeros(1, 48, 576, dtype=torch.bfloat16), kv, 512) == "triton"
     q, kv, idx = _inputs(device, 2, 8, 16, 16, 16, 4)
@@ -113,7 +113,7 @@ def test_every_split_config_is_correct_gpu(monkeypatch):
     from kernels._tuning import Autotuner
     q, kv, idx, dout, ref_dq, ref_dkv = config_sweep_case()
     ran = 0
-    monkeypatch.setattr(spl.sparse_mla_bwd_gluon, "supports", lambda q, kv, d_v: False)  # the Triton dq pass
+    monkeypatch.setattr(spl, "default_dq_impl", lambda q, kv, d_v: "triton")  # the Triton dq pass's configs
     for dq_cfg in spl.DQ_CONFIGS:
         for dkv_cfg in spl.DKV_CONFIGS:
             monkeypatch.setattr(spl, "DQ_TUNER", Autotuner("dq", [dq_cfg]))
@@ -133,23 +133,22 @@ def test_every_split_config_is_correct_gpu(monkeypatch):
 @gpu
 @pytest.mark.parametrize("T,heads,S,K,holes", [(64, 64, 4096, 2048, True), (40, 128, 3000, 300, True),
                                                (16, 64, 512, 3, False)])
-def test_gluon_dq_pass_matches_the_triton_pass_and_the_reference(monkeypatch, T, heads, S, K, holes):
-    from kernels import sparse_mla_bwd_gluon
+def test_gluon_dq_pass_matches_the_triton_pass_and_the_reference(T, heads, S, K, holes):
+    from kernels import sparse_mla_gluon
+    from kernels.sparse_mla import sparse_mla_forward
     q, kv, idx = _inputs("cuda", T, S, heads, 512, 64, K)
-    if not sparse_mla_bwd_gluon.supports(q, kv, 512):
+    if not sparse_mla_gluon.supports(q, kv, 512):
         pytest.skip("the Gluon dq pass is written for sm_90")
     if holes:  # -1 slots anywhere, a partial last tile, a duplicate and a row with no valid key
         idx[torch.rand(T, K, device="cuda") < 0.2] = -1
         idx[1, 1] = idx[1, 0] = 7
         idx[0] = -1
     dout = torch.randn(T, heads, 512, device="cuda").to(torch.bfloat16)
-    called = []
-    real = sparse_mla_bwd_gluon.dq_pass
-    monkeypatch.setattr(sparse_mla_bwd_gluon, "dq_pass", lambda *a, **k: called.append(1) or real(*a, **k))
-    dq, dkv = _backward(q, kv, idx, 0.0625, 512, dout, "split")
-    assert called, "the split backward did not take the Gluon dq pass on sm_90"
-    monkeypatch.setattr(sparse_mla_bwd_gluon, "supports", lambda q, kv, d_v: False)  # the Triton pass
-    tri_dq, tri_dkv = _backward(q, kv, idx, 0.0625, 512, dout, "split")
+    assert spl.default_dq_impl(q, kv, 512) == "gluon"  # what the split backward takes on sm_90
+    out, lse = sparse_mla_forward(q, kv, idx, 0.0625, 512)
+    delta = smb._delta(dout, out)
+    dq, dkv = spl.split_backward(q, kv, idx, dout, lse, delta, 0.0625, 512, dq_impl="gluon")
+    tri_dq, tri_dkv = spl.split_backward(q, kv, idx, dout, lse, delta, 0.0625, 512, dq_impl="triton")
     assert _rel(dq, tri_dq) < 2e-3 and _rel(dkv, tri_dkv) < 2e-3, (_rel(dq, tri_dq), _rel(dkv, tri_dkv))
     _, ref_dq, ref_dkv = reference_grads(q, kv, idx, 0.0625, 512, dout)
     assert _rel(dq, ref_dq) < 1e-2 and _rel(dkv, ref_dkv) < 1e-2, (_rel(dq, ref_dq), _rel(dkv, ref_dkv))
