@@ -92,6 +92,7 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
 
 
 def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
+    from kernels import sparse_mla_bwd_dkv_gluon as gluon_dkv
     from kernels import sparse_mla_bwd_gluon as gluon_dq
     from kernels import sparse_mla_gluon as gluon_fwd
     from kernels._tuning import KernelConfig
@@ -130,6 +131,9 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
          [(KernelConfig.make(num_warps=8, num_stages=1), {})]),
         ("sparse_mla_bwd_split_dkv", _dkv_from_dsp_kernel, dkv_args,
          {**dims, "BLOCK_H": 64}, [(c, {}) for c in DKV_CONFIGS]),
+        ("sparse_mla_bwd_split_dkv_gluon", gluon_dkv.dkv_pass_kernel, {**dkv_args, "col_base": 0},
+         gluon_dkv.constexprs(True), [(KernelConfig.make(num_warps=4, num_stages=1), {}),
+                                      (KernelConfig.make(num_warps=4, num_stages=1), gluon_dkv.constexprs(False))]),
     ]
 
 

@@ -11,7 +11,9 @@ its own partial dkv. Here:
   needed for its own dots into a [tokens, heads, topk] scratch (keys contiguous, the order of
   its accumulator's rows). No dkv tile, so it runs 64 heads x 64 keys on wgmma (one stage: two
   stages of KV rows need 295 KB of shared memory, bench/kernel_resources.py).
-- dkv pass (``_dkv_from_dsp_kernel``): one program per (token, column group) loads its q and dO
+- dkv pass (on sm_90 with bf16 and exactly 64 heads: kernels/sparse_mla_bwd_dkv_gluon.py, loads, GEMMs
+  and reductions in separate warps, 1.05x, same contract; elsewhere ``_dkv_from_dsp_kernel``):
+  one program per (token, column group) loads its q and dO
   columns once and, per key tile, reads dS^T and P^T [keys, heads] back and computes dK = dS^T q
   and dV = P^T dO: two
   GEMMs over all heads of the token, so each selected key gets one reduction per token (half the
@@ -30,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import sparse_mla_bwd_gluon, sparse_mla_gluon
+from kernels import sparse_mla_bwd_dkv_gluon, sparse_mla_bwd_gluon, sparse_mla_gluon
 from kernels._tuning import Autotuner, KernelConfig
 from kernels.sparse_mla import LOG2E, _bucket, default_forward_impl
 from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
@@ -44,8 +46,10 @@ SCRATCH_BYTES = 1 << 30
 # dkv pass, 64 keys: one program per token, 4 column blocks of 128, 1 stage 4.64-4.67 (188 KB);
 # 2 programs per token 5.07-5.10 (2 stages, 139 KB), 5.42-5.58 (1 stage); 4 programs (106 KB,
 # two per SM) 4.77-4.86; 128 keys, 2 programs 5.21-5.28. With plain stores instead of the atomics
-# (bench/gpu/split_dkv_floor.py) the 4-program layout takes 3.31 ms: the scatter-adds are what
-# holds every layout near 4.7 ms.
+# (bench/gpu/split_dkv_floor.py) the 4-program layout takes 3.31 ms. On an H100 (session 22,
+# bench/results/tma_reduce_probe_gpu.json) the 4-program layout is the tuner's pick: programs running
+# at once add into a band of dkv columns L2 holds (128 of 576 columns: 33.5 MB), and whole rows (151
+# MB) halve the reductions' rate there; the H200's 1.4x faster HBM makes those L2 misses cheaper.
 DQ_CONFIGS = [
     KernelConfig.make(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1),
     KernelConfig.make(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
@@ -58,6 +62,8 @@ DKV_CONFIGS = [
 ]
 # "gluon": kernels/sparse_mla_bwd_gluon.py (bf16, 512 + 64 columns, sm_90); "triton": DQ_CONFIGS, tuned
 DQ_IMPLS = ("gluon", "triton")
+# "gluon": kernels/sparse_mla_bwd_dkv_gluon.py (the dq pass's rule and exactly 64 heads); "triton": DKV_CONFIGS
+DKV_IMPLS = ("gluon", "triton")
 DQ_TUNER = Autotuner("sparse_mla_bwd_split_dq", DQ_CONFIGS)
 DKV_TUNER = Autotuner("sparse_mla_bwd_split_dkv", DKV_CONFIGS)
 
@@ -163,14 +169,33 @@ def default_dq_impl(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str:
     return default_forward_impl(q, kv, d_v)
 
 
+def default_dkv_impl(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str:
+    """The DKV_IMPLS entry split_backward takes when none is named: "gluon" where the Gluon kernels run
+    and a token has exactly the 64 heads its GEMMs take as K."""
+    return "gluon" if _dkv_gluon_runs(q, kv, d_v) else "triton"
+
+
+def _dkv_gluon_runs(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
+    return sparse_mla_gluon.supports(q, kv, d_v) and q.shape[1] == sparse_mla_bwd_dkv_gluon.HEADS
+
+
+def _check_impl(what: str, impl: str, impls: tuple[str, ...], runs: bool, needs: str, q: torch.Tensor,
+                d_v: int) -> None:
+    if impl not in impls:
+        raise ValueError(f"{what} must be one of {impls}, got {impl!r}")
+    if impl == "gluon" and not runs:
+        raise ValueError(f"{what}='gluon' needs {needs}; got q {q.dtype} {tuple(q.shape)} on {q.device}, "
+                         f"d_v={d_v} (use {what}='triton')")
+
+
 def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_out: torch.Tensor,
                    lse: torch.Tensor, delta: torch.Tensor, sm_scale: float, d_v: int,
-                   pass_ms: dict[str, float] | None = None, dq_impl: str | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   pass_ms: dict[str, float] | None = None, dq_impl: str | None = None,
+                   dkv_impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dkv fp32) from contiguous inputs, fp32 lse and Delta = rowsum(dO * out) [T, heads]
     (the checks and preparation are sparse_mla_backward's). pass_ms, if given, receives the
     summed CUDA time of each pass ("dq", "dkv"; the benchmark's breakdown, it synchronises).
-    dq_impl: a DQ_IMPLS entry (None: default_dq_impl's choice)."""
+    dq_impl / dkv_impl: a DQ_IMPLS / DKV_IMPLS entry (None: default_dq_impl's / default_dkv_impl's choice)."""
     T, heads, dim = q.shape
     n_idx = idx.shape[1]
     dq = torch.empty_like(q)
@@ -182,11 +207,10 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
     p = torch.empty_like(ds)
     key = tuning_key(q, idx)
     dq_impl = dq_impl or default_dq_impl(q, kv, d_v)
-    if dq_impl not in DQ_IMPLS:
-        raise ValueError(f"dq_impl must be one of {DQ_IMPLS}, got {dq_impl!r}")
-    if dq_impl == "gluon" and not sparse_mla_gluon.supports(q, kv, d_v):
-        raise ValueError("dq_impl='gluon' needs bf16 q and kv on an sm_90 GPU with 512 + 64 columns; got q "
-                         f"{q.dtype} {tuple(q.shape)} on {q.device}, d_v={d_v} (use dq_impl='triton')")
+    dkv_impl = dkv_impl or default_dkv_impl(q, kv, d_v)
+    gpu_rule = "bf16 q and kv on an sm_90 GPU with 512 + 64 columns"
+    _check_impl("dq_impl", dq_impl, DQ_IMPLS, sparse_mla_gluon.supports(q, kv, d_v), gpu_rule, q, d_v)
+    _check_impl("dkv_impl", dkv_impl, DKV_IMPLS, _dkv_gluon_runs(q, kv, d_v), gpu_rule + " and 64 heads", q, d_v)
 
     timed = pass_ms is not None and q.is_cuda
     marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
@@ -223,6 +247,9 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
         else:
             dq_cfg = DQ_TUNER.choose(key, q.device, launch_dq)
             run("dq", lambda: launch_dq(dq_cfg))
+        if dkv_impl == "gluon":
+            run("dkv", lambda: sparse_mla_bwd_dkv_gluon.dkv_pass(qc, gc, ic, ds, p, dkv))
+            continue
         if key not in DKV_TUNER.records:  # tuning adds several times: into a scratch of its own
             scratch = torch.zeros_like(dkv)
             DKV_TUNER.choose(key, q.device, lambda cfg: launch_dkv(cfg, scratch))

@@ -79,3 +79,12 @@ def test_the_gluon_dq_pass_fits_without_spilling_its_consumers():
     assert res["spill_stack_bytes"] <= 32, res
     hoisted = kr.compile_sm90(fn, args, {**constexprs, "OPAQUE_Q": False}, cfg.num_warps, cfg.num_stages)
     assert hoisted["spill_stack_bytes"] > 4 * res["spill_stack_bytes"], (hoisted, res)
+
+
+def test_the_gluon_dkv_pass_fits_two_rings_beside_its_columns_without_spilling():
+    case = next(c for c in kr._sparse_mla_bwd_cases() if c[0] == "sparse_mla_bwd_split_dkv_gluon")
+    _, fn, args, constexprs, configs = case
+    for cfg, extra in configs:  # the value columns' launch, then the rope columns'
+        res = kr.compile_sm90(fn, args, {**constexprs, **extra}, cfg.num_warps, cfg.num_stages)
+        assert res["wgmma"] > 0 and res["atom_v4_f32"] > 0 and res["atom_f32"] == 0, res  # 16-byte reductions
+        assert res["spill_stack_bytes"] == 0 and res["shared_bytes"] <= 232448, res

@@ -93,6 +93,23 @@ def test_the_gluon_dq_pass_is_the_default_only_without_padded_heads(monkeypatch,
                                0.1, 16, dq_impl="gluon")
 
 
+def test_the_gluon_dkv_pass_is_the_default_only_at_64_heads(monkeypatch, device):
+    from kernels import sparse_mla_gluon
+    kv = torch.zeros(4, 576, dtype=torch.bfloat16)
+    assert spl.default_dkv_impl(torch.zeros(1, 64, 576, dtype=torch.bfloat16), kv, 512) == "triton"  # CPU
+    monkeypatch.setattr(sparse_mla_gluon, "supports", lambda q, kv, d_v: True)  # as on an sm_90 GPU
+    assert spl.default_dkv_impl(torch.zeros(1, 64, 576, dtype=torch.bfloat16), kv, 512) == "gluon"
+    assert spl.default_dkv_impl(torch.zeros(1, 128, 576, dtype=torch.bfloat16), kv, 512) == "triton"
+    assert spl.default_dkv_impl(torch.zeros(1, 16, 576, dtype=torch.bfloat16), kv, 512) == "triton"
+    q, kv, idx = _inputs(device, 2, 8, 16, 16, 16, 4)
+    lse = torch.zeros(2, 16, device=device)
+    dout = torch.zeros(2, 16, 16, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dkv_impl must be one of"):
+        spl.split_backward(q, kv, idx, dout, lse, lse, 0.1, 16, dkv_impl="atomic")
+    with pytest.raises(ValueError, match=r"dkv_impl='gluon' needs .* and 64 heads; got q .*\(use dkv_impl='triton'\)"):
+        spl.split_backward(q, kv, idx, dout, lse, lse, 0.1, 16, dkv_impl="gluon")  # 16 heads
+
+
 def test_delta_kernel_is_the_fp32_row_sum(device):
     g = torch.randn(5, 20, 32, device=device).to(torch.bfloat16)  # 20 heads: a partial head block
     o = torch.randn(5, 20, 32, device=device).to(torch.bfloat16)
@@ -154,3 +171,30 @@ def test_gluon_dq_pass_matches_the_triton_pass_and_the_reference(T, heads, S, K,
     assert _rel(dq, ref_dq) < 1e-2 and _rel(dkv, ref_dkv) < 1e-2, (_rel(dq, ref_dq), _rel(dkv, ref_dkv))
     if holes:
         assert (dq[0] == 0).all()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T,S,K,holes", [(64, 4096, 2048, True), (40, 3000, 300, True), (16, 512, 3, False)])
+def test_gluon_dkv_pass_matches_the_triton_pass_and_the_reference(T, S, K, holes):
+    from kernels.sparse_mla import sparse_mla_forward
+    q, kv, idx = _inputs("cuda", T, S, 64, 512, 64, K)
+    if spl.default_dkv_impl(q, kv, 512) != "gluon":
+        pytest.skip("the Gluon dkv pass is written for sm_90")
+    idx[idx == S - 1] = S - 2  # key S - 1 picked by no token (at 4096 keys the others may all be)
+    if holes:  # -1 slots anywhere, a partial last tile, a key picked twice and a row with no valid key
+        idx[torch.rand(T, K, device="cuda") < 0.2] = -1
+        idx[1, 1] = idx[1, 0] = 7
+        idx[0] = -1
+    dout = torch.randn(T, 64, 512, device="cuda").to(torch.bfloat16)
+    out, lse = sparse_mla_forward(q, kv, idx, 0.0625, 512)
+    delta = smb._delta(dout, out)
+    dq, dkv = spl.split_backward(q, kv, idx, dout, lse, delta, 0.0625, 512, dkv_impl="gluon")
+    tri_dq, tri_dkv = spl.split_backward(q, kv, idx, dout, lse, delta, 0.0625, 512, dkv_impl="triton")
+    assert torch.equal(dq, tri_dq)  # the same dq pass
+    assert _rel(dkv, tri_dkv) < 2e-3, _rel(dkv, tri_dkv)
+    _, ref_dq, ref_dkv = reference_grads(q, kv, idx, 0.0625, 512, dout)
+    assert _rel(dkv, ref_dkv) < 1e-2, _rel(dkv, ref_dkv)
+    unpicked = torch.ones(S, dtype=torch.bool, device="cuda")
+    unpicked[idx[idx >= 0].long()] = False
+    assert unpicked[S - 1] and (dkv[unpicked] == 0).all()  # keys no token picked get nothing

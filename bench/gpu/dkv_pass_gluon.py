@@ -1,0 +1,140 @@
+"""The split backward's warp-specialised Gluon dkv pass (kernels/sparse_mla_bwd_dkv_gluon.py) against the
+Triton one, on one GPU; then the whole backward with each.
+
+On a GPU, `python bench/gpu/dkv_pass_gluon.py --out X.json`: on one 2048-token chunk of the kernels
+benchmark's inputs (4096 x top-2048 of a 64K context; four rows with -1 slots past 1000), dS / P from the
+dq pass, each schedule in SCHEDULES is checked against the Triton pass (its tuned config) and timed beside
+it; then `split_backward` over all 4096 tokens with dkv_impl "triton" and "gluon" (the default dq pass),
+timed one after the other, with the backward's TFLOP/s. `--compile-only` compiles each schedule for sm_90
+here (bench/kernel_resources.py) and prints its registers, spills and shared memory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from kernels.sparse_mla_bwd_dkv_gluon import constexprs, dkv_pass, dkv_pass_kernel  # noqa: E402
+
+# the default (value columns in 4 groups of 2 x 64: on an H100 the programs running at once add into 33.5 MB
+# of dkv, which L2 holds; dS / P loaded through registers, L2 evict-first); groups of 4 and 8 blocks (whole
+# value rows: the H200's faster HBM may favour fewer dS / P reads); cp.async copies (no eviction policy);
+# 8 loader warps; 8 reducer warps; shallower rings; PROBE bits, each making the result wrong by design:
+# 1 no reductions (the GEMM side's rate), 4 no dS / P copies (what streaming them through L2 costs)
+SCHEDULES = [{}, {"VALUE_BLOCKS": 4}, {"VALUE_BLOCKS": 8, "STAGES": 2, "ACC_STAGES": 2},
+             {"EVICT": "", "LOADER_WARPS": 1, "STAGES": 2, "LOADER_REGS": 96},
+             {"LOADER_WARPS": 8, "LOADER_REGS": 64, "REDUCER_REGS": 96},
+             {"REDUCER_WARPS": 8, "REDUCER_REGS": 96, "LOADER_REGS": 96}, {"STAGES": 2}, {"ACC_STAGES": 2},
+             {"PROBE": 1}, {"PROBE": 4}]
+
+
+def compile_only() -> int:
+    from bench.kernel_resources import Ptr, compile_sm90
+    H, K = 64, 2048
+    args = {"q_ptr": Ptr("bf16"), "do_ptr": Ptr("bf16"), "idx_ptr": Ptr("i32"), "ds_ptr": Ptr("bf16"),
+            "p_ptr": Ptr("bf16"), "dkv_ptr": Ptr("fp32"), "n_idx": K, "stride_qt": H * 576, "stride_qh": 576,
+            "stride_dot": H * 512, "stride_doh": 512, "stride_it": K, "stride_st": H * K, "stride_dkv": 576}
+    args["col_base"] = 0
+    for sch in SCHEDULES:
+        for with_p in (True, False):
+            print(json.dumps({"schedule": sch, "value_columns": with_p,
+                              **compile_sm90(dkv_pass_kernel, args, constexprs(with_p, **sch), 4, 1)}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 here and print the resources")
+    a = ap.parse_args(argv)
+    if a.compile_only:
+        return compile_only()
+    if a.out is None:
+        ap.error("--out is required unless --compile-only")
+    import torch
+    import triton
+
+    from bench.gpu.split_dkv_floor import backward_inputs
+    from bench.machine import machine
+    from kernels import sparse_mla_bwd_gluon
+    from kernels import sparse_mla_bwd_split as spl
+    from kernels.sparse_mla_bwd import sparse_mla_bwd_flops
+
+    T, S, H, DV, K = 4096, 65536, 64, 512, 2048
+    n = 2048
+    dev = torch.device("cuda")
+    q, kv, idx, dout, scale, lse, delta = backward_inputs(T, S, H, K, hole_rows=4)
+    ds = torch.empty((n, H, K), device=dev, dtype=torch.bfloat16)
+    p = torch.empty_like(ds)
+    sparse_mla_bwd_gluon.dq_pass(q[:n], kv, idx[:n], dout[:n], lse[:n], delta[:n], torch.empty_like(q[:n]), ds, p,
+                                 scale)
+    spl.split_backward(q[:n], kv, idx[:n], dout[:n], lse[:n], delta[:n], scale, DV, dkv_impl="triton")  # tunes
+    cfg = spl.DKV_TUNER.records[spl.tuning_key(q[:n], idx[:n])].best
+    dkv0 = torch.zeros((S, 576), device=dev, dtype=torch.float32)
+
+    def triton_pass(out=dkv0):
+        spl.dkv_pass(cfg, q[:n], dout[:n], idx[:n], ds, p, out, DV)
+
+    triton_pass()  # the reference; the timings below add into another buffer
+    scale_ref = float(dkv0.abs().max())
+    dkv_t = torch.zeros_like(dkv0)
+    flops = 2.0 * n * H * K * (DV + 64 + DV)
+    result = {"machine": machine(), "shape": {"tokens": n, "context": S, "heads": H, "topk": K}, "flops": flops,
+              "triton": {"config": cfg.describe(), "ms": round(triton.testing.do_bench(lambda: triton_pass(dkv_t), warmup=5, rep=50), 4)},
+              "gluon": []}
+    print(json.dumps(result["triton"]), flush=True)
+    for sch in SCHEDULES:
+        row = {"schedule": sch}
+        try:
+            dkv = torch.zeros_like(dkv0)
+            dkv_pass(q[:n], dout[:n], idx[:n], ds, p, dkv, **sch)
+            row |= {"max_abs_diff": float((dkv - dkv0).abs().max()), "max_abs": scale_ref}
+            ms = triton.testing.do_bench(lambda sch=sch: dkv_pass(q[:n], dout[:n], idx[:n], ds, p, dkv, **sch),
+                                         warmup=5, rep=50)
+            row |= {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
+                    "speedup_over_triton": round(result["triton"]["ms"] / ms, 3)}
+        except Exception as exc:  # noqa: BLE001 -- a schedule that fails to compile or run is a finding
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[-1][:300] if str(exc) else ''}"
+        result["gluon"].append(row)
+        print(json.dumps(row), flush=True)
+    # the two launches of the default schedule alone: value columns (4 groups of 128) and rope columns
+    from kernels import sparse_mla_bwd_dkv_gluon as dg
+    dkv = torch.zeros_like(dkv0)
+    launch_args = (q[:n], dout[:n], idx[:n], ds, p, dkv, K, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1),
+                   idx.stride(0), ds.stride(0), dkv.stride(0))
+    value, rope = dg.constexprs(True), dg.constexprs(False)
+    result["launch_ms"] = {
+        "value": round(triton.testing.do_bench(lambda: dkv_pass_kernel[(n, DV // (value["NBLK"] * dg.COLS))](
+            *launch_args, 0, **value, num_warps=4), warmup=5, rep=50), 4),
+        "rope": round(triton.testing.do_bench(lambda: dkv_pass_kernel[(n, 1)](*launch_args, DV, **rope, num_warps=4),
+                                              warmup=5, rep=50), 4)}
+    print(json.dumps(result["launch_ms"]), flush=True)
+    bwd_flops = sparse_mla_bwd_flops(T, H, K)
+    result["backward"] = {"tokens": T, "flops": bwd_flops}
+    grads = {}
+    for impl in ("triton", "gluon"):
+        def backward(impl=impl, pass_ms=None):
+            return spl.split_backward(q, kv, idx, dout, lse, delta, scale, DV, pass_ms=pass_ms, dkv_impl=impl)
+        try:
+            grads[impl] = backward()
+            ms = triton.testing.do_bench(backward, warmup=3, rep=30)
+            passes: dict[str, float] = {}
+            backward(pass_ms=passes)
+            result["backward"][impl] = {"ms": round(ms, 3), "tflops": round(bwd_flops / ms / 1e9, 1),
+                                        "pass_ms": {k: round(v, 3) for k, v in passes.items()}}
+        except Exception as exc:  # noqa: BLE001
+            result["backward"][impl] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        print(impl, json.dumps(result["backward"][impl]), flush=True)
+    if len(grads) == 2:
+        result["backward"]["max_abs_diff_dkv"] = float((grads["gluon"][1] - grads["triton"][1]).abs().max())
+        result["backward"]["max_abs_dkv"] = float(grads["triton"][1].abs().max())
+        result["backward"]["dq_identical"] = bool(torch.equal(grads["gluon"][0], grads["triton"][0]))
+    a.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,276 @@
+"""The split backward's dkv pass in Gluon (sm_90): loads, GEMMs and scatter-adds in separate warps.
+
+Same contract as sparse_mla_bwd_split.py's `_dkv_from_dsp_kernel`: dkv[idx[t, j]] += dS[t, :, j]^T q[t] +
+P[t, :, j]^T dO[t] (value columns) and dS^T q_rope (rope columns) over every token t and slot j, from the
+bf16 dS / P scratch [tokens, heads, topk] the dq pass wrote, with fp32 reductions (a key picked twice or by
+many tokens is added once per pick; -1 slots add nothing). For bf16, 512 + 64 columns and 64 heads.
+
+What bounds the pass (H100, one 2048-token chunk of 4096 x top-2048 of 64K; bench/results/
+tma_reduce_probe_gpu.json and dkv_pass_ws_gpu.json): its 9.7 GB of fp32 reductions go at ~3 TB/s when the
+programs running at once add into a band of dkv columns that L2 (50 MB) holds, and at 1.3 TB/s when each
+program walks whole 576-column rows (151 MB of dkv at once). So a program owns a column group: (token,
+VALUE_BLOCKS x 64 value columns), tokens fastest in the grid, then a launch for the 64 rope columns; at 128
+columns the programs running at once add into 33.5 MB. Each chunk also streams 4.8 GB of dS / P (read once
+per column group) through L2, which costs the reductions their rows: loaded with L2 evict-first, through
+registers (cp.async takes no eviction policy in Gluon 3.6), the pass takes 5.3 ms; with cp.async 6.0; with
+no copies at all (wrong, a probe) 4.0. Per program:
+- loader warps load each 64-key tile of the token's dS and P rows ([64 heads, 64 keys]), tile i + 1's loads
+  in flight while tile i goes into the ring (`dsp_full`);
+- the GEMM warpgroup computes, per tile and 64-column block, acc [64 keys, 64] = dS^T q[:, block] (+ P^T
+  dO[:, block]) with dS^T / P^T as the transposed A operand straight from shared memory, block c + 1's
+  GEMMs issued before block c's tile goes into a ring of fp32 tiles (`acc_full`);
+- reducer warps read each fp32 tile in 16-byte rows and issue its reductions into the keys' dkv rows,
+  handing the slot back (a named barrier) as soon as the tile is in their registers.
+Measured against the Triton pass in one process: 5.32-5.35 ms against 5.60-5.63 (1.05-1.06x), exact to
+6e-7 of 3.07; the whole backward 15.8 ms, 187 TFLOP/s (16.4-16.5 with the Triton pass). Alone, the GEMM
+side takes 2.5 ms.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from kernels.sparse_mla_gluon import D_R, D_V
+
+HEADS = 64  # the GEMMs' K: a program holds all of a token's heads
+BLOCK_N = 64  # keys a tile: the GEMMs' M
+COLS = 64  # dkv columns a GEMM (N): D_V // COLS value blocks and one rope block (D_R == COLS)
+# H100 (dkv_pass_ws_gpu.json runs 5-9): 1 value block a program 6.57 ms, 4 blocks 6.55 (67 MB of dkv at once),
+# 2 blocks 5.32; 8 loader or reducer warps, 2-slot rings all within 5.32-5.34; EVICT "" (cp.async) 6.03,
+# "evict_last" 6.06. PROBE bits make the result wrong and time a part: 1 no reductions, 2 no GEMMs, 4 no
+# dS / P copies.
+SCHEDULE = dict(VALUE_BLOCKS=2, STAGES=3, ACC_STAGES=3, REDUCER_WARPS=4, LOADER_WARPS=4, REDUCER_REGS=128,
+                LOADER_REGS=128, EVICT="evict_first", PROBE=0)
+
+
+# The acc ring's `empty` signals are named barriers, not mbarriers: an mbarrier arrive is a CTA-scope
+# release, and a release between 64 x 64 tiles of reductions took them from 2.84 to 1.82 TB/s on an H100
+# (bench/results/tma_reduce_probe_gpu.json, `sync` 2) where a block barrier cost nothing (`sync` 1). In
+# the pass as it was then (whole rows a program, 7.0 ms, bound by L2) the switch measured no change
+# (dkv_pass_ws_gpu.json run 3); it was not measured again at 5.3 ms.
+# Triton's warp specialisation uses ids 0-2; the ring's slots take the ids from 15 down.
+LAST_BARRIER_ID = gl.constexpr(15)
+
+
+@gluon.jit
+def _named_barrier(bar_id, n_threads, SYNC: gl.constexpr, WARPS: gl.constexpr):
+    """bar.sync (SYNC: wait until n_threads have arrived or synced) or bar.arrive (go on) on barrier bar_id,
+    by every thread of the calling partition (WARPS warps)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    ids = gl.full([32 * WARPS], bar_id, gl.int32, layout)  # one element a thread: the asm runs once in each
+    count = gl.full([32 * WARPS], n_threads, gl.int32, layout)
+    if SYNC:
+        gl.inline_asm_elementwise("bar.sync $1, $2; mov.u32 $0, 0;", "=r,r,r", [ids, count], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("bar.arrive $1, $2; mov.u32 $0, 0;", "=r,r,r", [ids, count], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _tile_offsets(i, n_idx, h, kk, PROBE: gl.constexpr):
+    """Tile i's element offsets in a token's [heads, topk] scratch rows, and which exist."""
+    k = i * kk.shape[0] + kk
+    ok = (k < n_idx)[None, :] & (h >= 0)[:, None] & ((PROBE & 4) == 0)  # probe 4: no copies
+    return h[:, None] * n_idx + k[None, :], ok
+
+
+@gluon.jit
+def _load_tiles(ds_row, p_row, n_idx, ds_ring, p_ring, dsp_full, dsp_empty, HEADS: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WITH_P: gl.constexpr, EVICT: gl.constexpr,
+                WARPS: gl.constexpr, PROBE: gl.constexpr):
+    """Each tile's [HEADS, BLOCK_N] dS (and P) rows into the ring (keys past n_idx as zeros). EVICT: loads
+    through registers with that L2 eviction policy ("evict_first": read once a program, they then leave
+    the dkv rows in L2; cp.async takes no policy in Gluon 3.6), tile i + 1's loads in flight while tile i
+    is stored; else cp.async."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [WARPS, 1], [1, 0])
+    h = gl.arange(0, HEADS, layout=gl.SliceLayout(1, layout))
+    kk = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    n_tiles = gl.cdiv(n_idx, BLOCK_N)
+    if EVICT == "":
+        for i in range(n_tiles):
+            s = i % STAGES
+            mbarrier.wait(dsp_empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes the first round
+            off, ok = _tile_offsets(i, n_idx, h, kk, PROBE)
+            cp.async_copy_global_to_shared(ds_ring.index(s), ds_row + off, mask=ok)
+            if WITH_P:
+                cp.async_copy_global_to_shared(p_ring.index(s), p_row + off, mask=ok)
+            cp.mbarrier_arrive(dsp_full.index(s), increment_count=False)  # each thread, once its copies land
+    else:
+        off, ok = _tile_offsets(0, n_idx, h, kk, PROBE)
+        ds_next = gl.load(ds_row + off, mask=ok, other=0.0, eviction_policy=EVICT)
+        p_next = gl.load(p_row + off, mask=ok & WITH_P, other=0.0, eviction_policy=EVICT)
+        for i in range(n_tiles):
+            ds_x, p_x = ds_next, p_next
+            off, ok = _tile_offsets(i + 1, n_idx, h, kk, PROBE)  # past the last tile: nothing
+            ds_next = gl.load(ds_row + off, mask=ok, other=0.0, eviction_policy=EVICT)
+            p_next = gl.load(p_row + off, mask=ok & WITH_P, other=0.0, eviction_policy=EVICT)
+            s = i % STAGES
+            mbarrier.wait(dsp_empty.index(s), ((i // STAGES) & 1) ^ 1)
+            ds_ring.index(s).store(ds_x)
+            if WITH_P:
+                p_ring.index(s).store(p_x)
+            gl.thread_barrier()  # every loader thread's part in place
+            mbarrier.arrive(dsp_full.index(s), count=1)
+
+
+@gluon.jit
+def _issue(c: gl.constexpr, ds_t, p_t, q_blk, do_blk, zero, WITH_P: gl.constexpr):
+    """Column block c's GEMMs, asynchronously: dS^T q_c (+ P^T dO_c)."""
+    tok = warpgroup_mma(ds_t, q_blk.index(c), zero, use_acc=False, is_async=True)
+    if WITH_P:
+        tok = warpgroup_mma(p_t, do_blk.index(c), tok, is_async=True)
+    return tok
+
+
+@gluon.jit
+def _put(acc, g, acc_ring, acc_full, ACC_STAGES: gl.constexpr, N_THREADS: gl.constexpr):
+    """The g-th fp32 tile into its acc ring slot, once the reducers have emptied it (from the second round:
+    named barrier LAST_BARRIER_ID - slot, N_THREADS the GEMM and reducer threads)."""
+    a = g % ACC_STAGES
+    if g >= ACC_STAGES:
+        _named_barrier(LAST_BARRIER_ID - a, N_THREADS, True, 4)
+    acc_ring.index(a).store(acc)
+    gl.thread_barrier()  # the whole tile in place before the reducers are told
+    mbarrier.arrive(acc_full.index(a), count=1)
+
+
+@gluon.jit
+def _gemms(n_idx, q_blk, do_blk, ds_ring, p_ring, acc_ring, dsp_full, dsp_empty, acc_full,
+           BLOCK_N: gl.constexpr, COLS: gl.constexpr, NBLK: gl.constexpr, STAGES: gl.constexpr,
+           ACC_STAGES: gl.constexpr, N_THREADS: gl.constexpr, WITH_P: gl.constexpr, PROBE: gl.constexpr):
+    """Per tile and column block: acc = dS^T q_block (+ P^T dO_block) into the acc ring, block c + 1's GEMMs
+    issued before block c's tile is stored."""
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, COLS, 16])
+    zero = gl.zeros([BLOCK_N, COLS], gl.float32, acc_l)
+    GROUPS: gl.constexpr = 2 if WITH_P else 1  # wgmma groups a block
+    for i in range(gl.cdiv(n_idx, BLOCK_N)):
+        s = i % STAGES
+        mbarrier.wait(dsp_full.index(s), (i // STAGES) & 1)
+        fence_async_shared()  # the copies landed through the generic proxy; wgmma reads through the async one
+        ds_t = ds_ring.index(s).permute((1, 0))
+        p_t = p_ring.index(s).permute((1, 0))
+        if (PROBE & 2) != 0:  # no GEMMs (a probe of the reductions' rate)
+            for c in gl.static_range(NBLK):
+                _put(zero, i * NBLK + c, acc_ring, acc_full, ACC_STAGES, N_THREADS)
+        else:
+            prev = _issue(0, ds_t, p_t, q_blk, do_blk, zero, WITH_P)
+            for c in gl.static_range(1, NBLK):
+                tok = _issue(c, ds_t, p_t, q_blk, do_blk, zero, WITH_P)
+                acc = warpgroup_mma_wait(GROUPS, deps=(prev, ))  # block c - 1's are done
+                _put(acc, i * NBLK + c - 1, acc_ring, acc_full, ACC_STAGES, N_THREADS)
+                prev = tok
+            _put(warpgroup_mma_wait(0, deps=(prev, )), i * NBLK + NBLK - 1, acc_ring, acc_full, ACC_STAGES, N_THREADS)
+        mbarrier.arrive(dsp_empty.index(s), count=1)  # every wgmma that read the slot has been waited for
+
+
+@gluon.jit
+def _reduce(idx_row, n_idx, dkv_ptr, stride_dkv, col0, acc_ring, acc_full, BLOCK_N: gl.constexpr,
+            COLS: gl.constexpr, NBLK: gl.constexpr, ACC_STAGES: gl.constexpr, N_THREADS: gl.constexpr,
+            WARPS: gl.constexpr, PROBE: gl.constexpr):
+    """Each fp32 tile of the acc ring into its keys' dkv rows, 16-byte reductions."""
+    red_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (COLS // 4), COLS // 4], [WARPS, 1], [1, 0])
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, red_l))
+    cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, red_l))
+    n_tiles = gl.cdiv(n_idx, BLOCK_N)
+    for i in range(n_tiles):
+        j = i * BLOCK_N + keys
+        ids = gl.load(idx_row + j, mask=j < n_idx, other=-1)
+        rows = dkv_ptr + gl.where(ids >= 0, ids, 0).to(gl.int64) * stride_dkv
+        live = (ids >= 0)[:, None] & (cols >= 0)[None, :]
+        for c in gl.static_range(NBLK):
+            g = i * NBLK + c
+            a = g % ACC_STAGES
+            mbarrier.wait(acc_full.index(a), (g // ACC_STAGES) & 1)
+            vals = acc_ring.index(a).load(red_l)
+            if g < n_tiles * NBLK - ACC_STAGES:  # the slot's next round (the GEMMs wait from round 2)
+                _named_barrier(LAST_BARRIER_ID - a, N_THREADS, False, WARPS)
+            if (PROBE & 1) == 0:  # probe 1: no reductions (the GEMMs' rate)
+                gl.atomic_add(rows[:, None] + (c * COLS + cols)[None, :], vals, mask=live, sem="relaxed")
+
+
+@gluon.jit
+def _columns_to_shared(smem, base, stride_row, col0):
+    """smem [rows, COLS] = base's rows, columns col0 .. col0 + COLS (cp.async: the caller waits)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (smem.shape[1] // 8), smem.shape[1] // 8],
+                                            [gl.num_warps(), 1], [1, 0])
+    r = gl.arange(0, smem.shape[0], layout=gl.SliceLayout(1, layout))
+    c = col0 + gl.arange(0, smem.shape[1], layout=gl.SliceLayout(0, layout))
+    cp.async_copy_global_to_shared(smem, base + r[:, None] * stride_row + c[None, :])
+
+
+@gluon.jit
+def dkv_pass_kernel(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx, stride_qt, stride_qh, stride_dot,
+                    stride_doh, stride_it, stride_st, stride_dkv, col_base, HEADS: gl.constexpr,
+                    BLOCK_N: gl.constexpr, COLS: gl.constexpr, NBLK: gl.constexpr, WITH_P: gl.constexpr,
+                    STAGES: gl.constexpr, ACC_STAGES: gl.constexpr, REDUCER_WARPS: gl.constexpr,
+                    LOADER_WARPS: gl.constexpr, REDUCER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                    EVICT: gl.constexpr, PROBE: gl.constexpr):
+    """Program (token, group): dkv columns col_base + group * NBLK * COLS on, NBLK blocks of COLS (WITH_P:
+    value columns, dS^T q + P^T dO; else rope columns, dS^T q)."""
+    gl.static_assert(ACC_STAGES <= LAST_BARRIER_ID - 2, "a named barrier a slot, above Triton's")
+    N_THREADS: gl.constexpr = 32 * (4 + REDUCER_WARPS)  # the GEMM warpgroup and the reducers
+    t = gl.program_id(0).to(gl.int64)
+    col0 = col_base + gl.program_id(1) * (NBLK * COLS)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    blk_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, COLS], gl.bfloat16)
+    tile_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N], gl.bfloat16)
+    acc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, COLS], gl.float32)
+    q_blk = gl.allocate_shared_memory(dtype, [NBLK, HEADS, COLS], blk_sl)
+    do_blk = gl.allocate_shared_memory(dtype, [NBLK if WITH_P else 1, HEADS, COLS], blk_sl)
+    ds_ring = gl.allocate_shared_memory(dtype, [STAGES, HEADS, BLOCK_N], tile_sl)
+    p_ring = gl.allocate_shared_memory(dtype, [STAGES if WITH_P else 1, HEADS, BLOCK_N], tile_sl)
+    acc_ring = gl.allocate_shared_memory(gl.float32, [ACC_STAGES, BLOCK_N, COLS], acc_sl)
+    dsp_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dsp_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    acc_full = gl.allocate_shared_memory(gl.int64, [ACC_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(dsp_full.index(s), count=LOADER_WARPS * 32 if EVICT == "" else 1)
+        mbarrier.init(dsp_empty.index(s), count=1)
+    for a in gl.static_range(ACC_STAGES):
+        mbarrier.init(acc_full.index(a), count=1)
+    for c in gl.static_range(NBLK):
+        _columns_to_shared(q_blk.index(c), q_ptr + t * stride_qt, stride_qh, col0 + c * COLS)
+        if WITH_P:
+            _columns_to_shared(do_blk.index(c), do_ptr + t * stride_dot, stride_doh, col0 + c * COLS)
+    cp.commit_group()
+    cp.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
+    gl.warp_specialize(
+        [(_gemms, (n_idx, q_blk, do_blk, ds_ring, p_ring, acc_ring, dsp_full, dsp_empty, acc_full, BLOCK_N, COLS,
+                   NBLK, STAGES, ACC_STAGES, N_THREADS, WITH_P, PROBE)),
+         (_reduce, (idx_ptr + t * stride_it, n_idx, dkv_ptr, stride_dkv, col0, acc_ring, acc_full, BLOCK_N, COLS,
+                    NBLK, ACC_STAGES, N_THREADS, REDUCER_WARPS, PROBE)),
+         (_load_tiles, (ds_ptr + t * stride_st, p_ptr + t * stride_st, n_idx, ds_ring, p_ring, dsp_full, dsp_empty,
+                        HEADS, BLOCK_N, STAGES, WITH_P, EVICT, LOADER_WARPS, PROBE))],
+        [REDUCER_WARPS, LOADER_WARPS], [REDUCER_REGS, LOADER_REGS])
+
+
+def constexprs(with_p: bool = True, **change) -> dict:
+    """The kernel's compile-time constants for the value launch (with_p) or the rope one (what a launch and
+    bench/kernel_resources pass); change: the schedule variants a probe times."""
+    unknown = set(change) - set(SCHEDULE)
+    if unknown:
+        raise ValueError(f"unknown Gluon dkv pass schedule keys {sorted(unknown)}; known: {sorted(SCHEDULE)}")
+    sch = SCHEDULE | change
+    value_blocks = sch.pop("VALUE_BLOCKS")
+    nblk = value_blocks if with_p else D_R // COLS
+    return dict(HEADS=HEADS, BLOCK_N=BLOCK_N, COLS=COLS, NBLK=nblk, WITH_P=with_p, **sch)
+
+
+def dkv_pass(q: torch.Tensor, grad_out: torch.Tensor, idx: torch.Tensor, ds: torch.Tensor, p: torch.Tensor,
+             dkv: torch.Tensor, **schedule) -> None:
+    """dkv += the dkv pass over q's tokens (64 heads) from their dS / P scratch rows [tokens, heads, topk]
+    (contiguous inputs, as split_backward passes them; n_idx >= 1): the value columns in groups of
+    VALUE_BLOCKS x COLS, then the rope columns."""
+    n = q.shape[0]
+    args = (q, grad_out, idx, ds, p, dkv, idx.shape[1], q.stride(0), q.stride(1), grad_out.stride(0),
+            grad_out.stride(1), idx.stride(0), ds.stride(0), dkv.stride(0))
+    value = constexprs(True, **schedule)
+    dkv_pass_kernel[(n, D_V // (value["NBLK"] * COLS))](*args, 0, **value, num_warps=4)
+    dkv_pass_kernel[(n, 1)](*args, D_V, **constexprs(False, **schedule), num_warps=4)
