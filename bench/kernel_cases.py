@@ -311,8 +311,9 @@ def bench_sparse_mla_bwd(torch, dev, sh, timer) -> Iterator[dict]:
     from kernels.sparse_mla_bwd_keymajor import DKV_TUNER, invert_topk, tuning_keys
     from kernels.sparse_mla_bwd_split import DKV_TUNER as SPLIT_DKV_TUNER
     from kernels.sparse_mla_bwd_split import DQ_TUNER as SPLIT_DQ_TUNER
+    from kernels.sparse_mla_bwd_dkv_gluon import SCHEDULE as DKV_SCHEDULE
     from kernels.sparse_mla_bwd_gluon import SCHEDULE as DQ_SCHEDULE
-    from kernels.sparse_mla_bwd_split import default_dq_impl, split_backward
+    from kernels.sparse_mla_bwd_split import default_dkv_impl, default_dq_impl, split_backward
     from kernels.sparse_mla_bwd_split import tuning_key as split_key
 
     T, S, Hh, dv, dr, K = sh.mla_tokens, sh.mla_context, sh.mla_heads, sh.mla_dv, sh.mla_dr, sh.topk
@@ -363,19 +364,24 @@ def bench_sparse_mla_bwd(torch, dev, sh, timer) -> Iterator[dict]:
             delta = _delta(dout, out)
             split_backward(q, kv, idx, dout, lse, delta, scale, dv, pass_ms=pass_ms)
             key = split_key(q, idx)
-            dq_impl = default_dq_impl(q, kv, dv)
+            dq_impl, dkv_impl = default_dq_impl(q, kv, dv), default_dkv_impl(q, kv, dv)
+            tri_ms: dict[str, float] = {}  # both Triton passes on the same inputs, in the same process
+            split_backward(q, kv, idx, dout, lse, delta, scale, dv, dq_impl="triton", dkv_impl="triton")  # tunes
+            split_backward(q, kv, idx, dout, lse, delta, scale, dv, pass_ms=tri_ms, dq_impl="triton",
+                           dkv_impl="triton")
+
+            def gluon(schedule: dict) -> str:
+                return "gluon: " + ",".join(f"{k}={v}" for k, v in schedule.items())
             extra.update(pass_ms={k: round(v, 4) for k, v in pass_ms.items()},
-                         delta_ms=round(timer(lambda: _delta(dout, out)), 4), dq_impl=dq_impl,
-                         configs={"dq": "gluon: " + ",".join(f"{k}={v}" for k, v in DQ_SCHEDULE.items())
-                                  if dq_impl == "gluon" else SPLIT_DQ_TUNER.records[key].best.describe(),
-                                  "dkv": SPLIT_DKV_TUNER.records[key].best.describe()})
-            if dq_impl != "triton":  # the Triton dq pass on the same inputs, in the same process
-                tri_ms: dict[str, float] = {}
-                split_backward(q, kv, idx, dout, lse, delta, scale, dv, dq_impl="triton")  # tunes it
-                split_backward(q, kv, idx, dout, lse, delta, scale, dv, pass_ms=tri_ms, dq_impl="triton")
-                extra.update(triton_dq_ms=round(tri_ms["dq"], 4),
-                             triton_dq_config=SPLIT_DQ_TUNER.records[key].best.describe(),
-                             dq_speedup_over_triton=round(tri_ms["dq"] / pass_ms["dq"], 3))
+                         delta_ms=round(timer(lambda: _delta(dout, out)), 4), dq_impl=dq_impl, dkv_impl=dkv_impl,
+                         configs={"dq": gluon(DQ_SCHEDULE) if dq_impl == "gluon"
+                                  else SPLIT_DQ_TUNER.records[key].best.describe(),
+                                  "dkv": gluon(DKV_SCHEDULE) if dkv_impl == "gluon"
+                                  else SPLIT_DKV_TUNER.records[key].best.describe()},
+                         triton_pass_ms={k: round(v, 4) for k, v in tri_ms.items()},
+                         triton_configs={"dq": SPLIT_DQ_TUNER.records[key].best.describe(),
+                                         "dkv": SPLIT_DKV_TUNER.records[key].best.describe()},
+                         pass_speedup_over_triton={k: round(tri_ms[k] / pass_ms[k], 3) for k in pass_ms})
         yield make_entry(name, shape, ms, flops=flops, reference_ms=ref_ms, correct=max(errs.values()) < 2e-2,
                          errors=errs, flop_formula="2 * tokens * heads * topk * (3 * d_qk + 2 * d_v)",
                          reference="torch autograd of gather + fp32 einsum softmax, 512-token chunks", **extra)

@@ -2,7 +2,8 @@
 # [K2] what is owed on an H200 (the issue's goals are for one H200), in one device call: exits at once on
 # any other card so that a call that gets an H100 costs only the machine's start. Writes under $OUT:
 # kernels_indexer.json (indexer family: the top-k's share of the copy rate), kernels_mla.json (sparse MLA
-# forward and every backward impl), dq_pass_gluon.json (the Gluon dq pass's schedules against Triton).
+# forward and every backward impl), dq_pass_gluon.json and dkv_pass_gluon.json (the Gluon dq and dkv passes'
+# schedules against the Triton passes; on the H200 the dkv pass's best column group may differ).
 # Merge into bench/results/kernels.json by hand (the files carry the machine and versions).
 set -u
 OUT=${OUT:?set OUT}
@@ -15,3 +16,4 @@ run() { local name=$1 t=$2; shift 2; timeout -k 20 "$t" "$@" > "$OUT/$name.log" 
 run kernels_mla 170 python3 -m bench.kernels --only sparse_mla,sparse_mla_bwd --out "$OUT/kernels_mla.json"
 run kernels_indexer 280 python3 -m bench.kernels --only indexer --out "$OUT/kernels_indexer.json"
 run dq_gluon 90 python3 bench/gpu/dq_pass_gluon.py --out "$OUT/dq_pass_gluon.json"
+run dkv_gluon 120 python3 bench/gpu/dkv_pass_gluon.py --out "$OUT/dkv_pass_gluon.json"
