@@ -29,11 +29,13 @@ class Ptr:
 
 # PTX instructions counted in the compiled kernel (static counts, not executions): the MMA kind, the
 # asynchronous copies the pipeliner made, and the fp32 reductions: scalar (red_f32, atom_f32) or
-# 16-byte (atom_v4_f32, what tl.atomic_add becomes when Triton proves the alignment); warp shuffles
-# and block barriers (what a reduction or a prefix sum costs).
+# 16-byte (atom_v4_f32, what tl.atomic_add becomes when Triton proves the alignment; red_v4_f32, the
+# inline-asm form with an L2 cache policy); warp shuffles and block barriers (what a reduction or a prefix
+# sum costs).
 INSTRUCTIONS = {"wgmma": r"wgmma\.mma_async", "mma_sync": r"\bmma\.sync", "cp_async": r"cp\.async\.",
                 "red_f32": r"red\.global[\w.]*\.add\.f32",
                 "atom_v4_f32": r"atom\.global[\w.]*\.add\.v4\.f32", "atom_f32": r"atom\.global[\w.]*\.add\.f32",
+                "red_v4_f32": r"\bred\.[\w.:]*global[\w.:]*\.v4\.f32",
                 "shfl": r"\bshfl\.sync", "bar_sync": r"\bbar\.sync"}
 
 

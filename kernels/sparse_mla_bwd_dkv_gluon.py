@@ -11,9 +11,10 @@ programs running at once add into a band of dkv columns that L2 (50 MB) holds, a
 program walks whole 576-column rows (151 MB of dkv at once). So a program owns a column group: (token,
 VALUE_BLOCKS x 64 value columns), tokens fastest in the grid, then a launch for the 64 rope columns; at 128
 columns the programs running at once add into 33.5 MB. Each chunk also streams 4.8 GB of dS / P (read once
-per column group) through L2, which costs the reductions their rows: loaded with L2 evict-first, through
-registers (cp.async takes no eviction policy in Gluon 3.6), the pass takes 5.3 ms; with cp.async 6.0; with
-no copies at all (wrong, a probe) 4.0. Per program:
+per column group) through L2, which costs the reductions their rows: with cp.async the pass takes 6.0 ms;
+with the dS / P loads L2 evict-first (through registers: cp.async takes no eviction policy in Gluon 3.6)
+5.3; with the reductions L2 evict-last as well (inline `red` with a cache policy: tl.atomic_add takes
+none) 5.1; with no copies at all (wrong, a probe) 4.0. Per program:
 - loader warps load each 64-key tile of the token's dS and P rows ([64 heads, 64 keys]), tile i + 1's loads
   in flight while tile i goes into the ring (`dsp_full`);
 - the GEMM warpgroup computes, per tile and 64-column block, acc [64 keys, 64] = dS^T q[:, block] (+ P^T
@@ -21,9 +22,9 @@ no copies at all (wrong, a probe) 4.0. Per program:
   GEMMs issued before block c's tile goes into a ring of fp32 tiles (`acc_full`);
 - reducer warps read each fp32 tile in 16-byte rows and issue its reductions into the keys' dkv rows,
   handing the slot back (a named barrier) as soon as the tile is in their registers.
-Measured against the Triton pass in one process: 5.32-5.35 ms against 5.60-5.63 (1.05-1.06x), exact to
-6e-7 of 3.07; the whole backward 15.8 ms, 187 TFLOP/s (16.4-16.5 with the Triton pass). Alone, the GEMM
-side takes 2.5 ms.
+Measured against the Triton pass in one process (dkv_pass_ws_gpu.json run 10): 5.09 ms against 5.61
+(1.10x), exact to 5e-7 of 3.07; the whole backward 15.4 ms, 192 TFLOP/s (16.35 with the Triton pass).
+Alone, the GEMM side takes 2.5 ms.
 """
 from __future__ import annotations
 
@@ -39,12 +40,12 @@ from kernels.sparse_mla_gluon import D_R, D_V
 HEADS = 64  # the GEMMs' K: a program holds all of a token's heads
 BLOCK_N = 64  # keys a tile: the GEMMs' M
 COLS = 64  # dkv columns a GEMM (N): D_V // COLS value blocks and one rope block (D_R == COLS)
-# H100 (dkv_pass_ws_gpu.json runs 5-9): 1 value block a program 6.57 ms, 4 blocks 6.55 (67 MB of dkv at once),
+# H100 (dkv_pass_ws_gpu.json runs 5-10): 1 value block a program 6.57 ms, 4 blocks 6.55 (67 MB of dkv at once),
 # 2 blocks 5.32; 8 loader or reducer warps, 2-slot rings all within 5.32-5.34; EVICT "" (cp.async) 6.03,
-# "evict_last" 6.06. PROBE bits make the result wrong and time a part: 1 no reductions, 2 no GEMMs, 4 no
-# dS / P copies.
+# "evict_last" 6.06; RED_POLICY "evict_last" 5.09 against "" (tl.atomic_add) 5.35. PROBE bits make the
+# result wrong and time a part: 1 no reductions, 2 no GEMMs, 4 no dS / P copies.
 SCHEDULE = dict(VALUE_BLOCKS=2, STAGES=3, ACC_STAGES=3, REDUCER_WARPS=4, LOADER_WARPS=4, REDUCER_REGS=128,
-                LOADER_REGS=128, EVICT="evict_first", PROBE=0)
+                LOADER_REGS=128, EVICT="evict_first", RED_POLICY="evict_last", PROBE=0)
 
 
 # The acc ring's `empty` signals are named barriers, not mbarriers: an mbarrier arrive is a CTA-scope
@@ -169,9 +170,23 @@ def _gemms(n_idx, q_blk, do_blk, ds_ring, p_ring, acc_ring, dsp_full, dsp_empty,
 
 
 @gluon.jit
+def _red_add_evict_last(ptrs, vals, live):
+    """ptrs[...] += vals where live, as 16-byte `red` with an L2 evict-last policy (tl.atomic_add takes no
+    cache policy): 4 consecutive fp32 a thread, the first one's address 16-byte aligned."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b64 pol; setp.ne.s32 p, $12, 0; "
+        "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+        "@p red.relaxed.gpu.global.add.L2::cache_hint.v4.f32 [$4], {$8, $9, $10, $11}, pol; "
+        "mov.u32 $0, 0; mov.u32 $1, 0; mov.u32 $2, 0; mov.u32 $3, 0; }",
+        "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r",
+        [ptrs.to(gl.int64), vals.to(gl.int32, bitcast=True), live.to(gl.int32)],  # ints: the asm broadcasts them
+        dtype=gl.int32, is_pure=False, pack=4)
+
+
+@gluon.jit
 def _reduce(idx_row, n_idx, dkv_ptr, stride_dkv, col0, acc_ring, acc_full, BLOCK_N: gl.constexpr,
             COLS: gl.constexpr, NBLK: gl.constexpr, ACC_STAGES: gl.constexpr, N_THREADS: gl.constexpr,
-            WARPS: gl.constexpr, PROBE: gl.constexpr):
+            WARPS: gl.constexpr, RED_POLICY: gl.constexpr, PROBE: gl.constexpr):
     """Each fp32 tile of the acc ring into its keys' dkv rows, 16-byte reductions."""
     red_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (COLS // 4), COLS // 4], [WARPS, 1], [1, 0])
     keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, red_l))
@@ -190,7 +205,10 @@ def _reduce(idx_row, n_idx, dkv_ptr, stride_dkv, col0, acc_ring, acc_full, BLOCK
             if g < n_tiles * NBLK - ACC_STAGES:  # the slot's next round (the GEMMs wait from round 2)
                 _named_barrier(LAST_BARRIER_ID - a, N_THREADS, False, WARPS)
             if (PROBE & 1) == 0:  # probe 1: no reductions (the GEMMs' rate)
-                gl.atomic_add(rows[:, None] + (c * COLS + cols)[None, :], vals, mask=live, sem="relaxed")
+                if RED_POLICY == "evict_last":
+                    _red_add_evict_last(rows[:, None] + (c * COLS + cols)[None, :], vals, live)
+                else:
+                    gl.atomic_add(rows[:, None] + (c * COLS + cols)[None, :], vals, mask=live, sem="relaxed")
 
 
 @gluon.jit
@@ -209,7 +227,7 @@ def dkv_pass_kernel(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx, strid
                     BLOCK_N: gl.constexpr, COLS: gl.constexpr, NBLK: gl.constexpr, WITH_P: gl.constexpr,
                     STAGES: gl.constexpr, ACC_STAGES: gl.constexpr, REDUCER_WARPS: gl.constexpr,
                     LOADER_WARPS: gl.constexpr, REDUCER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                    EVICT: gl.constexpr, PROBE: gl.constexpr):
+                    EVICT: gl.constexpr, RED_POLICY: gl.constexpr, PROBE: gl.constexpr):
     """Program (token, group): dkv columns col_base + group * NBLK * COLS on, NBLK blocks of COLS (WITH_P:
     value columns, dS^T q + P^T dO; else rope columns, dS^T q)."""
     gl.static_assert(ACC_STAGES <= LAST_BARRIER_ID - 2, "a named barrier a slot, above Triton's")
@@ -245,7 +263,7 @@ def dkv_pass_kernel(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx, strid
         [(_gemms, (n_idx, q_blk, do_blk, ds_ring, p_ring, acc_ring, dsp_full, dsp_empty, acc_full, BLOCK_N, COLS,
                    NBLK, STAGES, ACC_STAGES, N_THREADS, WITH_P, PROBE)),
          (_reduce, (idx_ptr + t * stride_it, n_idx, dkv_ptr, stride_dkv, col0, acc_ring, acc_full, BLOCK_N, COLS,
-                    NBLK, ACC_STAGES, N_THREADS, REDUCER_WARPS, PROBE)),
+                    NBLK, ACC_STAGES, N_THREADS, REDUCER_WARPS, RED_POLICY, PROBE)),
          (_load_tiles, (ds_ptr + t * stride_st, p_ptr + t * stride_st, n_idx, ds_ring, p_ring, dsp_full, dsp_empty,
                         HEADS, BLOCK_N, STAGES, WITH_P, EVICT, LOADER_WARPS, PROBE))],
         [REDUCER_WARPS, LOADER_WARPS], [REDUCER_REGS, LOADER_REGS])

@@ -86,5 +86,6 @@ def test_the_gluon_dkv_pass_fits_two_rings_beside_its_columns_without_spilling()
     _, fn, args, constexprs, configs = case
     for cfg, extra in configs:  # the value columns' launch, then the rope columns'
         res = kr.compile_sm90(fn, args, {**constexprs, **extra}, cfg.num_warps, cfg.num_stages)
-        assert res["wgmma"] > 0 and res["atom_v4_f32"] > 0 and res["atom_f32"] == 0, res  # 16-byte reductions
+        # 16-byte reductions only, with their L2 policy (inline `red`), none through tl.atomic_add
+        assert res["wgmma"] > 0 and res["red_v4_f32"] > 0 and res["atom_v4_f32"] == res["atom_f32"] == 0, res
         assert res["spill_stack_bytes"] == 0 and res["shared_bytes"] <= 232448, res

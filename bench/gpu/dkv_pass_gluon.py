@@ -10,13 +10,13 @@ here (bench/kernel_resources.py) and prints its registers, spills and shared mem
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.gpu.probe_cli import run_probe  # noqa: E402
 from kernels.sparse_mla_bwd_dkv_gluon import constexprs, dkv_pass, dkv_pass_kernel  # noqa: E402
 
 # the default (value columns in 4 groups of 2 x 64: on an H100 the programs running at once add into 33.5 MB
@@ -24,11 +24,9 @@ from kernels.sparse_mla_bwd_dkv_gluon import constexprs, dkv_pass, dkv_pass_kern
 # value rows: the H200's faster HBM may favour fewer dS / P reads); cp.async copies (no eviction policy);
 # 8 loader warps; 8 reducer warps; shallower rings; PROBE bits, each making the result wrong by design:
 # 1 no reductions (the GEMM side's rate), 4 no dS / P copies (what streaming them through L2 costs)
-SCHEDULES = [{}, {"VALUE_BLOCKS": 4}, {"VALUE_BLOCKS": 8, "STAGES": 2, "ACC_STAGES": 2},
-             {"EVICT": "", "LOADER_WARPS": 1, "STAGES": 2, "LOADER_REGS": 96},
-             {"LOADER_WARPS": 8, "LOADER_REGS": 64, "REDUCER_REGS": 96},
-             {"REDUCER_WARPS": 8, "REDUCER_REGS": 96, "LOADER_REGS": 96}, {"STAGES": 2}, {"ACC_STAGES": 2},
-             {"PROBE": 1}, {"PROBE": 4}]
+SCHEDULES = [{}, {"RED_POLICY": ""}, {"VALUE_BLOCKS": 4}, {"VALUE_BLOCKS": 8, "STAGES": 2, "ACC_STAGES": 2},
+             {"RED_POLICY": "", "VALUE_BLOCKS": 4}, {"EVICT": "", "LOADER_WARPS": 1, "STAGES": 2, "LOADER_REGS": 96},
+             {"PROBE": 1}, {"PROBE": 4}, {"PROBE": 4, "RED_POLICY": ""}]
 
 
 def compile_only() -> int:
@@ -45,15 +43,8 @@ def compile_only() -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 here and print the resources")
-    a = ap.parse_args(argv)
-    if a.compile_only:
-        return compile_only()
-    if a.out is None:
-        ap.error("--out is required unless --compile-only")
+def measure(out: Path) -> int:
+    """Time and check every schedule on this GPU; the report into out."""
     import torch
     import triton
 
@@ -132,8 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         result["backward"]["max_abs_diff_dkv"] = float((grads["gluon"][1] - grads["triton"][1]).abs().max())
         result["backward"]["max_abs_dkv"] = float(grads["triton"][1].abs().max())
         result["backward"]["dq_identical"] = bool(torch.equal(grads["gluon"][0], grads["triton"][0]))
-    a.out.write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_probe(__doc__, argv, compile_only, measure)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ prints its registers, spills and shared memory.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.gpu.probe_cli import run_probe  # noqa: E402
 from kernels.sparse_mla_bwd_gluon import constexprs, dq_pass, dq_pass_kernel  # noqa: E402
 
 # the default; 16-row copies; 88 producer registers (the consumers get 208 and spill 40 bytes); 40 and 72; a
@@ -38,15 +38,8 @@ def compile_only() -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 here and print the resources")
-    a = ap.parse_args(argv)
-    if a.compile_only:
-        return compile_only()
-    if a.out is None:
-        ap.error("--out is required unless --compile-only")
+def measure(out: Path) -> int:
+    """Time and check every schedule on this GPU; the report into out."""
     import torch
 
     from bench.machine import machine
@@ -95,8 +88,12 @@ def main(argv: list[str] | None = None) -> int:
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[-1][:300] if str(exc) else ''}"
         result["gluon"].append(row)
         print(json.dumps(row), flush=True)
-    a.out.write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_probe(__doc__, argv, compile_only, measure)
 
 
 if __name__ == "__main__":
