@@ -40,6 +40,7 @@ from kernels.sparse_mla_gluon import D_R, D_V
 HEADS = 64  # the GEMMs' K: a program holds all of a token's heads
 BLOCK_N = 64  # keys a tile: the GEMMs' M
 COLS = 64  # dkv columns a GEMM (N): D_V // COLS value blocks and one rope block (D_R == COLS)
+GEMM_WARPS = gl.constexpr(4)  # the default partition (the launch's num_warps): one warpgroup
 # H100 (dkv_pass_ws_gpu.json runs 5-10): 1 value block a program 6.57 ms, 4 blocks 6.55 (67 MB of dkv at once),
 # 2 blocks 5.32; 8 loader or reducer warps, 2-slot rings all within 5.32-5.34; EVICT "" (cp.async) 6.03,
 # "evict_last" 6.06; RED_POLICY "evict_last" 5.09 against "" (tl.atomic_add) 5.35. PROBE bits make the
@@ -87,7 +88,7 @@ def _load_tiles(ds_row, p_row, n_idx, ds_ring, p_ring, dsp_full, dsp_empty, HEAD
     """Each tile's [HEADS, BLOCK_N] dS (and P) rows into the ring (keys past n_idx as zeros). EVICT: loads
     through registers with that L2 eviction policy ("evict_first": read once a program, they then leave
     the dkv rows in L2; cp.async takes no policy in Gluon 3.6), tile i + 1's loads in flight while tile i
-    is stored; else cp.async."""
+    is stored; else cp.async (a probe schedule: it needs topk a multiple of 16, 16-byte rows)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [WARPS, 1], [1, 0])
     h = gl.arange(0, HEADS, layout=gl.SliceLayout(1, layout))
     kk = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
@@ -134,7 +135,7 @@ def _put(acc, g, acc_ring, acc_full, ACC_STAGES: gl.constexpr, N_THREADS: gl.con
     named barrier LAST_BARRIER_ID - slot, N_THREADS the GEMM and reducer threads)."""
     a = g % ACC_STAGES
     if g >= ACC_STAGES:
-        _named_barrier(LAST_BARRIER_ID - a, N_THREADS, True, 4)
+        _named_barrier(LAST_BARRIER_ID - a, N_THREADS, True, GEMM_WARPS)
     acc_ring.index(a).store(acc)
     gl.thread_barrier()  # the whole tile in place before the reducers are told
     mbarrier.arrive(acc_full.index(a), count=1)
@@ -146,7 +147,8 @@ def _gemms(n_idx, q_blk, do_blk, ds_ring, p_ring, acc_ring, dsp_full, dsp_empty,
            ACC_STAGES: gl.constexpr, N_THREADS: gl.constexpr, WITH_P: gl.constexpr, PROBE: gl.constexpr):
     """Per tile and column block: acc = dS^T q_block (+ P^T dO_block) into the acc ring, block c + 1's GEMMs
     issued before block c's tile is stored."""
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, COLS, 16])
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[GEMM_WARPS, 1],
+                                                    instr_shape=[16, COLS, 16])
     zero = gl.zeros([BLOCK_N, COLS], gl.float32, acc_l)
     GROUPS: gl.constexpr = 2 if WITH_P else 1  # wgmma groups a block
     for i in range(gl.cdiv(n_idx, BLOCK_N)):
@@ -231,7 +233,7 @@ def dkv_pass_kernel(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx, strid
     """Program (token, group): dkv columns col_base + group * NBLK * COLS on, NBLK blocks of COLS (WITH_P:
     value columns, dS^T q + P^T dO; else rope columns, dS^T q)."""
     gl.static_assert(ACC_STAGES <= LAST_BARRIER_ID - 2, "a named barrier a slot, above Triton's")
-    N_THREADS: gl.constexpr = 32 * (4 + REDUCER_WARPS)  # the GEMM warpgroup and the reducers
+    N_THREADS: gl.constexpr = 32 * (GEMM_WARPS + REDUCER_WARPS)  # the GEMM warpgroup and the reducers
     t = gl.program_id(0).to(gl.int64)
     col0 = col_base + gl.program_id(1) * (NBLK * COLS)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -290,5 +292,5 @@ def dkv_pass(q: torch.Tensor, grad_out: torch.Tensor, idx: torch.Tensor, ds: tor
     args = (q, grad_out, idx, ds, p, dkv, idx.shape[1], q.stride(0), q.stride(1), grad_out.stride(0),
             grad_out.stride(1), idx.stride(0), ds.stride(0), dkv.stride(0))
     value = constexprs(True, **schedule)
-    dkv_pass_kernel[(n, D_V // (value["NBLK"] * COLS))](*args, 0, **value, num_warps=4)
-    dkv_pass_kernel[(n, 1)](*args, D_V, **constexprs(False, **schedule), num_warps=4)
+    dkv_pass_kernel[(n, D_V // (value["NBLK"] * COLS))](*args, 0, **value, num_warps=GEMM_WARPS.value)
+    dkv_pass_kernel[(n, 1)](*args, D_V, **constexprs(False, **schedule), num_warps=GEMM_WARPS.value)

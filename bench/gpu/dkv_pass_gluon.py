@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.gpu.probe_cli import run_probe  # noqa: E402
-from kernels.sparse_mla_bwd_dkv_gluon import constexprs, dkv_pass, dkv_pass_kernel  # noqa: E402
+from kernels.sparse_mla_bwd_dkv_gluon import GEMM_WARPS, constexprs, dkv_pass, dkv_pass_kernel  # noqa: E402
 
 # the default (value columns in 4 groups of 2 x 64: on an H100 the programs running at once add into 33.5 MB
 # of dkv, which L2 holds; dS / P loaded through registers, L2 evict-first); groups of 4 and 8 blocks (whole
@@ -39,7 +39,7 @@ def compile_only() -> int:
     for sch in SCHEDULES:
         for with_p in (True, False):
             print(json.dumps({"schedule": sch, "value_columns": with_p,
-                              **compile_sm90(dkv_pass_kernel, args, constexprs(with_p, **sch), 4, 1)}))
+                              **compile_sm90(dkv_pass_kernel, args, constexprs(with_p, **sch), GEMM_WARPS.value, 1)}))
     return 0
 
 
@@ -99,8 +99,8 @@ def measure(out: Path) -> int:
     value, rope = dg.constexprs(True), dg.constexprs(False)
     result["launch_ms"] = {
         "value": round(triton.testing.do_bench(lambda: dkv_pass_kernel[(n, DV // (value["NBLK"] * dg.COLS))](
-            *launch_args, 0, **value, num_warps=4), warmup=5, rep=50), 4),
-        "rope": round(triton.testing.do_bench(lambda: dkv_pass_kernel[(n, 1)](*launch_args, DV, **rope, num_warps=4),
+            *launch_args, 0, **value, num_warps=dg.GEMM_WARPS.value), warmup=5, rep=50), 4),
+        "rope": round(triton.testing.do_bench(lambda: dkv_pass_kernel[(n, 1)](*launch_args, DV, **rope, num_warps=dg.GEMM_WARPS.value),
                                               warmup=5, rep=50), 4)}
     print(json.dumps(result["launch_ms"]), flush=True)
     bwd_flops = sparse_mla_bwd_flops(T, H, K)
