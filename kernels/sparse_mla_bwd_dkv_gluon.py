@@ -42,8 +42,8 @@ BLOCK_N = 64  # keys a tile: the GEMMs' M
 COLS = 64  # dkv columns a GEMM (N): D_V // COLS value blocks and one rope block (D_R == COLS)
 GEMM_WARPS = gl.constexpr(4)  # the default partition (the launch's num_warps): one warpgroup
 # H100 (dkv_pass_ws_gpu.json runs 5-10): 1 value block a program 6.57 ms, 4 blocks 6.55 (67 MB of dkv at once),
-# 2 blocks 5.32; 8 loader or reducer warps, 2-slot rings all within 5.32-5.34; EVICT "" (cp.async) 6.03,
-# "evict_last" 6.06; RED_POLICY "evict_last" 5.09 against "" (tl.atomic_add) 5.35. PROBE bits make the
+# 2 blocks 5.32; 8 loader or reducer warps, 2-slot rings all within 5.32-5.34; dS / P by cp.async 6.03,
+# EVICT "evict_last" 6.06; RED_POLICY "evict_last" 5.09 against "" (tl.atomic_add) 5.35. PROBE bits make the
 # result wrong and time a part: 1 no reductions, 2 no GEMMs, 4 no dS / P copies.
 SCHEDULE = dict(VALUE_BLOCKS=2, STAGES=3, ACC_STAGES=3, REDUCER_WARPS=4, LOADER_WARPS=4, REDUCER_REGS=128,
                 LOADER_REGS=128, EVICT="evict_first", RED_POLICY="evict_last", PROBE=0)
@@ -85,39 +85,28 @@ def _tile_offsets(i, n_idx, h, kk, PROBE: gl.constexpr):
 def _load_tiles(ds_row, p_row, n_idx, ds_ring, p_ring, dsp_full, dsp_empty, HEADS: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WITH_P: gl.constexpr, EVICT: gl.constexpr,
                 WARPS: gl.constexpr, PROBE: gl.constexpr):
-    """Each tile's [HEADS, BLOCK_N] dS (and P) rows into the ring (keys past n_idx as zeros). EVICT: loads
-    through registers with that L2 eviction policy ("evict_first": read once a program, they then leave
-    the dkv rows in L2; cp.async takes no policy in Gluon 3.6), tile i + 1's loads in flight while tile i
-    is stored; else cp.async (a probe schedule: it needs topk a multiple of 16, 16-byte rows)."""
+    """Each tile's [HEADS, BLOCK_N] dS (and P) rows into the ring (keys past n_idx as zeros), through registers
+    with L2 eviction policy EVICT ("evict_first": read once a program, they then leave the dkv rows in L2;
+    cp.async takes no policy in Gluon 3.6 and measured 6.03 ms against 5.31), tile i + 1's loads in flight
+    while tile i is stored."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [WARPS, 1], [1, 0])
     h = gl.arange(0, HEADS, layout=gl.SliceLayout(1, layout))
     kk = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    n_tiles = gl.cdiv(n_idx, BLOCK_N)
-    if EVICT == "":
-        for i in range(n_tiles):
-            s = i % STAGES
-            mbarrier.wait(dsp_empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes the first round
-            off, ok = _tile_offsets(i, n_idx, h, kk, PROBE)
-            cp.async_copy_global_to_shared(ds_ring.index(s), ds_row + off, mask=ok)
-            if WITH_P:
-                cp.async_copy_global_to_shared(p_ring.index(s), p_row + off, mask=ok)
-            cp.mbarrier_arrive(dsp_full.index(s), increment_count=False)  # each thread, once its copies land
-    else:
-        off, ok = _tile_offsets(0, n_idx, h, kk, PROBE)
+    off, ok = _tile_offsets(0, n_idx, h, kk, PROBE)
+    ds_next = gl.load(ds_row + off, mask=ok, other=0.0, eviction_policy=EVICT)
+    p_next = gl.load(p_row + off, mask=ok & WITH_P, other=0.0, eviction_policy=EVICT)
+    for i in range(gl.cdiv(n_idx, BLOCK_N)):
+        ds_x, p_x = ds_next, p_next
+        off, ok = _tile_offsets(i + 1, n_idx, h, kk, PROBE)  # past the last tile: nothing
         ds_next = gl.load(ds_row + off, mask=ok, other=0.0, eviction_policy=EVICT)
         p_next = gl.load(p_row + off, mask=ok & WITH_P, other=0.0, eviction_policy=EVICT)
-        for i in range(n_tiles):
-            ds_x, p_x = ds_next, p_next
-            off, ok = _tile_offsets(i + 1, n_idx, h, kk, PROBE)  # past the last tile: nothing
-            ds_next = gl.load(ds_row + off, mask=ok, other=0.0, eviction_policy=EVICT)
-            p_next = gl.load(p_row + off, mask=ok & WITH_P, other=0.0, eviction_policy=EVICT)
-            s = i % STAGES
-            mbarrier.wait(dsp_empty.index(s), ((i // STAGES) & 1) ^ 1)
-            ds_ring.index(s).store(ds_x)
-            if WITH_P:
-                p_ring.index(s).store(p_x)
-            gl.thread_barrier()  # every loader thread's part in place
-            mbarrier.arrive(dsp_full.index(s), count=1)
+        s = i % STAGES
+        mbarrier.wait(dsp_empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes the first round
+        ds_ring.index(s).store(ds_x)
+        if WITH_P:
+            p_ring.index(s).store(p_x)
+        gl.thread_barrier()  # every loader thread's part in place
+        mbarrier.arrive(dsp_full.index(s), count=1)
 
 
 @gluon.jit
@@ -249,7 +238,7 @@ def dkv_pass_kernel(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx, strid
     dsp_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     acc_full = gl.allocate_shared_memory(gl.int64, [ACC_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(dsp_full.index(s), count=LOADER_WARPS * 32 if EVICT == "" else 1)
+        mbarrier.init(dsp_full.index(s), count=1)
         mbarrier.init(dsp_empty.index(s), count=1)
     for a in gl.static_range(ACC_STAGES):
         mbarrier.init(acc_full.index(a), count=1)

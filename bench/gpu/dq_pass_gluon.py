@@ -38,8 +38,8 @@ def compile_only() -> int:
     return 0
 
 
-def measure(out: Path) -> int:
-    """Time and check every schedule on this GPU; the report into out."""
+def measure() -> dict:
+    """Time and check every schedule on this GPU: the report."""
     import torch
 
     from bench.machine import machine
@@ -88,8 +88,7 @@ def measure(out: Path) -> int:
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[-1][:300] if str(exc) else ''}"
         result["gluon"].append(row)
         print(json.dumps(row), flush=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    return 0
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

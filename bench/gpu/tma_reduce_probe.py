@@ -17,7 +17,6 @@ times key was picked):
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -31,6 +30,8 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.gpu.probe_cli import run_probe  # noqa: E402
 
 
 @builtin
@@ -242,17 +243,8 @@ def compile_only() -> int:
     return 0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--compile-only", action="store_true")
-    a = ap.parse_args()
-    if a.compile_only:
-        return compile_only()
-    report = measure()
-    if a.out:
-        a.out.write_text(json.dumps(report, indent=1) + "\n")
-    return 0
+def main(argv: list[str] | None = None) -> int:
+    return run_probe(__doc__, argv, compile_only, measure)
 
 
 if __name__ == "__main__":
