@@ -45,7 +45,7 @@ GEMM_WARPS = gl.constexpr(4)  # the default partition (the launch's num_warps): 
 # 2 blocks 5.32; 8 loader or reducer warps, 2-slot rings all within 5.32-5.34; dS / P by cp.async 6.03,
 # EVICT "evict_last" 6.06; RED_POLICY "evict_last" 5.09 against "" (tl.atomic_add) 5.35. PROBE bits make the
 # result wrong and time a part: 1 no reductions, 2 no GEMMs, 4 no dS / P copies.
-SCHEDULE = dict(VALUE_BLOCKS=2, STAGES=3, ACC_STAGES=3, REDUCER_WARPS=4, LOADER_WARPS=4, REDUCER_REGS=128,
+SCHEDULE = dict(VALUE_BLOCKS=2, KEY_BANDS=0, ROPE_WITH_VALUES=False, STAGES=3, ACC_STAGES=3, REDUCER_WARPS=4, LOADER_WARPS=4, REDUCER_REGS=128,
                 LOADER_REGS=128, EVICT="evict_first", RED_POLICY="evict_last", PROBE=0)
 
 
@@ -56,6 +56,11 @@ SCHEDULE = dict(VALUE_BLOCKS=2, STAGES=3, ACC_STAGES=3, REDUCER_WARPS=4, LOADER_
 # (dkv_pass_ws_gpu.json run 3); it was not measured again at 5.3 ms.
 # Triton's warp specialisation uses ids 0-2; the ring's slots take the ids from 15 down.
 LAST_BARRIER_ID = gl.constexpr(15)
+# Key bands: the dkv rows split into bands of keys, the band slowest in the grid, so that a program may own
+# more columns (fewer dS / P reads) while the programs running at once still add into no more dkv than L2
+# holds well: 33.5 MB (128 of 64K rows' columns) measured at 3.0 ms of reductions, 151 MB at 7.5 (H100,
+# tma_reduce_probe_gpu.json). KEY_BANDS 0: as many as that takes (key_bands).
+BAND_BYTES = 34 << 20
 
 
 @gluon.jit
@@ -74,15 +79,16 @@ def _named_barrier(bar_id, n_threads, SYNC: gl.constexpr, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _tile_offsets(i, n_idx, h, kk, PROBE: gl.constexpr):
-    """Tile i's element offsets in a token's [heads, topk] scratch rows, and which exist."""
+def _tile_offsets(i, i_end, n_idx, h, kk, PROBE: gl.constexpr):
+    """Tile i's element offsets in a token's [heads, topk] scratch rows, and which exist (none from tile
+    i_end on: a whole tile's mask, so that the loads stay 16 bytes wide)."""
     k = i * kk.shape[0] + kk
-    ok = (k < n_idx)[None, :] & (h >= 0)[:, None] & ((PROBE & 4) == 0)  # probe 4: no copies
+    ok = (k < n_idx)[None, :] & (h >= 0)[:, None] & ((PROBE & 4) == 0) & (i < i_end)  # probe 4: no copies
     return h[:, None] * n_idx + k[None, :], ok
 
 
 @gluon.jit
-def _load_tiles(ds_row, p_row, n_idx, ds_ring, p_ring, dsp_full, dsp_empty, HEADS: gl.constexpr,
+def _load_tiles(ds_row, p_row, n_idx, i0, n_tiles, ds_ring, p_ring, dsp_full, dsp_empty, HEADS: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WITH_P: gl.constexpr, EVICT: gl.constexpr,
                 WARPS: gl.constexpr, PROBE: gl.constexpr):
     """Each tile's [HEADS, BLOCK_N] dS (and P) rows into the ring (keys past n_idx as zeros), through registers
@@ -92,12 +98,12 @@ def _load_tiles(ds_row, p_row, n_idx, ds_ring, p_ring, dsp_full, dsp_empty, HEAD
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [WARPS, 1], [1, 0])
     h = gl.arange(0, HEADS, layout=gl.SliceLayout(1, layout))
     kk = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    off, ok = _tile_offsets(0, n_idx, h, kk, PROBE)
+    off, ok = _tile_offsets(i0, i0 + n_tiles, n_idx, h, kk, PROBE)
     ds_next = gl.load(ds_row + off, mask=ok, other=0.0, eviction_policy=EVICT)
     p_next = gl.load(p_row + off, mask=ok & WITH_P, other=0.0, eviction_policy=EVICT)
-    for i in range(gl.cdiv(n_idx, BLOCK_N)):
+    for i in range(n_tiles):
         ds_x, p_x = ds_next, p_next
-        off, ok = _tile_offsets(i + 1, n_idx, h, kk, PROBE)  # past the last tile: nothing
+        off, ok = _tile_offsets(i0 + i + 1, i0 + n_tiles, n_idx, h, kk, PROBE)  # past the last tile: nothing
         ds_next = gl.load(ds_row + off, mask=ok, other=0.0, eviction_policy=EVICT)
         p_next = gl.load(p_row + off, mask=ok & WITH_P, other=0.0, eviction_policy=EVICT)
         s = i % STAGES
@@ -110,10 +116,10 @@ def _load_tiles(ds_row, p_row, n_idx, ds_ring, p_ring, dsp_full, dsp_empty, HEAD
 
 
 @gluon.jit
-def _issue(c: gl.constexpr, ds_t, p_t, q_blk, do_blk, zero, WITH_P: gl.constexpr):
-    """Column block c's GEMMs, asynchronously: dS^T q_c (+ P^T dO_c)."""
+def _issue(c: gl.constexpr, ds_t, p_t, q_blk, do_blk, zero, P_BLOCKS: gl.constexpr):
+    """Column block c's GEMMs, asynchronously: dS^T q_c (+ P^T dO_c for the first P_BLOCKS blocks)."""
     tok = warpgroup_mma(ds_t, q_blk.index(c), zero, use_acc=False, is_async=True)
-    if WITH_P:
+    if c < P_BLOCKS:
         tok = warpgroup_mma(p_t, do_blk.index(c), tok, is_async=True)
     return tok
 
@@ -131,16 +137,15 @@ def _put(acc, g, acc_ring, acc_full, ACC_STAGES: gl.constexpr, N_THREADS: gl.con
 
 
 @gluon.jit
-def _gemms(n_idx, q_blk, do_blk, ds_ring, p_ring, acc_ring, dsp_full, dsp_empty, acc_full,
+def _gemms(n_tiles, q_blk, do_blk, ds_ring, p_ring, acc_ring, dsp_full, dsp_empty, acc_full,
            BLOCK_N: gl.constexpr, COLS: gl.constexpr, NBLK: gl.constexpr, STAGES: gl.constexpr,
-           ACC_STAGES: gl.constexpr, N_THREADS: gl.constexpr, WITH_P: gl.constexpr, PROBE: gl.constexpr):
+           ACC_STAGES: gl.constexpr, N_THREADS: gl.constexpr, P_BLOCKS: gl.constexpr, PROBE: gl.constexpr):
     """Per tile and column block: acc = dS^T q_block (+ P^T dO_block) into the acc ring, block c + 1's GEMMs
     issued before block c's tile is stored."""
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[GEMM_WARPS, 1],
                                                     instr_shape=[16, COLS, 16])
     zero = gl.zeros([BLOCK_N, COLS], gl.float32, acc_l)
-    GROUPS: gl.constexpr = 2 if WITH_P else 1  # wgmma groups a block
-    for i in range(gl.cdiv(n_idx, BLOCK_N)):
+    for i in range(n_tiles):
         s = i % STAGES
         mbarrier.wait(dsp_full.index(s), (i // STAGES) & 1)
         fence_async_shared()  # the copies landed through the generic proxy; wgmma reads through the async one
@@ -150,10 +155,10 @@ def _gemms(n_idx, q_blk, do_blk, ds_ring, p_ring, acc_ring, dsp_full, dsp_empty,
             for c in gl.static_range(NBLK):
                 _put(zero, i * NBLK + c, acc_ring, acc_full, ACC_STAGES, N_THREADS)
         else:
-            prev = _issue(0, ds_t, p_t, q_blk, do_blk, zero, WITH_P)
+            prev = _issue(0, ds_t, p_t, q_blk, do_blk, zero, P_BLOCKS)
             for c in gl.static_range(1, NBLK):
-                tok = _issue(c, ds_t, p_t, q_blk, do_blk, zero, WITH_P)
-                acc = warpgroup_mma_wait(GROUPS, deps=(prev, ))  # block c - 1's are done
+                tok = _issue(c, ds_t, p_t, q_blk, do_blk, zero, P_BLOCKS)
+                acc = warpgroup_mma_wait(2 if c < P_BLOCKS else 1, deps=(prev, ))  # block c's groups may run on
                 _put(acc, i * NBLK + c - 1, acc_ring, acc_full, ACC_STAGES, N_THREADS)
                 prev = tok
             _put(warpgroup_mma_wait(0, deps=(prev, )), i * NBLK + NBLK - 1, acc_ring, acc_full, ACC_STAGES, N_THREADS)
@@ -175,19 +180,19 @@ def _red_add_evict_last(ptrs, vals, live):
 
 
 @gluon.jit
-def _reduce(idx_row, n_idx, dkv_ptr, stride_dkv, col0, acc_ring, acc_full, BLOCK_N: gl.constexpr,
+def _reduce(idx_row, n_idx, i0, n_tiles, start, end, dkv_ptr, stride_dkv, col0, acc_ring, acc_full, BLOCK_N: gl.constexpr,
             COLS: gl.constexpr, NBLK: gl.constexpr, ACC_STAGES: gl.constexpr, N_THREADS: gl.constexpr,
             WARPS: gl.constexpr, RED_POLICY: gl.constexpr, PROBE: gl.constexpr):
-    """Each fp32 tile of the acc ring into its keys' dkv rows, 16-byte reductions."""
+    """Each fp32 tile of the acc ring into its keys' dkv rows, 16-byte reductions: the tiles i0 .. i0 + n_tiles
+    of the token's slots, the keys of slots start .. end only (the program's band)."""
     red_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (COLS // 4), COLS // 4], [WARPS, 1], [1, 0])
     keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, red_l))
     cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, red_l))
-    n_tiles = gl.cdiv(n_idx, BLOCK_N)
     for i in range(n_tiles):
-        j = i * BLOCK_N + keys
+        j = (i0 + i) * BLOCK_N + keys
         ids = gl.load(idx_row + j, mask=j < n_idx, other=-1)
         rows = dkv_ptr + gl.where(ids >= 0, ids, 0).to(gl.int64) * stride_dkv
-        live = (ids >= 0)[:, None] & (cols >= 0)[None, :]
+        live = ((ids >= 0) & (j >= start) & (j < end))[:, None] & (cols >= 0)[None, :]
         for c in gl.static_range(NBLK):
             g = i * NBLK + c
             a = g % ACC_STAGES
@@ -214,23 +219,34 @@ def _columns_to_shared(smem, base, stride_row, col0):
 
 @gluon.jit
 def dkv_pass_kernel(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx, stride_qt, stride_qh, stride_dot,
-                    stride_doh, stride_it, stride_st, stride_dkv, col_base, HEADS: gl.constexpr,
-                    BLOCK_N: gl.constexpr, COLS: gl.constexpr, NBLK: gl.constexpr, WITH_P: gl.constexpr,
+                    stride_doh, stride_it, stride_st, stride_dkv, col_base, seg_ptr, stride_seg,
+                    BANDED: gl.constexpr, HEADS: gl.constexpr,
+                    BLOCK_N: gl.constexpr, COLS: gl.constexpr, NBLK: gl.constexpr, P_BLOCKS: gl.constexpr,
                     STAGES: gl.constexpr, ACC_STAGES: gl.constexpr, REDUCER_WARPS: gl.constexpr,
                     LOADER_WARPS: gl.constexpr, REDUCER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                     EVICT: gl.constexpr, RED_POLICY: gl.constexpr, PROBE: gl.constexpr):
-    """Program (token, group): dkv columns col_base + group * NBLK * COLS on, NBLK blocks of COLS (WITH_P:
-    value columns, dS^T q + P^T dO; else rope columns, dS^T q)."""
+    """Program (token, group, band): dkv columns col_base + group * NBLK * COLS on, NBLK blocks of COLS (the
+    first P_BLOCKS value columns, dS^T q + P^T dO; the others dS^T q: rope columns), from the token's slots
+    seg[t, band] .. seg[t, band + 1] (BANDED; else all of them)."""
     gl.static_assert(ACC_STAGES <= LAST_BARRIER_ID - 2, "a named barrier a slot, above Triton's")
     N_THREADS: gl.constexpr = 32 * (GEMM_WARPS + REDUCER_WARPS)  # the GEMM warpgroup and the reducers
     t = gl.program_id(0).to(gl.int64)
     col0 = col_base + gl.program_id(1) * (NBLK * COLS)
+    if BANDED:
+        start = gl.load(seg_ptr + t * stride_seg + gl.program_id(2))
+        end = gl.load(seg_ptr + t * stride_seg + gl.program_id(2) + 1)
+    else:
+        start = 0
+        end = n_idx
+    i0 = start // BLOCK_N
+    n_tiles = gl.cdiv(end, BLOCK_N) - i0
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     blk_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, COLS], gl.bfloat16)
     tile_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N], gl.bfloat16)
     acc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, COLS], gl.float32)
     q_blk = gl.allocate_shared_memory(dtype, [NBLK, HEADS, COLS], blk_sl)
-    do_blk = gl.allocate_shared_memory(dtype, [NBLK if WITH_P else 1, HEADS, COLS], blk_sl)
+    WITH_P: gl.constexpr = P_BLOCKS > 0
+    do_blk = gl.allocate_shared_memory(dtype, [P_BLOCKS if WITH_P else 1, HEADS, COLS], blk_sl)
     ds_ring = gl.allocate_shared_memory(dtype, [STAGES, HEADS, BLOCK_N], tile_sl)
     p_ring = gl.allocate_shared_memory(dtype, [STAGES if WITH_P else 1, HEADS, BLOCK_N], tile_sl)
     acc_ring = gl.allocate_shared_memory(gl.float32, [ACC_STAGES, BLOCK_N, COLS], acc_sl)
@@ -244,42 +260,84 @@ def dkv_pass_kernel(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx, strid
         mbarrier.init(acc_full.index(a), count=1)
     for c in gl.static_range(NBLK):
         _columns_to_shared(q_blk.index(c), q_ptr + t * stride_qt, stride_qh, col0 + c * COLS)
-        if WITH_P:
+        if c < P_BLOCKS:
             _columns_to_shared(do_blk.index(c), do_ptr + t * stride_dot, stride_doh, col0 + c * COLS)
     cp.commit_group()
     cp.wait_group(0)
     fence_async_shared()
     gl.thread_barrier()
     gl.warp_specialize(
-        [(_gemms, (n_idx, q_blk, do_blk, ds_ring, p_ring, acc_ring, dsp_full, dsp_empty, acc_full, BLOCK_N, COLS,
-                   NBLK, STAGES, ACC_STAGES, N_THREADS, WITH_P, PROBE)),
-         (_reduce, (idx_ptr + t * stride_it, n_idx, dkv_ptr, stride_dkv, col0, acc_ring, acc_full, BLOCK_N, COLS,
+        [(_gemms, (n_tiles, q_blk, do_blk, ds_ring, p_ring, acc_ring, dsp_full, dsp_empty, acc_full, BLOCK_N, COLS,
+                   NBLK, STAGES, ACC_STAGES, N_THREADS, P_BLOCKS, PROBE)),
+         (_reduce, (idx_ptr + t * stride_it, n_idx, i0, n_tiles, start, end, dkv_ptr, stride_dkv, col0, acc_ring, acc_full, BLOCK_N, COLS,
                     NBLK, ACC_STAGES, N_THREADS, REDUCER_WARPS, RED_POLICY, PROBE)),
-         (_load_tiles, (ds_ptr + t * stride_st, p_ptr + t * stride_st, n_idx, ds_ring, p_ring, dsp_full, dsp_empty,
+         (_load_tiles, (ds_ptr + t * stride_st, p_ptr + t * stride_st, n_idx, i0, n_tiles, ds_ring, p_ring, dsp_full, dsp_empty,
                         HEADS, BLOCK_N, STAGES, WITH_P, EVICT, LOADER_WARPS, PROBE))],
         [REDUCER_WARPS, LOADER_WARPS], [REDUCER_REGS, LOADER_REGS])
 
 
-def constexprs(with_p: bool = True, **change) -> dict:
+def key_bands(n_keys: int, cols: int) -> int:
+    """Bands of keys a launch of `cols` columns a program splits the dkv rows into, so that the programs running
+    at once (tokens fastest, bands slowest in the grid) add into at most BAND_BYTES of dkv."""
+    return max(1, -(-n_keys * cols * 4 // BAND_BYTES))
+
+
+def _launches(schedule: dict) -> list[tuple[bool, int]]:
+    """(value launch?, first column) of each launch: the rope columns' own unless ROPE_WITH_VALUES."""
+    return [(True, 0)] + ([] if (SCHEDULE | schedule)["ROPE_WITH_VALUES"] else [(False, D_V)])
+
+
+def _bands(n_keys: int, with_p: bool, schedule: dict) -> int:
+    cx = constexprs(with_p, False, **schedule)
+    return (with_p and (SCHEDULE | schedule)["KEY_BANDS"]) or key_bands(n_keys, cx["NBLK"] * COLS)
+
+
+def needs_sorted_rows(n_keys: int, **schedule) -> bool:
+    """Whether dkv_pass over n_keys dkv rows splits them into bands, which needs each idx row ascending (-1
+    slots first): split_backward sorts the rows before its dq pass when it does."""
+    return any(_bands(n_keys, with_p, schedule) > 1 for with_p, _ in _launches(schedule))
+
+
+def constexprs(with_p: bool = True, banded: bool | None = None, **change) -> dict:
     """The kernel's compile-time constants for the value launch (with_p) or the rope one (what a launch and
-    bench/kernel_resources pass); change: the schedule variants a probe times."""
+    bench/kernel_resources pass); banded: whether its programs take a band of slots (None: KEY_BANDS > 1);
+    change: the schedule variants a probe times."""
     unknown = set(change) - set(SCHEDULE)
     if unknown:
         raise ValueError(f"unknown Gluon dkv pass schedule keys {sorted(unknown)}; known: {sorted(SCHEDULE)}")
     sch = SCHEDULE | change
     value_blocks = sch.pop("VALUE_BLOCKS")
-    nblk = value_blocks if with_p else D_R // COLS
-    return dict(HEADS=HEADS, BLOCK_N=BLOCK_N, COLS=COLS, NBLK=nblk, WITH_P=with_p, **sch)
+    bands = sch.pop("KEY_BANDS")
+    rope_too = sch.pop("ROPE_WITH_VALUES")
+    if rope_too and value_blocks * COLS != D_V:
+        raise ValueError(f"ROPE_WITH_VALUES needs one group of all value columns: VALUE_BLOCKS={D_V // COLS}, "
+                         f"got {value_blocks}")
+    p_blocks = value_blocks if with_p else 0
+    nblk = p_blocks + (D_R // COLS if rope_too or not with_p else 0)
+    banded = bands > 1 if banded is None else banded
+    return dict(BANDED=banded, HEADS=HEADS, BLOCK_N=BLOCK_N, COLS=COLS, NBLK=nblk, P_BLOCKS=p_blocks, **sch)
+
+
+def _launch(args: tuple, n: int, col_base: int, bands: int, idx: torch.Tensor, n_keys: int, with_p: bool,
+            schedule: dict) -> None:
+    cx = constexprs(with_p, bands > 1, **schedule)
+    seg = idx  # unread unless banded
+    if bands > 1:  # slots of band b: seg[t, b] .. seg[t, b + 1] (rows ascending)
+        per = -(-n_keys // bands)
+        edges = torch.arange(0, bands + 1, device=idx.device, dtype=idx.dtype) * per
+        seg = torch.searchsorted(idx, edges.expand(n, bands + 1).contiguous(), out_int32=True)
+    groups = D_V // (cx["P_BLOCKS"] * COLS) if with_p else 1
+    dkv_pass_kernel[(n, groups, bands)](*args, col_base, seg, seg.stride(0), **cx, num_warps=GEMM_WARPS.value)
 
 
 def dkv_pass(q: torch.Tensor, grad_out: torch.Tensor, idx: torch.Tensor, ds: torch.Tensor, p: torch.Tensor,
              dkv: torch.Tensor, **schedule) -> None:
     """dkv += the dkv pass over q's tokens (64 heads) from their dS / P scratch rows [tokens, heads, topk]
     (contiguous inputs, as split_backward passes them; n_idx >= 1): the value columns in groups of
-    VALUE_BLOCKS x COLS, then the rope columns."""
-    n = q.shape[0]
+    VALUE_BLOCKS x COLS, then the rope columns (or with the values: ROPE_WITH_VALUES), each launch's programs over bands of dkv rows when
+    needs_sorted_rows (then idx's rows must be ascending, -1 slots first)."""
+    n, n_keys = q.shape[0], dkv.shape[0]
     args = (q, grad_out, idx, ds, p, dkv, idx.shape[1], q.stride(0), q.stride(1), grad_out.stride(0),
             grad_out.stride(1), idx.stride(0), ds.stride(0), dkv.stride(0))
-    value = constexprs(True, **schedule)
-    dkv_pass_kernel[(n, D_V // (value["NBLK"] * COLS))](*args, 0, **value, num_warps=GEMM_WARPS.value)
-    dkv_pass_kernel[(n, 1)](*args, D_V, **constexprs(False, **schedule), num_warps=GEMM_WARPS.value)
+    for with_p, col_base in _launches(schedule):
+        _launch(args, n, col_base, _bands(n_keys, with_p, schedule), idx, n_keys, with_p, schedule)

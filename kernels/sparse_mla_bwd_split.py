@@ -212,6 +212,10 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
     _check_impl("dq_impl", dq_impl, DQ_IMPLS, sparse_mla_gluon.supports(q, kv, d_v), gpu_rule, q, d_v)
     _check_impl("dkv_impl", dkv_impl, DKV_IMPLS, _dkv_gluon_runs(q, kv, d_v), gpu_rule + " and 64 heads", q, d_v)
 
+    if dkv_impl == "gluon" and sparse_mla_bwd_dkv_gluon.needs_sorted_rows(kv.shape[0]):
+        # its programs take bands of keys, found by a search in each row; a row's slot order changes no
+        # gradient (dS / P follow idx), only the order of additions into dq
+        idx = idx.sort(dim=1).values
     timed = pass_ms is not None and q.is_cuda
     marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 

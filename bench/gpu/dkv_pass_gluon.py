@@ -20,13 +20,21 @@ from bench.gpu.probe_cli import run_probe  # noqa: E402
 from kernels.sparse_mla_bwd_dkv_gluon import GEMM_WARPS, constexprs, dkv_pass, dkv_pass_kernel  # noqa: E402
 
 # the default (value columns in 4 groups of 2 x 64: on an H100 the programs running at once add into 33.5 MB
-# of dkv, which L2 holds; dS / P loaded through registers, L2 evict-first); groups of 4 and 8 blocks (whole
-# value rows: the H200's faster HBM may favour fewer dS / P reads); dS / P loads without an L2 policy;
-# 8 loader warps; 8 reducer warps; shallower rings; PROBE bits, each making the result wrong by design:
-# 1 no reductions (the GEMM side's rate), 4 no dS / P copies (what streaming them through L2 costs)
-SCHEDULES = [{}, {"RED_POLICY": ""}, {"VALUE_BLOCKS": 4}, {"VALUE_BLOCKS": 8, "STAGES": 2, "ACC_STAGES": 2},
-             {"RED_POLICY": "", "VALUE_BLOCKS": 4}, {"EVICT": ""},
-             {"PROBE": 1}, {"PROBE": 4}, {"PROBE": 4, "RED_POLICY": ""}]
+# of dkv, which L2 holds; dS / P loaded through registers, L2 evict-first); wider groups over bands of keys
+# (KEY_BANDS: the grid's slowest axis, so that the programs running at once still add into 33.5 MB while
+# dS / P are read once a group: 8 blocks x 4 bands reads them once for all value columns); groups of 4 and 8
+# blocks without bands (67 / 134 MB at once); PROBE bits, each making the result wrong by design: 1 no
+# reductions (the GEMM side's rate), 4 no dS / P copies (what streaming them through L2 costs)
+WIDE = {"VALUE_BLOCKS": 8, "KEY_BANDS": 4, "STAGES": 2, "ACC_STAGES": 2}
+# whole rows, rope columns too, in one launch (bands by key_bands's rule: 5 at 64K keys)
+WHOLE = {"VALUE_BLOCKS": 8, "ROPE_WITH_VALUES": True, "STAGES": 2, "ACC_STAGES": 2}
+SCHEDULES = [{}, WIDE, WHOLE, WHOLE | {"KEY_BANDS": 4}, WHOLE | {"KEY_BANDS": 8}, {"VALUE_BLOCKS": 8, "KEY_BANDS": 4},
+             {"VALUE_BLOCKS": 8, "KEY_BANDS": 8, "STAGES": 2, "ACC_STAGES": 2},
+             {"VALUE_BLOCKS": 8, "KEY_BANDS": 2, "STAGES": 2, "ACC_STAGES": 2}, {"VALUE_BLOCKS": 4, "KEY_BANDS": 2},
+             {"VALUE_BLOCKS": 4, "KEY_BANDS": 4}, {"VALUE_BLOCKS": 2, "KEY_BANDS": 2},
+             {"PROBE": 1}, {"PROBE": 4}, WHOLE | {"PROBE": 1}, WHOLE | {"PROBE": 4}]
+# the whole backward with the default schedule, WIDE and WHOLE (through SCHEDULE, as split_backward reads it)
+BACKWARDS = [("triton", {}), ("gluon", {}), ("gluon", WIDE), ("gluon", WHOLE)]
 
 
 def compile_only() -> int:
@@ -34,10 +42,10 @@ def compile_only() -> int:
     H, K = 64, 2048
     args = {"q_ptr": Ptr("bf16"), "do_ptr": Ptr("bf16"), "idx_ptr": Ptr("i32"), "ds_ptr": Ptr("bf16"),
             "p_ptr": Ptr("bf16"), "dkv_ptr": Ptr("fp32"), "n_idx": K, "stride_qt": H * 576, "stride_qh": 576,
-            "stride_dot": H * 512, "stride_doh": 512, "stride_it": K, "stride_st": H * K, "stride_dkv": 576}
-    args["col_base"] = 0
+            "stride_dot": H * 512, "stride_doh": 512, "stride_it": K, "stride_st": H * K, "stride_dkv": 576,
+            "col_base": 0, "seg_ptr": Ptr("i32"), "stride_seg": 5}
     for sch in SCHEDULES:
-        for with_p in (True, False):
+        for with_p in (True, False)[:1 if sch.get("ROPE_WITH_VALUES") else 2]:
             print(json.dumps({"schedule": sch, "value_columns": with_p,
                               **compile_sm90(dkv_pass_kernel, args, constexprs(with_p, **sch), GEMM_WARPS.value, 1)}))
     return 0
@@ -58,6 +66,7 @@ def measure() -> dict:
     n = 2048
     dev = torch.device("cuda")
     q, kv, idx, dout, scale, lse, delta = backward_inputs(T, S, H, K, hole_rows=4)
+    idx = idx.sort(dim=1).values  # -1 slots first: what split_backward does before its dq pass for bands
     ds = torch.empty((n, H, K), device=dev, dtype=torch.bfloat16)
     p = torch.empty_like(ds)
     sparse_mla_bwd_gluon.dq_pass(q[:n], kv, idx[:n], dout[:n], lse[:n], delta[:n], torch.empty_like(q[:n]), ds, p,
@@ -96,33 +105,44 @@ def measure() -> dict:
     dkv = torch.zeros_like(dkv0)
     launch_args = (q[:n], dout[:n], idx[:n], ds, p, dkv, K, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1),
                    idx.stride(0), ds.stride(0), dkv.stride(0))
+    unbanded = (idx, idx.stride(0))  # seg_ptr, stride_seg: unread
     value, rope = dg.constexprs(True), dg.constexprs(False)
     result["launch_ms"] = {
-        "value": round(triton.testing.do_bench(lambda: dkv_pass_kernel[(n, DV // (value["NBLK"] * dg.COLS))](
-            *launch_args, 0, **value, num_warps=dg.GEMM_WARPS.value), warmup=5, rep=50), 4),
-        "rope": round(triton.testing.do_bench(lambda: dkv_pass_kernel[(n, 1)](*launch_args, DV, **rope, num_warps=dg.GEMM_WARPS.value),
+        "value": round(triton.testing.do_bench(lambda: dkv_pass_kernel[(n, DV // (value["P_BLOCKS"] * dg.COLS))](
+            *launch_args, 0, *unbanded, **value, num_warps=dg.GEMM_WARPS.value), warmup=5, rep=50), 4),
+        "rope": round(triton.testing.do_bench(lambda: dkv_pass_kernel[(n, 1)](*launch_args, DV, *unbanded, **rope, num_warps=dg.GEMM_WARPS.value),
                                               warmup=5, rep=50), 4)}
     print(json.dumps(result["launch_ms"]), flush=True)
     bwd_flops = sparse_mla_bwd_flops(T, H, K)
     result["backward"] = {"tokens": T, "flops": bwd_flops}
     grads = {}
-    for impl in ("triton", "gluon"):
+    saved = dict(dg.SCHEDULE)
+    for impl, sch in BACKWARDS:
+        name = impl + ("" if not sch else "_" + ",".join(f"{k}={v}" for k, v in sch.items()))
+
         def backward(impl=impl, pass_ms=None):
             return spl.split_backward(q, kv, idx, dout, lse, delta, scale, DV, pass_ms=pass_ms, dkv_impl=impl)
+        dg.SCHEDULE.update(sch)
         try:
-            grads[impl] = backward()
+            grads[name] = backward()
             ms = triton.testing.do_bench(backward, warmup=3, rep=30)
             passes: dict[str, float] = {}
             backward(pass_ms=passes)
-            result["backward"][impl] = {"ms": round(ms, 3), "tflops": round(bwd_flops / ms / 1e9, 1),
+            result["backward"][name] = {"ms": round(ms, 3), "tflops": round(bwd_flops / ms / 1e9, 1),
                                         "pass_ms": {k: round(v, 3) for k, v in passes.items()}}
         except Exception as exc:  # noqa: BLE001
-            result["backward"][impl] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        print(impl, json.dumps(result["backward"][impl]), flush=True)
-    if len(grads) == 2:
-        result["backward"]["max_abs_diff_dkv"] = float((grads["gluon"][1] - grads["triton"][1]).abs().max())
-        result["backward"]["max_abs_dkv"] = float(grads["triton"][1].abs().max())
-        result["backward"]["dq_identical"] = bool(torch.equal(grads["gluon"][0], grads["triton"][0]))
+            result["backward"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        finally:
+            dg.SCHEDULE.clear()
+            dg.SCHEDULE.update(saved)
+        print(name, json.dumps(result["backward"][name]), flush=True)
+    ref = grads.get("triton")
+    for name, g in grads.items():
+        if ref is not None and name != "triton":
+            result["backward"][name]["max_abs_diff_dkv"] = float((g[1] - ref[1]).abs().max())
+            result["backward"][name]["dq_identical"] = bool(torch.equal(g[0], ref[0]))
+    if ref is not None:
+        result["backward"]["max_abs_dkv"] = float(ref[1].abs().max())
     return result
 
 

@@ -110,6 +110,24 @@ def test_the_gluon_dkv_pass_is_the_default_only_at_64_heads(monkeypatch, device)
         spl.split_backward(q, kv, idx, dout, lse, lse, 0.1, 16, dkv_impl="gluon")  # 16 heads
 
 
+def test_the_gluon_dkv_pass_bands_keys_so_that_the_programs_at_once_add_into_band_bytes(monkeypatch):
+    from kernels import sparse_mla_bwd_dkv_gluon as dg
+    # 64K keys: 128 columns a program fit in one band (33.5 MB), whole value rows take 4 bands, rope 1
+    assert dg.key_bands(65536, 128) == 1 and dg.key_bands(65536, 512) == 4 and dg.key_bands(65536, 64) == 1
+    assert dg.key_bands(131072, 128) == 2 and dg.key_bands(1, 512) == 1
+    assert not dg.needs_sorted_rows(65536)  # the default schedule: no bands, any row order
+    assert dg.needs_sorted_rows(65536, VALUE_BLOCKS=8) and dg.needs_sorted_rows(4096, KEY_BANDS=2)
+    assert dg.needs_sorted_rows(600_000)  # even the rope launch needs bands
+    assert dg.constexprs(True, VALUE_BLOCKS=8, KEY_BANDS=4)["BANDED"] and not dg.constexprs(True)["BANDED"]
+    with pytest.raises(ValueError, match="unknown Gluon dkv pass schedule keys .*'BANDS'"):
+        dg.constexprs(True, BANDS=2)
+    whole = dict(VALUE_BLOCKS=8, ROPE_WITH_VALUES=True)  # one launch of 9 blocks: 151 MB of rows in 5 bands
+    assert dg.constexprs(True, **whole)["NBLK"] == 9 and dg.constexprs(True, **whole)["P_BLOCKS"] == 8
+    assert dg._bands(65536, True, whole) == 5 and dg._launches(whole) == [(True, 0)]
+    with pytest.raises(ValueError, match="ROPE_WITH_VALUES needs one group of all value columns: VALUE_BLOCKS=8"):
+        dg.constexprs(True, ROPE_WITH_VALUES=True)
+
+
 def test_delta_kernel_is_the_fp32_row_sum(device):
     g = torch.randn(5, 20, 32, device=device).to(torch.bfloat16)  # 20 heads: a partial head block
     o = torch.randn(5, 20, 32, device=device).to(torch.bfloat16)
@@ -176,11 +194,25 @@ def test_gluon_dq_pass_matches_the_triton_pass_and_the_reference(T, heads, S, K,
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("T,S,K,holes", [(64, 4096, 2048, True), (40, 3000, 300, True), (16, 512, 3, False)])
-def test_gluon_dkv_pass_matches_the_triton_pass_and_the_reference(T, S, K, holes):
+@pytest.mark.parametrize("schedule", [{}, {"BAND_BYTES": 300_000},
+                                      {"VALUE_BLOCKS": 8, "KEY_BANDS": 3, "STAGES": 2, "ACC_STAGES": 2},
+                                      {"VALUE_BLOCKS": 8, "ROPE_WITH_VALUES": True, "STAGES": 2, "ACC_STAGES": 2,
+                                       "BAND_BYTES": 1_000_000}])
+def test_gluon_dkv_pass_matches_the_triton_pass_and_the_reference(T, S, K, holes, schedule, monkeypatch):
+    # schedule: the default; bands of keys in both launches (a small BAND_BYTES); whole value rows a program
+    # over 3 bands (edges off any power of two); whole rows, rope columns too, in one launch. Banded,
+    # split_backward sorts the rows (holes come first).
+    from kernels import sparse_mla_bwd_dkv_gluon as dg
     from kernels.sparse_mla import sparse_mla_forward
     q, kv, idx = _inputs("cuda", T, S, 64, 512, 64, K)
     if spl.default_dkv_impl(q, kv, 512) != "gluon":
         pytest.skip("the Gluon dkv pass is written for sm_90")
+    for key, value in schedule.items():
+        if key == "BAND_BYTES":
+            monkeypatch.setattr(dg, key, value)
+        else:
+            monkeypatch.setitem(dg.SCHEDULE, key, value)
+    banded = dg.needs_sorted_rows(S)
     idx[idx == S - 1] = S - 2  # key S - 1 picked by no token (at 4096 keys the others may all be)
     if holes:  # -1 slots anywhere, a partial last tile, a key picked twice and a row with no valid key
         idx[torch.rand(T, K, device="cuda") < 0.2] = -1
@@ -191,7 +223,10 @@ def test_gluon_dkv_pass_matches_the_triton_pass_and_the_reference(T, S, K, holes
     delta = smb._delta(dout, out)
     dq, dkv = spl.split_backward(q, kv, idx, dout, lse, delta, 0.0625, 512, dkv_impl="gluon")
     tri_dq, tri_dkv = spl.split_backward(q, kv, idx, dout, lse, delta, 0.0625, 512, dkv_impl="triton")
-    assert torch.equal(dq, tri_dq)  # the same dq pass
+    if banded:  # the dq pass over sorted rows: the same products, added in another order
+        assert _rel(dq, tri_dq) < 1e-3, _rel(dq, tri_dq)
+    else:
+        assert torch.equal(dq, tri_dq)  # the same dq pass
     assert _rel(dkv, tri_dkv) < 2e-3, _rel(dkv, tri_dkv)
     _, ref_dq, ref_dkv = reference_grads(q, kv, idx, 0.0625, 512, dout)
     assert _rel(dkv, ref_dkv) < 1e-2, _rel(dkv, ref_dkv)
