@@ -136,7 +136,7 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
         ("sparse_mla_bwd_split_dkv_gluon", gluon_dkv.dkv_pass_kernel,
          {**dkv_args, "col_base": 0, "seg_ptr": Ptr("i32"), "stride_seg": 5}, gluon_dkv.constexprs(True),
          [(KernelConfig.make(num_warps=gluon_dkv.GEMM_WARPS.value, num_stages=1), change)
-          for change in ({}, gluon_dkv.constexprs(False), gluon_dkv.constexprs(True, VALUE_BLOCKS=8, KEY_BANDS=4))]),
+          for change in ({}, gluon_dkv.constexprs(True, True), gluon_dkv.constexprs(False))]),  # + banded; rope apart
     ]
 
 

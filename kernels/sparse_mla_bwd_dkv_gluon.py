@@ -7,24 +7,26 @@ many tokens is added once per pick; -1 slots add nothing). For bf16, 512 + 64 co
 
 What bounds the pass (H100, one 2048-token chunk of 4096 x top-2048 of 64K; bench/results/
 tma_reduce_probe_gpu.json and dkv_pass_ws_gpu.json): its 9.7 GB of fp32 reductions go at ~3 TB/s when the
-programs running at once add into a band of dkv columns that L2 (50 MB) holds, and at 1.3 TB/s when each
-program walks whole 576-column rows (151 MB of dkv at once). So a program owns a column group: (token,
-VALUE_BLOCKS x 64 value columns), tokens fastest in the grid, then a launch for the 64 rope columns; at 128
-columns the programs running at once add into 33.5 MB. Each chunk also streams 4.8 GB of dS / P (read once
-per column group) through L2, which costs the reductions their rows: with cp.async the pass takes 6.0 ms;
-with the dS / P loads L2 evict-first (through registers: cp.async takes no eviction policy in Gluon 3.6)
-5.3; with the reductions L2 evict-last as well (inline `red` with a cache policy: tl.atomic_add takes
-none) 5.1; with no copies at all (wrong, a probe) 4.0. Per program:
-- loader warps load each 64-key tile of the token's dS and P rows ([64 heads, 64 keys]), tile i + 1's loads
-  in flight while tile i goes into the ring (`dsp_full`);
+programs running at once add into a part of dkv that L2 (50 MB) holds, and at 1.3 TB/s when they add into
+all of it (151 MB). Each chunk also streams dS / P through L2 once per program that needs a token's row,
+which costs the reductions their lines. So a program owns whole dkv rows (the 8 value blocks and the rope
+block, one launch: dS / P read once, 1.07 GB a chunk) but only a band of keys: its token's slots whose keys
+fall in band b, found by a search in the token's ascending idx row, with the bands slowest in the grid and
+the tokens fastest, so that the programs running at once add into 64K / 5 keys x 576 columns = 30 MB.
+Session 22's layout (groups of 128 value columns, no bands: 33.5 MB at once, but dS / P read 5 times, 4.8
+GB) took 5.09-5.14 ms; the banded whole rows 3.98-4.01 (dkv_pass_ws_gpu.json runs 10-12). Per program:
+- loader warps load each 64-key tile of the token's dS and P rows ([64 heads, 64 keys]) through registers
+  with an L2 evict-first policy (cp.async takes none in Gluon 3.6), tile i + 1's loads in flight while tile
+  i goes into the ring (`dsp_full`);
 - the GEMM warpgroup computes, per tile and 64-column block, acc [64 keys, 64] = dS^T q[:, block] (+ P^T
   dO[:, block]) with dS^T / P^T as the transposed A operand straight from shared memory, block c + 1's
   GEMMs issued before block c's tile goes into a ring of fp32 tiles (`acc_full`);
-- reducer warps read each fp32 tile in 16-byte rows and issue its reductions into the keys' dkv rows,
-  handing the slot back (a named barrier) as soon as the tile is in their registers.
-Measured against the Triton pass in one process (dkv_pass_ws_gpu.json run 10): 5.09 ms against 5.61
-(1.10x), exact to 5e-7 of 3.07; the whole backward 15.4 ms, 192 TFLOP/s (16.35 with the Triton pass).
-Alone, the GEMM side takes 2.5 ms.
+- reducer warps read each fp32 tile in 16-byte rows and issue its reductions (inline `red` with an L2
+  evict-last policy: tl.atomic_add takes none) into the keys of the band, handing the slot back (a named
+  barrier) as soon as the tile is in their registers.
+Measured against the Triton pass in one process (dkv_pass_ws_gpu.json run 11, H100): 3.98 ms against 5.63
+(1.41x), exact to 5e-7 of 3.07; the whole backward 13.47 ms, 219 TFLOP/s (16.64 with the Triton pass).
+Alone, the GEMM side takes 1.9 ms; with no dS / P copies (wrong, a probe) the pass takes 3.6.
 """
 from __future__ import annotations
 
@@ -41,12 +43,14 @@ HEADS = 64  # the GEMMs' K: a program holds all of a token's heads
 BLOCK_N = 64  # keys a tile: the GEMMs' M
 COLS = 64  # dkv columns a GEMM (N): D_V // COLS value blocks and one rope block (D_R == COLS)
 GEMM_WARPS = gl.constexpr(4)  # the default partition (the launch's num_warps): one warpgroup
-# H100 (dkv_pass_ws_gpu.json runs 5-10): 1 value block a program 6.57 ms, 4 blocks 6.55 (67 MB of dkv at once),
-# 2 blocks 5.32; 8 loader or reducer warps, 2-slot rings all within 5.32-5.34; dS / P by cp.async 6.03,
-# EVICT "evict_last" 6.06; RED_POLICY "evict_last" 5.09 against "" (tl.atomic_add) 5.35. PROBE bits make the
-# result wrong and time a part: 1 no reductions, 2 no GEMMs, 4 no dS / P copies.
-SCHEDULE = dict(VALUE_BLOCKS=2, KEY_BANDS=0, ROPE_WITH_VALUES=False, STAGES=3, ACC_STAGES=3, REDUCER_WARPS=4, LOADER_WARPS=4, REDUCER_REGS=128,
-                LOADER_REGS=128, EVICT="evict_first", RED_POLICY="evict_last", PROBE=0)
+# H100 (dkv_pass_ws_gpu.json runs 11-12, against 4.01 ms): 4 / 6 / 7 / 10 bands 4.39 / 4.02 / 4.16 / 4.62; the
+# rope columns in a launch of their own 4.29; 8 reducer or loader warps 4.86, 2 loader warps 6.20; EVICT ""
+# 4.29; RED_POLICY "" 4.29; a 3-slot acc ring 4.01 (3-slot rings of both do not fit beside whole rows); no
+# bands, 2 value blocks a group (session 22) 5.13. PROBE bits make the result wrong and time a part: 1 no
+# reductions, 2 no GEMMs, 4 no dS / P copies.
+SCHEDULE = dict(VALUE_BLOCKS=8, KEY_BANDS=0, ROPE_WITH_VALUES=True, STAGES=2, ACC_STAGES=2, REDUCER_WARPS=4,
+                LOADER_WARPS=4, REDUCER_REGS=128, LOADER_REGS=128, EVICT="evict_first", RED_POLICY="evict_last",
+                PROBE=0)
 
 
 # The acc ring's `empty` signals are named barriers, not mbarriers: an mbarrier arrive is a CTA-scope
@@ -57,9 +61,9 @@ SCHEDULE = dict(VALUE_BLOCKS=2, KEY_BANDS=0, ROPE_WITH_VALUES=False, STAGES=3, A
 # Triton's warp specialisation uses ids 0-2; the ring's slots take the ids from 15 down.
 LAST_BARRIER_ID = gl.constexpr(15)
 # Key bands: the dkv rows split into bands of keys, the band slowest in the grid, so that a program may own
-# more columns (fewer dS / P reads) while the programs running at once still add into no more dkv than L2
-# holds well: 33.5 MB (128 of 64K rows' columns) measured at 3.0 ms of reductions, 151 MB at 7.5 (H100,
-# tma_reduce_probe_gpu.json). KEY_BANDS 0: as many as that takes (key_bands).
+# whole rows (dS / P read once) while the programs running at once still add into no more dkv than L2 holds
+# well: 33.5 MB measured at 3.0 ms of reductions, 151 MB at 7.5 (H100, tma_reduce_probe_gpu.json); with whole
+# rows at 64K keys that is 5 bands (30 MB; 4 bands, 38 MB: 4.39 ms against 4.01). KEY_BANDS 0: key_bands's.
 BAND_BYTES = 34 << 20
 
 

@@ -2,11 +2,11 @@
 Triton one, on one GPU; then the whole backward with each.
 
 On a GPU, `python bench/gpu/dkv_pass_gluon.py --out X.json`: on one 2048-token chunk of the kernels
-benchmark's inputs (4096 x top-2048 of a 64K context; four rows with -1 slots past 1000), dS / P from the
-dq pass, each schedule in SCHEDULES is checked against the Triton pass (its tuned config) and timed beside
-it; then `split_backward` over all 4096 tokens with dkv_impl "triton" and "gluon" (the default dq pass),
-timed one after the other, with the backward's TFLOP/s. `--compile-only` compiles each schedule for sm_90
-here (bench/kernel_resources.py) and prints its registers, spills and shared memory.
+benchmark's inputs (4096 x top-2048 of a 64K context; four rows with -1 slots, the rows sorted as
+split_backward sorts them for bands), dS / P from the dq pass, each schedule in SCHEDULES is checked against
+the Triton pass (its tuned config) and timed beside it; then `split_backward` over all 4096 tokens with each
+of BACKWARDS, timed one after the other, with the backward's TFLOP/s. `--compile-only` compiles each schedule
+for sm_90 here (bench/kernel_resources.py) and prints its registers, spills and shared memory.
 """
 from __future__ import annotations
 
@@ -17,24 +17,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.gpu.probe_cli import run_probe  # noqa: E402
-from kernels.sparse_mla_bwd_dkv_gluon import GEMM_WARPS, constexprs, dkv_pass, dkv_pass_kernel  # noqa: E402
+from kernels.sparse_mla_bwd_dkv_gluon import GEMM_WARPS, _launches, constexprs, dkv_pass, dkv_pass_kernel  # noqa: E402
 
-# the default (value columns in 4 groups of 2 x 64: on an H100 the programs running at once add into 33.5 MB
-# of dkv, which L2 holds; dS / P loaded through registers, L2 evict-first); wider groups over bands of keys
-# (KEY_BANDS: the grid's slowest axis, so that the programs running at once still add into 33.5 MB while
-# dS / P are read once a group: 8 blocks x 4 bands reads them once for all value columns); groups of 4 and 8
-# blocks without bands (67 / 134 MB at once); PROBE bits, each making the result wrong by design: 1 no
-# reductions (the GEMM side's rate), 4 no dS / P copies (what streaming them through L2 costs)
-WIDE = {"VALUE_BLOCKS": 8, "KEY_BANDS": 4, "STAGES": 2, "ACC_STAGES": 2}
-# whole rows, rope columns too, in one launch (bands by key_bands's rule: 5 at 64K keys)
-WHOLE = {"VALUE_BLOCKS": 8, "ROPE_WITH_VALUES": True, "STAGES": 2, "ACC_STAGES": 2}
-SCHEDULES = [{}, WIDE, WHOLE, WHOLE | {"KEY_BANDS": 4}, WHOLE | {"KEY_BANDS": 8}, {"VALUE_BLOCKS": 8, "KEY_BANDS": 4},
-             {"VALUE_BLOCKS": 8, "KEY_BANDS": 8, "STAGES": 2, "ACC_STAGES": 2},
-             {"VALUE_BLOCKS": 8, "KEY_BANDS": 2, "STAGES": 2, "ACC_STAGES": 2}, {"VALUE_BLOCKS": 4, "KEY_BANDS": 2},
-             {"VALUE_BLOCKS": 4, "KEY_BANDS": 4}, {"VALUE_BLOCKS": 2, "KEY_BANDS": 2},
-             {"PROBE": 1}, {"PROBE": 4}, WHOLE | {"PROBE": 1}, WHOLE | {"PROBE": 4}]
-# the whole backward with the default schedule, WIDE and WHOLE (through SCHEDULE, as split_backward reads it)
-BACKWARDS = [("triton", {}), ("gluon", {}), ("gluon", WIDE), ("gluon", WHOLE)]
+# the default: whole rows a program (8 value blocks and the rope block, one launch; dS / P read once), over
+# bands of keys so that the programs running at once add into at most BAND_BYTES of dkv (5 bands at 64K keys);
+# other band counts (on the H200, whose HBM is 1.4x faster, fewer may do); the rope columns in a launch of their
+# own; session 22's layout (groups of 2 x 64 value columns, no bands: 33.5 MB at once, dS / P read 5 times) and
+# its groups of 4; PROBE bits, each making the result wrong by design: 1 no reductions (the GEMM side's rate),
+# 4 no dS / P copies (what streaming them through L2 costs)
+S22 = {"VALUE_BLOCKS": 2, "ROPE_WITH_VALUES": False, "STAGES": 3, "ACC_STAGES": 3}
+SCHEDULES = [{}, {"KEY_BANDS": 3}, {"KEY_BANDS": 4}, {"KEY_BANDS": 6}, {"KEY_BANDS": 8},
+             {"ROPE_WITH_VALUES": False, "KEY_BANDS": 4}, S22, S22 | {"VALUE_BLOCKS": 4}, {"PROBE": 1}, {"PROBE": 4}]
+# the whole backward with the Triton dkv pass, the default and session 22's layout (through SCHEDULE, as
+# split_backward reads it)
+BACKWARDS = [("triton", {}), ("gluon", {}), ("gluon", S22)]
 
 
 def compile_only() -> int:
@@ -45,7 +41,7 @@ def compile_only() -> int:
             "stride_dot": H * 512, "stride_doh": 512, "stride_it": K, "stride_st": H * K, "stride_dkv": 576,
             "col_base": 0, "seg_ptr": Ptr("i32"), "stride_seg": 5}
     for sch in SCHEDULES:
-        for with_p in (True, False)[:1 if sch.get("ROPE_WITH_VALUES") else 2]:
+        for with_p, _ in _launches(sch):
             print(json.dumps({"schedule": sch, "value_columns": with_p,
                               **compile_sm90(dkv_pass_kernel, args, constexprs(with_p, **sch), GEMM_WARPS.value, 1)}))
     return 0
@@ -100,19 +96,7 @@ def measure() -> dict:
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[-1][:300] if str(exc) else ''}"
         result["gluon"].append(row)
         print(json.dumps(row), flush=True)
-    # the two launches of the default schedule alone: value columns (4 groups of 128) and rope columns
     from kernels import sparse_mla_bwd_dkv_gluon as dg
-    dkv = torch.zeros_like(dkv0)
-    launch_args = (q[:n], dout[:n], idx[:n], ds, p, dkv, K, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1),
-                   idx.stride(0), ds.stride(0), dkv.stride(0))
-    unbanded = (idx, idx.stride(0))  # seg_ptr, stride_seg: unread
-    value, rope = dg.constexprs(True), dg.constexprs(False)
-    result["launch_ms"] = {
-        "value": round(triton.testing.do_bench(lambda: dkv_pass_kernel[(n, DV // (value["P_BLOCKS"] * dg.COLS))](
-            *launch_args, 0, *unbanded, **value, num_warps=dg.GEMM_WARPS.value), warmup=5, rep=50), 4),
-        "rope": round(triton.testing.do_bench(lambda: dkv_pass_kernel[(n, 1)](*launch_args, DV, *unbanded, **rope, num_warps=dg.GEMM_WARPS.value),
-                                              warmup=5, rep=50), 4)}
-    print(json.dumps(result["launch_ms"]), flush=True)
     bwd_flops = sparse_mla_bwd_flops(T, H, K)
     result["backward"] = {"tokens": T, "flops": bwd_flops}
     grads = {}

@@ -3,9 +3,13 @@
 # any other card so that a call that gets an H100 costs only the machine's start. Writes under $OUT:
 # kernels_indexer.json (indexer family: the top-k's share of the copy rate), kernels_mla.json (sparse MLA
 # forward and every backward impl), dq_pass_gluon.json and dkv_pass_gluon.json (the Gluon dq and dkv passes'
-# schedules against the Triton passes; on the H200 the dkv pass's best column group may differ).
+# schedules against the Triton passes; on the H200 the dkv pass's best band count may differ).
 # Merge into bench/results/kernels.json by hand (the files carry the machine and versions).
+# Arguments name the parts (default: all, about 650 s: more than one call): `mla` (bench.kernels' sparse MLA
+# forward and backward, about 170 s), `indexer` (its indexer family, about 280 s), `dq`, `dkv` (the two Gluon
+# passes' probes).
 set -u
+PARTS=" ${*:-mla indexer dq dkv} "
 OUT=${OUT:?set OUT}
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "GPU: $GPU"
@@ -13,7 +17,8 @@ case "$GPU" in *H200*) ;; *) echo "not an H200: nothing run"; exit 0 ;; esac
 bash bench/gpu/pending.sh stage > "$OUT/stage.log" 2>&1
 export PYTHONPATH=$PWD:/tmp/site2:/tmp/site PYTHONUNBUFFERED=1
 run() { local name=$1 t=$2; shift 2; timeout -k 20 "$t" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc $?"; tail -3 "$OUT/$name.log"; }
-run kernels_mla 170 python3 -m bench.kernels --only sparse_mla,sparse_mla_bwd --out "$OUT/kernels_mla.json"
-run kernels_indexer 280 python3 -m bench.kernels --only indexer --out "$OUT/kernels_indexer.json"
-run dq_gluon 90 python3 bench/gpu/dq_pass_gluon.py --out "$OUT/dq_pass_gluon.json"
-run dkv_gluon 200 python3 bench/gpu/dkv_pass_gluon.py --out "$OUT/dkv_pass_gluon.json"
+want() { case "$PARTS" in *" $1 "*) return 0 ;; esac; return 1; }
+want mla && run kernels_mla 170 python3 -m bench.kernels --only sparse_mla,sparse_mla_bwd --out "$OUT/kernels_mla.json"
+want indexer && run kernels_indexer 280 python3 -m bench.kernels --only indexer --out "$OUT/kernels_indexer.json"
+want dq && run dq_gluon 90 python3 bench/gpu/dq_pass_gluon.py --out "$OUT/dq_pass_gluon.json"
+want dkv && run dkv_gluon 250 python3 bench/gpu/dkv_pass_gluon.py --out "$OUT/dkv_pass_gluon.json"

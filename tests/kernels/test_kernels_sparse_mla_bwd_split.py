@@ -110,22 +110,25 @@ def test_the_gluon_dkv_pass_is_the_default_only_at_64_heads(monkeypatch, device)
         spl.split_backward(q, kv, idx, dout, lse, lse, 0.1, 16, dkv_impl="gluon")  # 16 heads
 
 
-def test_the_gluon_dkv_pass_bands_keys_so_that_the_programs_at_once_add_into_band_bytes(monkeypatch):
+def test_the_gluon_dkv_pass_bands_keys_so_that_the_programs_at_once_add_into_band_bytes():
     from kernels import sparse_mla_bwd_dkv_gluon as dg
-    # 64K keys: 128 columns a program fit in one band (33.5 MB), whole value rows take 4 bands, rope 1
-    assert dg.key_bands(65536, 128) == 1 and dg.key_bands(65536, 512) == 4 and dg.key_bands(65536, 64) == 1
-    assert dg.key_bands(131072, 128) == 2 and dg.key_bands(1, 512) == 1
-    assert not dg.needs_sorted_rows(65536)  # the default schedule: no bands, any row order
-    assert dg.needs_sorted_rows(65536, VALUE_BLOCKS=8) and dg.needs_sorted_rows(4096, KEY_BANDS=2)
-    assert dg.needs_sorted_rows(600_000)  # even the rope launch needs bands
-    assert dg.constexprs(True, VALUE_BLOCKS=8, KEY_BANDS=4)["BANDED"] and not dg.constexprs(True)["BANDED"]
+    # 64K keys: 128 columns a program fit in one band (33.5 MB), 512 take 4 bands, whole rows (576) 5
+    assert dg.key_bands(65536, 128) == 1 and dg.key_bands(65536, 512) == 4 and dg.key_bands(65536, 576) == 5
+    assert dg.key_bands(131072, 128) == 2 and dg.key_bands(1, 576) == 1 and dg.key_bands(65536, 64) == 1
+    # the default: whole rows (8 value blocks and the rope block) in one launch, banded by the rule
+    assert dg.constexprs(True)["NBLK"] == 9 and dg.constexprs(True)["P_BLOCKS"] == 8
+    assert dg._launches({}) == [(True, 0)] and dg._bands(65536, True, {}) == 5
+    assert dg.needs_sorted_rows(65536) and not dg.needs_sorted_rows(8192)  # 8K keys: 18.9 MB, one band
+    assert dg.needs_sorted_rows(8192, KEY_BANDS=2) and not dg.constexprs(True)["BANDED"]
+    assert dg.constexprs(True, KEY_BANDS=4)["BANDED"]
+    # the rope columns apart: a launch of their own, banded by its own width
+    apart = dict(VALUE_BLOCKS=2, ROPE_WITH_VALUES=False)
+    assert dg._launches(apart) == [(True, 0), (False, 512)] and dg.constexprs(False, **apart)["P_BLOCKS"] == 0
+    assert not dg.needs_sorted_rows(65536, **apart) and dg.needs_sorted_rows(600_000, **apart)
     with pytest.raises(ValueError, match="unknown Gluon dkv pass schedule keys .*'BANDS'"):
         dg.constexprs(True, BANDS=2)
-    whole = dict(VALUE_BLOCKS=8, ROPE_WITH_VALUES=True)  # one launch of 9 blocks: 151 MB of rows in 5 bands
-    assert dg.constexprs(True, **whole)["NBLK"] == 9 and dg.constexprs(True, **whole)["P_BLOCKS"] == 8
-    assert dg._bands(65536, True, whole) == 5 and dg._launches(whole) == [(True, 0)]
     with pytest.raises(ValueError, match="ROPE_WITH_VALUES needs one group of all value columns: VALUE_BLOCKS=8"):
-        dg.constexprs(True, ROPE_WITH_VALUES=True)
+        dg.constexprs(True, VALUE_BLOCKS=2)
 
 
 def test_delta_kernel_is_the_fp32_row_sum(device):
@@ -194,14 +197,14 @@ def test_gluon_dq_pass_matches_the_triton_pass_and_the_reference(T, heads, S, K,
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("T,S,K,holes", [(64, 4096, 2048, True), (40, 3000, 300, True), (16, 512, 3, False)])
-@pytest.mark.parametrize("schedule", [{}, {"BAND_BYTES": 300_000},
-                                      {"VALUE_BLOCKS": 8, "KEY_BANDS": 3, "STAGES": 2, "ACC_STAGES": 2},
-                                      {"VALUE_BLOCKS": 8, "ROPE_WITH_VALUES": True, "STAGES": 2, "ACC_STAGES": 2,
-                                       "BAND_BYTES": 1_000_000}])
+@pytest.mark.parametrize("schedule", [{}, {"BAND_BYTES": 1_000_000}, {"KEY_BANDS": 3},
+                                      {"VALUE_BLOCKS": 2, "ROPE_WITH_VALUES": False, "STAGES": 3, "ACC_STAGES": 3},
+                                      {"VALUE_BLOCKS": 2, "ROPE_WITH_VALUES": False, "BAND_BYTES": 300_000}])
 def test_gluon_dkv_pass_matches_the_triton_pass_and_the_reference(T, S, K, holes, schedule, monkeypatch):
-    # schedule: the default; bands of keys in both launches (a small BAND_BYTES); whole value rows a program
-    # over 3 bands (edges off any power of two); whole rows, rope columns too, in one launch. Banded,
-    # split_backward sorts the rows (holes come first).
+    # schedule: the default (whole rows a program, rope columns too, one launch; bands only past 18 MB of
+    # dkv); the same over bands (a small BAND_BYTES; 3 bands: edges off any power of two); groups of 128 value
+    # columns with the rope columns apart, without and with bands in both launches. Banded, split_backward
+    # sorts the rows (holes come first).
     from kernels import sparse_mla_bwd_dkv_gluon as dg
     from kernels.sparse_mla import sparse_mla_forward
     q, kv, idx = _inputs("cuda", T, S, 64, 512, 64, K)
