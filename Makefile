@@ -17,7 +17,7 @@ test-slow-lanes: setup
 	bash scripts/test_slow.sh
 
 lint: setup
-	.venv/bin/ruff check agentrl envs launchers kernels tests
+	.venv/bin/ruff check agentrl bench envs launchers kernels tests
 
 clean:
 	rm -rf .venv .pytest_cache

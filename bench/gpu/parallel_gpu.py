@@ -33,10 +33,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-
-import torch
 
 RECORDED = ROOT / "bench/results/megatron.json"
 GLM_WIDTH = {"hidden": 6144, "inner": 2048, "tokens": 8192, "topk": 8}

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.gpu.async_vs_sync_gpu import GPU_SETS, RECIPE, stop_code  # after the path fix above
-from bench.partial import VARIANTS
+from bench.gpu.async_vs_sync_gpu import GPU_SETS, RECIPE, stop_code  # noqa: E402 -- after the path fix above
+from bench.partial import VARIANTS  # noqa: E402
 
 WHAT = ("partial rollout on one H200: one trainer rank + embedded engine sharing the GPU (gpu_smoke), "
         "the multi-turn turns env (no sandbox)")
