@@ -46,11 +46,13 @@ GEMM_WARPS = gl.constexpr(4)  # the default partition (the launch's num_warps): 
 # H100 (dkv_pass_ws_gpu.json runs 11-12, against 4.01 ms): 4 / 6 / 7 / 10 bands 4.39 / 4.02 / 4.16 / 4.62; the
 # rope columns in a launch of their own 4.29; 8 reducer or loader warps 4.86, 2 loader warps 6.20; EVICT ""
 # 4.29; RED_POLICY "" 4.29; a 3-slot acc ring 4.01 (3-slot rings of both do not fit beside whole rows); no
-# bands, 2 value blocks a group (session 22) 5.13. PROBE bits make the result wrong and time a part: 1 no
+# bands, 2 value blocks a group (session 22) 5.13. QDO_EVICT: the token's q / dO columns (139 KB a program,
+# loaded again by each band's program: 1.4 GB a chunk) by cp.async ("") or through registers with that L2
+# policy. PROBE bits make the result wrong and time a part: 1 no
 # reductions, 2 no GEMMs, 4 no dS / P copies.
 SCHEDULE = dict(VALUE_BLOCKS=8, KEY_BANDS=0, ROPE_WITH_VALUES=True, STAGES=2, ACC_STAGES=2, REDUCER_WARPS=4,
                 LOADER_WARPS=4, REDUCER_REGS=128, LOADER_REGS=128, EVICT="evict_first", RED_POLICY="evict_last",
-                PROBE=0)
+                QDO_EVICT="", PROBE=0)
 
 
 # The acc ring's `empty` signals are named barriers, not mbarriers: an mbarrier arrive is a CTA-scope
@@ -212,13 +214,17 @@ def _reduce(idx_row, n_idx, i0, n_tiles, start, end, dkv_ptr, stride_dkv, col0, 
 
 
 @gluon.jit
-def _columns_to_shared(smem, base, stride_row, col0):
-    """smem [rows, COLS] = base's rows, columns col0 .. col0 + COLS (cp.async: the caller waits)."""
+def _columns_to_shared(smem, base, stride_row, col0, EVICT: gl.constexpr):
+    """smem [rows, COLS] = base's rows, columns col0 .. col0 + COLS: by cp.async (EVICT "": the caller waits),
+    else through registers with that L2 policy (cp.async takes none in Gluon 3.6)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (smem.shape[1] // 8), smem.shape[1] // 8],
                                             [gl.num_warps(), 1], [1, 0])
     r = gl.arange(0, smem.shape[0], layout=gl.SliceLayout(1, layout))
     c = col0 + gl.arange(0, smem.shape[1], layout=gl.SliceLayout(0, layout))
-    cp.async_copy_global_to_shared(smem, base + r[:, None] * stride_row + c[None, :])
+    if EVICT == "":
+        cp.async_copy_global_to_shared(smem, base + r[:, None] * stride_row + c[None, :])
+    else:
+        smem.store(gl.load(base + r[:, None] * stride_row + c[None, :], eviction_policy=EVICT))
 
 
 @gluon.jit
@@ -228,7 +234,7 @@ def dkv_pass_kernel(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx, strid
                     BLOCK_N: gl.constexpr, COLS: gl.constexpr, NBLK: gl.constexpr, P_BLOCKS: gl.constexpr,
                     STAGES: gl.constexpr, ACC_STAGES: gl.constexpr, REDUCER_WARPS: gl.constexpr,
                     LOADER_WARPS: gl.constexpr, REDUCER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                    EVICT: gl.constexpr, RED_POLICY: gl.constexpr, PROBE: gl.constexpr):
+                    EVICT: gl.constexpr, RED_POLICY: gl.constexpr, QDO_EVICT: gl.constexpr, PROBE: gl.constexpr):
     """Program (token, group, band): dkv columns col_base + group * NBLK * COLS on, NBLK blocks of COLS (the
     first P_BLOCKS value columns, dS^T q + P^T dO; the others dS^T q: rope columns), from the token's slots
     seg[t, band] .. seg[t, band + 1] (BANDED; else all of them)."""
@@ -263,9 +269,9 @@ def dkv_pass_kernel(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx, strid
     for a in gl.static_range(ACC_STAGES):
         mbarrier.init(acc_full.index(a), count=1)
     for c in gl.static_range(NBLK):
-        _columns_to_shared(q_blk.index(c), q_ptr + t * stride_qt, stride_qh, col0 + c * COLS)
+        _columns_to_shared(q_blk.index(c), q_ptr + t * stride_qt, stride_qh, col0 + c * COLS, QDO_EVICT)
         if c < P_BLOCKS:
-            _columns_to_shared(do_blk.index(c), do_ptr + t * stride_dot, stride_doh, col0 + c * COLS)
+            _columns_to_shared(do_blk.index(c), do_ptr + t * stride_dot, stride_doh, col0 + c * COLS, QDO_EVICT)
     cp.commit_group()
     cp.wait_group(0)
     fence_async_shared()

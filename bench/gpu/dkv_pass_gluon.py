@@ -22,12 +22,13 @@ from kernels.sparse_mla_bwd_dkv_gluon import GEMM_WARPS, _launches, constexprs, 
 # the default: whole rows a program (8 value blocks and the rope block, one launch; dS / P read once), over
 # bands of keys so that the programs running at once add into at most BAND_BYTES of dkv (5 bands at 64K keys);
 # other band counts (on the H200, whose HBM is 1.4x faster, fewer may do); the rope columns in a launch of their
-# own; session 22's layout (groups of 2 x 64 value columns, no bands: 33.5 MB at once, dS / P read 5 times) and
+# own; q / dO loaded through registers with an L2 policy; session 22's layout (groups of 2 x 64 value columns, no bands: 33.5 MB at once, dS / P read 5 times) and
 # its groups of 4; PROBE bits, each making the result wrong by design: 1 no reductions (the GEMM side's rate),
 # 4 no dS / P copies (what streaming them through L2 costs)
 S22 = {"VALUE_BLOCKS": 2, "ROPE_WITH_VALUES": False, "STAGES": 3, "ACC_STAGES": 3}
 SCHEDULES = [{}, {"KEY_BANDS": 3}, {"KEY_BANDS": 4}, {"KEY_BANDS": 6}, {"KEY_BANDS": 8},
-             {"ROPE_WITH_VALUES": False, "KEY_BANDS": 4}, S22, S22 | {"VALUE_BLOCKS": 4}, {"PROBE": 1}, {"PROBE": 4}]
+             {"ROPE_WITH_VALUES": False, "KEY_BANDS": 4}, {"QDO_EVICT": "evict_first"}, {"QDO_EVICT": "evict_first", "KEY_BANDS": 4},
+             S22, S22 | {"VALUE_BLOCKS": 4}, {"PROBE": 1}, {"PROBE": 4}]
 # the whole backward with the Triton dkv pass, the default and session 22's layout (through SCHEDULE, as
 # split_backward reads it)
 BACKWARDS = [("triton", {}), ("gluon", {}), ("gluon", S22)]
