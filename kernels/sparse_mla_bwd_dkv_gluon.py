@@ -48,8 +48,7 @@ GEMM_WARPS = gl.constexpr(4)  # the default partition (the launch's num_warps): 
 # 4.29; RED_POLICY "" 4.29; a 3-slot acc ring 4.01 (3-slot rings of both do not fit beside whole rows); no
 # bands, 2 value blocks a group (session 22) 5.13. QDO_EVICT: the token's q / dO columns (139 KB a program,
 # loaded again by each band's program: 1.4 GB a chunk) by cp.async ("") or through registers with that L2
-# policy. PROBE bits make the result wrong and time a part: 1 no
-# reductions, 2 no GEMMs, 4 no dS / P copies.
+# policy. PROBE bits make the result wrong and time a part: 1 no reductions, 2 no GEMMs, 4 no dS / P copies.
 SCHEDULE = dict(VALUE_BLOCKS=8, KEY_BANDS=0, ROPE_WITH_VALUES=True, STAGES=2, ACC_STAGES=2, REDUCER_WARPS=4,
                 LOADER_WARPS=4, REDUCER_REGS=128, LOADER_REGS=128, EVICT="evict_first", RED_POLICY="evict_last",
                 QDO_EVICT="", PROBE=0)
@@ -186,8 +185,8 @@ def _red_add_evict_last(ptrs, vals, live):
 
 
 @gluon.jit
-def _reduce(idx_row, n_idx, i0, n_tiles, start, end, dkv_ptr, stride_dkv, col0, acc_ring, acc_full, BLOCK_N: gl.constexpr,
-            COLS: gl.constexpr, NBLK: gl.constexpr, ACC_STAGES: gl.constexpr, N_THREADS: gl.constexpr,
+def _reduce(idx_row, n_idx, i0, n_tiles, start, end, dkv_ptr, stride_dkv, col0, acc_ring, acc_full,
+            BLOCK_N: gl.constexpr, COLS: gl.constexpr, NBLK: gl.constexpr, ACC_STAGES: gl.constexpr, N_THREADS: gl.constexpr,
             WARPS: gl.constexpr, RED_POLICY: gl.constexpr, PROBE: gl.constexpr):
     """Each fp32 tile of the acc ring into its keys' dkv rows, 16-byte reductions: the tiles i0 .. i0 + n_tiles
     of the token's slots, the keys of slots start .. end only (the program's band)."""
@@ -230,8 +229,8 @@ def _columns_to_shared(smem, base, stride_row, col0, EVICT: gl.constexpr):
 @gluon.jit
 def dkv_pass_kernel(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx, stride_qt, stride_qh, stride_dot,
                     stride_doh, stride_it, stride_st, stride_dkv, col_base, seg_ptr, stride_seg,
-                    BANDED: gl.constexpr, HEADS: gl.constexpr,
-                    BLOCK_N: gl.constexpr, COLS: gl.constexpr, NBLK: gl.constexpr, P_BLOCKS: gl.constexpr,
+                    BANDED: gl.constexpr, HEADS: gl.constexpr, BLOCK_N: gl.constexpr, COLS: gl.constexpr,
+                    NBLK: gl.constexpr, P_BLOCKS: gl.constexpr,
                     STAGES: gl.constexpr, ACC_STAGES: gl.constexpr, REDUCER_WARPS: gl.constexpr,
                     LOADER_WARPS: gl.constexpr, REDUCER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                     EVICT: gl.constexpr, RED_POLICY: gl.constexpr, QDO_EVICT: gl.constexpr, PROBE: gl.constexpr):
@@ -279,10 +278,10 @@ def dkv_pass_kernel(q_ptr, do_ptr, idx_ptr, ds_ptr, p_ptr, dkv_ptr, n_idx, strid
     gl.warp_specialize(
         [(_gemms, (n_tiles, q_blk, do_blk, ds_ring, p_ring, acc_ring, dsp_full, dsp_empty, acc_full, BLOCK_N, COLS,
                    NBLK, STAGES, ACC_STAGES, N_THREADS, P_BLOCKS, PROBE)),
-         (_reduce, (idx_ptr + t * stride_it, n_idx, i0, n_tiles, start, end, dkv_ptr, stride_dkv, col0, acc_ring, acc_full, BLOCK_N, COLS,
-                    NBLK, ACC_STAGES, N_THREADS, REDUCER_WARPS, RED_POLICY, PROBE)),
-         (_load_tiles, (ds_ptr + t * stride_st, p_ptr + t * stride_st, n_idx, i0, n_tiles, ds_ring, p_ring, dsp_full, dsp_empty,
-                        HEADS, BLOCK_N, STAGES, WITH_P, EVICT, LOADER_WARPS, PROBE))],
+         (_reduce, (idx_ptr + t * stride_it, n_idx, i0, n_tiles, start, end, dkv_ptr, stride_dkv, col0, acc_ring,
+                    acc_full, BLOCK_N, COLS, NBLK, ACC_STAGES, N_THREADS, REDUCER_WARPS, RED_POLICY, PROBE)),
+         (_load_tiles, (ds_ptr + t * stride_st, p_ptr + t * stride_st, n_idx, i0, n_tiles, ds_ring, p_ring, dsp_full,
+                        dsp_empty, HEADS, BLOCK_N, STAGES, WITH_P, EVICT, LOADER_WARPS, PROBE))],
         [REDUCER_WARPS, LOADER_WARPS], [REDUCER_REGS, LOADER_REGS])
 
 
@@ -298,8 +297,11 @@ def _launches(schedule: dict) -> list[tuple[bool, int]]:
 
 
 def _bands(n_keys: int, with_p: bool, schedule: dict) -> int:
-    cx = constexprs(with_p, False, **schedule)
-    return (with_p and (SCHEDULE | schedule)["KEY_BANDS"]) or key_bands(n_keys, cx["NBLK"] * COLS)
+    """The bands of a launch: KEY_BANDS for the value launch where it is set, else key_bands over its width."""
+    fixed = (SCHEDULE | schedule)["KEY_BANDS"]
+    if with_p and fixed:
+        return fixed
+    return key_bands(n_keys, constexprs(with_p, False, **schedule)["NBLK"] * COLS)
 
 
 def needs_sorted_rows(n_keys: int, **schedule) -> bool:
@@ -344,8 +346,8 @@ def dkv_pass(q: torch.Tensor, grad_out: torch.Tensor, idx: torch.Tensor, ds: tor
              dkv: torch.Tensor, **schedule) -> None:
     """dkv += the dkv pass over q's tokens (64 heads) from their dS / P scratch rows [tokens, heads, topk]
     (contiguous inputs, as split_backward passes them; n_idx >= 1): the value columns in groups of
-    VALUE_BLOCKS x COLS, then the rope columns (or with the values: ROPE_WITH_VALUES), each launch's programs over bands of dkv rows when
-    needs_sorted_rows (then idx's rows must be ascending, -1 slots first)."""
+    VALUE_BLOCKS x COLS, then the rope columns (or with the values: ROPE_WITH_VALUES), each launch's programs
+    over bands of dkv rows where needs_sorted_rows (then idx's rows must be ascending, -1 slots first)."""
     n, n_keys = q.shape[0], dkv.shape[0]
     args = (q, grad_out, idx, ds, p, dkv, idx.shape[1], q.stride(0), q.stride(1), grad_out.stride(0),
             grad_out.stride(1), idx.stride(0), ds.stride(0), dkv.stride(0))

@@ -16,18 +16,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.gpu.probe_cli import run_probe  # noqa: E402
+from bench.gpu.probe_cli import run_probe, schedule_row  # noqa: E402
+from kernels import sparse_mla_bwd_dkv_gluon as dg  # noqa: E402
 from kernels.sparse_mla_bwd_dkv_gluon import GEMM_WARPS, _launches, constexprs, dkv_pass, dkv_pass_kernel  # noqa: E402
 
 # the default: whole rows a program (8 value blocks and the rope block, one launch; dS / P read once), over
 # bands of keys so that the programs running at once add into at most BAND_BYTES of dkv (5 bands at 64K keys);
 # other band counts (on the H200, whose HBM is 1.4x faster, fewer may do); the rope columns in a launch of their
-# own; q / dO loaded through registers with an L2 policy; session 22's layout (groups of 2 x 64 value columns, no bands: 33.5 MB at once, dS / P read 5 times) and
-# its groups of 4; PROBE bits, each making the result wrong by design: 1 no reductions (the GEMM side's rate),
-# 4 no dS / P copies (what streaming them through L2 costs)
+# own; q / dO loaded through registers with an L2 policy; session 22's layout (groups of 2 x 64 value columns,
+# no bands: 33.5 MB at once, dS / P read 5 times) and its groups of 4; PROBE bits, each making the result wrong
+# by design: 1 no reductions (the GEMM side's rate), 4 no dS / P copies (what streaming them through L2 costs)
 S22 = {"VALUE_BLOCKS": 2, "ROPE_WITH_VALUES": False, "STAGES": 3, "ACC_STAGES": 3}
 SCHEDULES = [{}, {"KEY_BANDS": 3}, {"KEY_BANDS": 4}, {"KEY_BANDS": 6}, {"KEY_BANDS": 8},
-             {"ROPE_WITH_VALUES": False, "KEY_BANDS": 4}, {"QDO_EVICT": "evict_first"}, {"QDO_EVICT": "evict_first", "KEY_BANDS": 4},
+             {"ROPE_WITH_VALUES": False, "KEY_BANDS": 4}, {"QDO_EVICT": "evict_first"},
+             {"QDO_EVICT": "evict_first", "KEY_BANDS": 4},
              S22, S22 | {"VALUE_BLOCKS": 4}, {"PROBE": 1}, {"PROBE": 4}]
 # the whole backward with the Triton dkv pass, the default and session 22's layout (through SCHEDULE, as
 # split_backward reads it)
@@ -84,20 +86,11 @@ def measure() -> dict:
               "gluon": []}
     print(json.dumps(result["triton"]), flush=True)
     for sch in SCHEDULES:
-        row = {"schedule": sch}
-        try:
-            dkv = torch.zeros_like(dkv0)
-            dkv_pass(q[:n], dout[:n], idx[:n], ds, p, dkv, **sch)
-            row |= {"max_abs_diff": float((dkv - dkv0).abs().max()), "max_abs": scale_ref}
-            ms = triton.testing.do_bench(lambda sch=sch: dkv_pass(q[:n], dout[:n], idx[:n], ds, p, dkv, **sch),
-                                         warmup=5, rep=50)
-            row |= {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
-                    "speedup_over_triton": round(result["triton"]["ms"] / ms, 3)}
-        except Exception as exc:  # noqa: BLE001 -- a schedule that fails to compile or run is a finding
-            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[-1][:300] if str(exc) else ''}"
-        result["gluon"].append(row)
-        print(json.dumps(row), flush=True)
-    from kernels import sparse_mla_bwd_dkv_gluon as dg
+        dkv = torch.zeros_like(dkv0)
+        result["gluon"].append(schedule_row(
+            sch, lambda dkv=dkv, **s: dkv_pass(q[:n], dout[:n], idx[:n], ds, p, dkv, **s),
+            lambda dkv=dkv: {"max_abs_diff": float((dkv - dkv0).abs().max()), "max_abs": scale_ref},
+            flops, result["triton"]["ms"], warmup=5, rep=50))
     bwd_flops = sparse_mla_bwd_flops(T, H, K)
     result["backward"] = {"tokens": T, "flops": bwd_flops}
     grads = {}

@@ -16,7 +16,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.gpu.probe_cli import run_probe  # noqa: E402
+from bench.gpu.probe_cli import run_probe, schedule_row  # noqa: E402
 from kernels.sparse_mla_bwd_gluon import constexprs, dq_pass, dq_pass_kernel  # noqa: E402
 
 # the default; 16-row copies; 88 producer registers (the consumers get 208 and spill 40 bytes); 40 and 72; a
@@ -73,21 +73,13 @@ def measure() -> dict:
     print(json.dumps(result["triton"]), flush=True)
     for sch in SCHEDULES:
         ds, p, dq = torch.empty_like(ds0), torch.empty_like(p0), torch.empty_like(q)
-        row = {"schedule": sch}
-        try:
-            dq_pass(q, kv, idx, dout, lse, delta, dq, ds, p, scale, **sch)
-            row |= {"max_abs_diff_dq": float((dq.float() - dq0.float()).abs().max()),
-                    "max_abs_dq": float(dq0.float().abs().max()),
-                    "max_abs_diff_ds": float((ds.float() - ds0.float()).abs().max()),
-                    "max_abs_diff_p": float((p.float() - p0.float()).abs().max())}
-            ms = triton.testing.do_bench(lambda sch=sch: dq_pass(q, kv, idx, dout, lse, delta, dq, ds, p, scale, **sch),
-                                         warmup=10, rep=100)
-            row |= {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
-                    "speedup_over_triton": round(result["triton"]["ms"] / ms, 3)}
-        except Exception as exc:  # noqa: BLE001 -- a schedule that fails to compile or run is a finding
-            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[-1][:300] if str(exc) else ''}"
-        result["gluon"].append(row)
-        print(json.dumps(row), flush=True)
+        result["gluon"].append(schedule_row(
+            sch, lambda ds=ds, p=p, dq=dq, **s: dq_pass(q, kv, idx, dout, lse, delta, dq, ds, p, scale, **s),
+            lambda ds=ds, p=p, dq=dq: {"max_abs_diff_dq": float((dq.float() - dq0.float()).abs().max()),
+                                       "max_abs_dq": float(dq0.float().abs().max()),
+                                       "max_abs_diff_ds": float((ds.float() - ds0.float()).abs().max()),
+                                       "max_abs_diff_p": float((p.float() - p0.float()).abs().max())},
+            flops, result["triton"]["ms"], warmup=10, rep=100))
     return result
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 
 def run_probe(doc: str, argv: list[str] | None, compile_only: Callable[[], int],
@@ -20,3 +20,23 @@ def run_probe(doc: str, argv: list[str] | None, compile_only: Callable[[], int],
         ap.error("--out is required unless --compile-only")
     a.out.write_text(json.dumps(measure(), indent=1) + "\n")
     return 0
+
+
+def schedule_row(schedule: dict, run: Callable[..., Any], check: Callable[[], dict], flops: float,
+                 baseline_ms: float, warmup: int, rep: int) -> dict:
+    """One schedule's report row, printed: run(**schedule) once, check() -> its differences from the reference,
+    then its time (triton's do_bench), TFLOP/s and speedup over baseline_ms; a schedule that fails to compile
+    or run reports its error (a finding, not a crash)."""
+    import triton
+
+    row: dict[str, Any] = {"schedule": schedule}
+    try:
+        run(**schedule)
+        row |= check()
+        ms = triton.testing.do_bench(lambda: run(**schedule), warmup=warmup, rep=rep)
+        row |= {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
+                "speedup_over_triton": round(baseline_ms / ms, 3)}
+    except Exception as exc:  # noqa: BLE001 -- a schedule that fails to compile or run is a finding
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[-1][:300] if str(exc) else ''}"
+    print(json.dumps(row), flush=True)
+    return row
