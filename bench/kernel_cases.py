@@ -265,8 +265,11 @@ def bench_sparse_mla(torch, dev, sh, timer) -> Iterator[dict]:
 
 def _bench_sparse_mla_one(torch, dev, sh, timer, S) -> dict:
     from kernels.sparse_mla import (
+        FWD_IMPLS,
+        GLUON_FWD_IMPLS,
         default_forward_impl,
         default_sm_scale,
+        gluon_runs,
         reference_sparse_mla,
         sparse_mla_flops,
         sparse_mla_forward,
@@ -286,10 +289,21 @@ def _bench_sparse_mla_one(torch, dev, sh, timer, S) -> dict:
     ms = timer(lambda: sparse_mla_forward(q, kv, idx, scale, d_v=dv))
     # the Triton kernel beside the default (the Gluon one where it runs), same inputs
     triton_ms = timer(lambda: sparse_mla_forward(q, kv, idx, scale, d_v=dv, impl="triton"))
+    default = default_forward_impl(q, kv, dv)
+    others = {}  # every other Gluon kernel that runs here, checked and timed on the same inputs
+    for impl in FWD_IMPLS:
+        if impl == default or impl not in GLUON_FWD_IMPLS or not gluon_runs(q, kv, dv):
+            continue
+        o_out, o_lse = sparse_mla_forward(q, kv, idx, scale, d_v=dv, impl=impl)
+        o_err = float((o_out[:n].float() - ref_out.float()).abs().max())
+        o_ms = timer(lambda impl=impl: sparse_mla_forward(q, kv, idx, scale, d_v=dv, impl=impl))
+        others[impl] = {"ms": round(o_ms, 4), "tflops": round(sparse_mla_flops(T, Hh, K, dv, dr) / o_ms / 1e9, 1),
+                        "speedup_over_default": round(ms / o_ms, 3), "max_abs_err_out": o_err,
+                        "correct": o_err < 3e-2 and float((o_lse[:n] - ref_lse).abs().max()) < 1e-2}
     ref_ms = timer(lambda: reference_sparse_mla(q, kv, idx, scale, d_v=dv, chunk_tokens=256), min_iters=1,
                    max_iters=2)
     return make_entry("sparse_mla_fwd", shape, ms, flops=sparse_mla_flops(T, Hh, K, dv, dr), reference_ms=ref_ms,
-                     impl=default_forward_impl(q, kv, dv), triton_ms=round(triton_ms, 4),
+                     impl=default, other_impls=others, triton_ms=round(triton_ms, 4),
                      speedup_over_triton=round(triton_ms / ms, 3),
                      correct=err_out < 3e-2 and err_lse < 1e-2, max_abs_err_out=err_out, max_abs_err_lse=err_lse,
                      flop_formula="2 * tokens * heads * topk * (d_qk + d_v)",

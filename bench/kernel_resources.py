@@ -97,6 +97,7 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
     from kernels import sparse_mla_bwd_dkv_gluon as gluon_dkv
     from kernels import sparse_mla_bwd_gluon as gluon_dq
     from kernels import sparse_mla_gluon as gluon_fwd
+    from kernels import sparse_mla_gluon_pair as gluon_pair
     from kernels._tuning import KernelConfig
     from kernels.sparse_mla import CONFIGS as FWD_CONFIGS
     from kernels.sparse_mla import _sparse_mla_fwd_kernel
@@ -125,6 +126,8 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
          {**dims, "WS": False}, [(c, {}) for c in FWD_CONFIGS if not dict(c.params).get("WS")]),
         ("sparse_mla_fwd_gluon", gluon_fwd._sparse_mla_fwd_gluon, fwd_args, {"HEADS": H, **gluon_fwd.constexprs()},
          [(KernelConfig.make(num_warps=8, num_stages=1), {})]),
+        ("sparse_mla_fwd_gluon_pair", gluon_pair._sparse_mla_fwd_pair, fwd_args, {"HEADS": H, **gluon_pair.constexprs()},
+         [(KernelConfig.make(num_warps=4, num_stages=1), {})]),
         ("sparse_mla_bwd_atomic", sparse_mla_bwd_rows_kernel, rows_args,
          {**dims, "WITH_DKV": True, "STORE_DSP": False}, [(c, {}) for c in BWD_CONFIGS]),
         ("sparse_mla_bwd_split_dq", sparse_mla_bwd_rows_kernel, rows_args,

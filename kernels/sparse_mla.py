@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import sparse_mla_gluon
+from kernels import sparse_mla_gluon, sparse_mla_gluon_pair
 from kernels._tuning import Autotuner, KernelConfig
 
 # H200, 4096 tokens, 64 heads, top-2048 (ms at 64K / 8K context), three rounds of configs:
@@ -82,17 +82,25 @@ def _bucket(n: int) -> int:
 
 
 # "gluon": kernels/sparse_mla_gluon.py (bf16, 512 + 64 columns, sm_90 only; 1.51x the Triton kernel on an
-# H100); "triton": the kernel above (any power-of-two split, any CUDA GPU, the interpreter on CPU).
-FWD_IMPLS = ("gluon", "triton")
+# H100); "pair": kernels/sparse_mla_gluon_pair.py (the same shapes and machines, the two consumer warpgroups on
+# alternate tiles); "triton": the kernel above (any power-of-two split, any CUDA GPU, the interpreter on CPU).
+FWD_IMPLS = ("gluon", "pair", "triton")
+GLUON_FWD_IMPLS = ("gluon", "pair")  # what gluon_runs gates
+# the Gluon kernel a default launch takes where gluon_runs
+DEFAULT_GLUON_FWD = "gluon"
+
+
+def gluon_runs(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
+    """Whether the Gluon kernels are the ones to take: where they run (sparse_mla_gluon.supports) and no head
+    rows are padded (they compute 64 heads a program, one wgmma M, so 16 heads a rank, GLM-5.2 at TP4, would
+    cost them 4x, where the Triton kernel takes 16-head blocks)."""
+    return q.shape[1] % sparse_mla_gluon.BLOCK_H == 0 and sparse_mla_gluon.supports(q, kv, d_v)
 
 
 def default_forward_impl(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str:
-    """The FWD_IMPLS entry sparse_mla_forward takes when none is named: "gluon" where it runs and no head
-    rows are padded (it computes 64 heads a program, one wgmma M, so 16 heads a rank, GLM-5.2 at TP4,
-    would cost it 4x, where the Triton kernel takes 16-head blocks), else "triton"."""
-    if q.shape[1] % sparse_mla_gluon.BLOCK_H == 0 and sparse_mla_gluon.supports(q, kv, d_v):
-        return "gluon"
-    return "triton"
+    """The FWD_IMPLS entry sparse_mla_forward takes when none is named: DEFAULT_GLUON_FWD where gluon_runs,
+    else "triton"."""
+    return DEFAULT_GLUON_FWD if gluon_runs(q, kv, d_v) else "triton"
 
 
 def sparse_mla_forward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
@@ -117,8 +125,11 @@ def sparse_mla_forward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_
         raise ValueError(f"q ({q.dtype}) and kv ({kv.dtype}) must share a dtype")
     if not sm_scale > 0:
         raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
-    if (impl or default_forward_impl(q, kv, d_v)) == "gluon":
+    impl = impl or default_forward_impl(q, kv, d_v)
+    if impl == "gluon":
         return sparse_mla_gluon.sparse_mla_forward_gluon(q, kv, idx, sm_scale, d_v)
+    if impl == "pair":
+        return sparse_mla_gluon_pair.sparse_mla_forward_pair(q, kv, idx, sm_scale, d_v)
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
     out = torch.empty((T, heads, d_v), device=q.device, dtype=q.dtype)
     lse = torch.empty((T, heads), device=q.device, dtype=torch.float32)

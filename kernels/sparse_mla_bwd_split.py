@@ -35,7 +35,7 @@ import triton.language as tl
 
 from kernels import sparse_mla_bwd_dkv_gluon, sparse_mla_bwd_gluon, sparse_mla_gluon
 from kernels._tuning import Autotuner, KernelConfig
-from kernels.sparse_mla import LOG2E, _bucket, default_forward_impl
+from kernels.sparse_mla import LOG2E, _bucket, gluon_runs
 from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
 
 # Upper bound of the dS + P scratch: 1 GiB is 2048 tokens at top-2048 x 64 heads.
@@ -165,9 +165,9 @@ def tuning_key(q: torch.Tensor, idx: torch.Tensor) -> tuple:
 
 
 def default_dq_impl(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str:
-    """The DQ_IMPLS entry split_backward takes when none is named: the forward's rule
-    (sparse_mla.default_forward_impl: "gluon" where the Gluon kernels run and no 64-head block is padded)."""
-    return default_forward_impl(q, kv, d_v)
+    """The DQ_IMPLS entry split_backward takes when none is named: "gluon" where the forward's Gluon kernels
+    would be taken (sparse_mla.gluon_runs: they run and no 64-head block is padded), else "triton"."""
+    return "gluon" if gluon_runs(q, kv, d_v) else "triton"
 
 
 def default_dkv_impl(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str:

@@ -22,6 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kernels.sparse_mla import (default_sm_scale, reference_sparse_mla, sparse_mla_flops,  # noqa: E402
                                 sparse_mla_forward)
 from kernels.sparse_mla_gluon import sparse_mla_forward_gluon  # noqa: E402
+from kernels.sparse_mla_gluon_pair import sparse_mla_forward_pair  # noqa: E402
+
+# a schedule's "kernel": sparse_mla_gluon.py's ("gluon", the default) or sparse_mla_gluon_pair.py's ("pair")
+KERNELS = {"gluon": sparse_mla_forward_gluon, "pair": sparse_mla_forward_pair}
+
+
+def _forward(q, kv, idx, scale, schedule):
+    change = dict(schedule)
+    return KERNELS[change.pop("kernel", "gluon")](q, kv, idx, scale, **change)
 
 
 def _case(T, heads, S, K, holes, dev, seed):
@@ -37,9 +46,11 @@ def _case(T, heads, S, K, holes, dev, seed):
 
 # schedule variants (kernels/sparse_mla_gluon.constexprs), the defaults first: 32-key tiles in 4 slots (the
 # producer 3 tiles ahead, 16-column wgmmas); session 20's first producer (56 registers, 16-row copies); a
-# 2-warp producer with more registers
+# 2-warp producer with more registers; the paired kernel (its defaults; warpgroup 0 at 240 registers; 16-row
+# copies)
 SCHEDULES = [{}, {"BLOCK_N": 32, "STAGES": 4}, {"PRODUCER_REGS": 56, "ROW_GROUP": 16},
-             {"PRODUCER_WARPS": 2, "PRODUCER_REGS": 120}]
+             {"PRODUCER_WARPS": 2, "PRODUCER_REGS": 120}, {"kernel": "pair"},
+             {"kernel": "pair", "CONSUMER_REGS": 208}, {"kernel": "pair", "ROW_GROUP": 16}]
 
 
 CASES = [(64, 64, 4096, 2048, True), (40, 48, 3000, 300, True), (33, 128, 9000, 2048, False), (16, 64, 512, 64, False),
@@ -52,7 +63,7 @@ def check(dev, schedule, cases) -> list[dict]:
         q, kv, idx = _case(T, heads, S, K, holes, dev, seed=T + heads + K)
         scale = default_sm_scale()
         try:
-            out, lse = sparse_mla_forward_gluon(q, kv, idx, scale, **schedule)
+            out, lse = _forward(q, kv, idx, scale, schedule)
         except Exception as exc:  # noqa: BLE001 -- a variant that does not compile or run is a finding
             rows.append({"schedule": schedule, "ok": False, "error": f"{type(exc).__name__}: {str(exc)[-300:]}"})
             print(json.dumps(rows[-1]), flush=True)
@@ -83,8 +94,8 @@ def timed(dev, schedules) -> list[dict]:
         rows.append({**base, "kernel": "triton", "ms": round(t_ms, 3), "tflops": round(flops / t_ms / 1e9, 1)})
         print(json.dumps(rows[-1]), flush=True)
         for sch in schedules:
-            got = sparse_mla_forward_gluon(q, kv, idx, scale, **sch)
-            ms = triton.testing.do_bench(lambda sch=sch: sparse_mla_forward_gluon(q, kv, idx, scale, **sch),
+            got = _forward(q, kv, idx, scale, sch)
+            ms = triton.testing.do_bench(lambda sch=sch: _forward(q, kv, idx, scale, sch),
                                          warmup=50, rep=400)
             rows.append({**base, "kernel": "gluon", "schedule": sch, "ms": round(ms, 3),
                          "tflops": round(flops / ms / 1e9, 1), "speedup_over_triton": round(t_ms / ms, 3),
@@ -106,9 +117,10 @@ def main() -> int:
     try:
         ok = []
         if "check" in parts:
-            # every case for the first schedule; for the others the 64-head ones (one compile each)
+            # every case for each kernel's first schedule; for the others the 64-head ones (one compile each)
+            firsts = {sch.get("kernel", "gluon"): i for i, sch in reversed(list(enumerate(a.schedules)))}
             result["check"] = [row for i, sch in enumerate(a.schedules)
-                               for row in check(dev, sch, CASES if i == 0 else [CASES[0], CASES[4]])]
+                               for row in check(dev, sch, CASES if i in firsts.values() else [CASES[0], CASES[4]])]
             ok = [sch for sch in a.schedules if all(r["ok"] for r in result["check"] if r["schedule"] == sch)]
         if "time" in parts and ok:
             result["time"] = timed(dev, ok)

@@ -1,0 +1,337 @@
+"""Sparse MLA forward in Gluon, the two consumer warpgroups on alternate key tiles (sm_90).
+
+Same contract as kernels/sparse_mla_gluon.py (q [T, heads, 576], kv [S, 576], idx [T, topk] int32 with -1
+for unused slots; out [T, heads, 512] and the natural-log lse), for the same shapes.
+
+Why: in sparse_mla_gluon.py both consumer warpgroups work on every 64-key tile, each computing half of its
+key columns of S: a 64 x 32 wgmma whose 2 KB of q per 16-deep step is read from shared memory for 1 KB of
+keys, so at 64 heads the QK^T GEMM (53% of the FLOPs) is bound by shared-memory reads, and each tile's
+steps run one after another (374-382 TFLOP/s on an H100). Here each warpgroup takes every other tile whole
+(64 x 64 wgmmas: q's reads amortised over twice the keys) and owns half of O's 512 value columns, the
+schedule DeepSeek's FlashMLA sparse prefill uses for 64 heads (REFERENCE.md: 640 TFLOP/s on an H800):
+- tile pair j: warpgroup 0 has S0 of tile 2j, warpgroup 1 S1 of tile 2j + 1. Warpgroup 0 takes the online
+  softmax's new row max m0 over its tile and hands it over in shared memory; warpgroup 1 goes on to
+  m1 = max(m0, its tile's), hands that back, and both end the pair at m1;
+- each warpgroup multiplies its own P (from registers) into its half of O, and the other's P (through shared
+  memory, warpgroup 0's rescaled to m1 first) into the same half: O[:, :256] by warpgroup 0, O[:, 256:]
+  by warpgroup 1;
+- a producer warpgroup gathers each tile's KV rows with cp.async into two slots (slot 0: even tiles, slot 1:
+  odd), each in a left half (columns 0-255) and a right one (256-575), each half with its own `full` and
+  `empty` barriers: a half is refilled as soon as its last reader is done (slot 0's left after warpgroup
+  0's own PV, its right after warpgroup 1's PV over it), and the next tile's QK^T starts on the left half
+  while the right one lands;
+- warpgroup 0's P for warpgroup 1 goes where slot 0's rope columns were (read only by its QK^T, already
+  done): q 72 KB + two 72 KB slots + warpgroup 1's P 8 KB fit the 227 KB an SM has.
+At the end the two warpgroups add their row sums through shared memory and each writes its half of out.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from kernels.sparse_mla_gluon import supports
+
+BLOCK_H = 64  # heads a program: one wgmma M
+BLOCK_N = 64  # keys a tile
+HALF = 256  # value columns a warpgroup owns; also the left half of a KV row
+D_V, D_R = 512, 64
+# the register split (setmaxnreg): WG1's CONSUMER_REGS and the producer's PRODUCER_REGS are asked for, WG0 (the
+# default partition) gets what is left of 64K / 384 threads: 504 - CONSUMER_REGS - PRODUCER_REGS
+# 216 / 56 (warpgroup 0: 232) and 208 / 56 (240) compile without spills (bench/kernel_resources); 216 / 72 (216)
+# spills 96 bytes in warpgroup 0's loop
+SCHEDULE = dict(PRODUCER_WARPS=4, PRODUCER_REGS=56, CONSUMER_REGS=216, ROW_GROUP=32)
+# the exchange barriers between the consumer warpgroups (each completes once a pair, or once at the end)
+M0, M1, S0, S1, L0, L1 = (gl.constexpr(i) for i in range(6))
+N_SYNC = gl.constexpr(6)
+
+
+@gluon.jit
+def _copy_rows(dst, kv_ptr, idx_row, n_idx, stride_kv, j0, col0, ROWS: gl.constexpr, WARPS: gl.constexpr):
+    """cp.async dst [BLOCK_N, C] <- kv[idx[j0 + r], col0 : col0 + C] (16 bytes a thread a copy, ROWS rows a
+    call; slots past n_idx and -1 slots read row 0, which the consumers mask)."""
+    C: gl.constexpr = dst.shape[1]
+    TPC: gl.constexpr = C // 8 if C // 8 < 32 else 32
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [WARPS, 1], [1, 0])
+    c = col0 + gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+    for g in gl.static_range(dst.shape[0] // ROWS):
+        j = j0 + g * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        ids = gl.load(idx_row + j, mask=j < n_idx, other=-1)
+        rows = kv_ptr + gl.where(ids >= 0, ids, 0).to(gl.int64) * stride_kv
+        cp.async_copy_global_to_shared(dst.slice(g * ROWS, ROWS, dim=0), rows[:, None] + c[None, :])
+
+
+@gluon.jit
+def _gather_pairs(kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope, full_l, full_r, empty_l, empty_r,
+                  BLOCK_N: gl.constexpr, HALF: gl.constexpr, ROW_GROUP: gl.constexpr, WARPS: gl.constexpr):
+    """The producer: per pair, in the order the consumers hand the halves back, slot 0's left half (tile 2j),
+    slot 1's right (2j + 1), slot 0's right, slot 1's left; each half's `full` barrier takes one arrival
+    from every producer thread, as its copies land."""
+    for j in range(pairs):
+        ph = (j & 1) ^ 1  # a fresh barrier counts as having completed the phase before its first
+        j0 = 2 * j * BLOCK_N
+        j1 = j0 + BLOCK_N
+        mbarrier.wait(empty_l.index(0), ph)
+        _copy_rows(kv_l.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 0, ROW_GROUP, WARPS)
+        cp.mbarrier_arrive(full_l.index(0), increment_count=False)
+        mbarrier.wait(empty_r.index(1), ph)
+        _copy_rows(kv_r.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, HALF, ROW_GROUP, WARPS)
+        _copy_rows(kv_rope.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, 2 * HALF, BLOCK_N, WARPS)
+        cp.mbarrier_arrive(full_r.index(1), increment_count=False)
+        mbarrier.wait(empty_r.index(0), ph)
+        _copy_rows(kv_r.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, HALF, ROW_GROUP, WARPS)
+        _copy_rows(kv_rope.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 2 * HALF, BLOCK_N, WARPS)
+        cp.mbarrier_arrive(full_r.index(0), increment_count=False)
+        mbarrier.wait(empty_l.index(1), ph)
+        _copy_rows(kv_l.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, 0, ROW_GROUP, WARPS)
+        cp.mbarrier_arrive(full_l.index(1), increment_count=False)
+
+
+@gluon.jit
+def _qk_part(q_part, kv_part, full, phase, acc, use_acc: gl.constexpr):
+    """acc (+)= q_part kv_part^T issued async once the producer's copies of the half are in. In the consumers'
+    loops every shared-memory operand is indexed by a loop-variant 0 (z): at constant addresses the compiler
+    hoists the 64-bit wgmma descriptors of all their k-steps out of the loop (36 for q alone), more registers
+    than the consumers have (sparse_mla_bwd_gluon.py measured the same)."""
+    mbarrier.wait(full, phase)
+    fence_async_shared()  # the copies landed through the generic proxy; wgmma reads through the async one
+    return warpgroup_mma(q_part, kv_part.permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+
+
+@gluon.jit
+def _signal(bar):
+    """One arrival on bar once every warp of the calling warpgroup is past this point."""
+    gl.thread_barrier()
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _masked(s, idx_row, n_idx, j0, scale_log2, s_l: gl.constexpr):
+    """A tile's scores in base 2, -inf where the slot is -1 or past n_idx."""
+    j = j0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_l))
+    ids = gl.load(idx_row + j, mask=j < n_idx, other=-1)
+    return gl.where((ids >= 0)[None, :], s * scale_log2, float("-inf"))
+
+
+@gluon.jit
+def _finish(o, m, den, m_smem, den_smem, sync, mine: gl.constexpr, out_row, stride_oh, col0, h0, HEADS: gl.constexpr,
+            lse_row, WRITE_LSE: gl.constexpr, o_l: gl.constexpr):
+    """Both warpgroups' row sums added through shared memory; this warpgroup's half of out (and the lse)."""
+    den_smem.slice(mine * den.shape[0], den.shape[0]).store(den)
+    _signal(sync.index(L0 + mine))
+    mbarrier.wait(sync.index(L0 + 1 - mine), 0)
+    den = den + den_smem.slice((1 - mine) * den.shape[0], den.shape[0]).load(den.type.layout)
+    den_safe = gl.where(den > 0, den, 1.0)
+    out = o / gl.convert_layout(den_safe, gl.SliceLayout(1, o_l))[:, None]
+    ho = h0 + gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, o_l))
+    co = col0 + gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_l))
+    gl.store(out_row + ho[:, None] * stride_oh + co[None, :], out.to(gl.bfloat16), mask=(ho < HEADS)[:, None])
+    if WRITE_LSE:
+        lse = gl.where(den > 0, (m + gl.log2(den_safe)) / 1.4426950408889634, float("-inf"))
+        hl = h0 + gl.arange(0, o.shape[0], layout=den.type.layout)
+        gl.store(lse_row + hl, lse, mask=hl < HEADS)
+
+
+@gluon.jit
+def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem, den_smem,
+                full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS: gl.constexpr,
+                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
+    """Warpgroup 0 (the default partition): tiles 2j, O's columns 0-255."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+    m = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+    den = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
+    o = gl.zeros([BLOCK_H, HALF], gl.float32, o_l)
+    s_tok = _qk_part(q_l.index(0), kv_l.index(0), full_l.index(0), 0, zero_s, False)
+    s_tok = _qk_part(q_r.index(0), kv_r.index(0), full_r.index(0), 0, s_tok, True)
+    s_tok = warpgroup_mma(q_rope.index(0), kv_rope.index(0).permute((1, 0)), s_tok, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    for j in range(pairs):
+        ph = j & 1
+        z = (j + n_idx) >> 30  # always 0 (n_idx < 2^30): see _qk_part
+        x = _masked(s, idx_row, n_idx, 2 * j * BLOCK_N, scale_log2, s_l)
+        m0 = gl.maximum(m, gl.max(x, axis=1))
+        m0_safe = gl.where(m0 == float("-inf"), 0.0, m0)  # rows with no valid key yet
+        alpha = gl.exp2(m - m0_safe)
+        p = gl.exp2(x - m0_safe[:, None])
+        den = den * alpha + gl.sum(p, axis=1)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        m_smem.store(m0)
+        _signal(sync.index(M0))
+        o_tok = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), kv_l.index(z), o, is_async=True)
+        o = warpgroup_mma_wait(0, deps=(o_tok, ))
+        _signal(empty_l.index(0))  # slot 0's left half: its QK^T and this PV are done
+        mbarrier.wait(sync.index(M1), ph)
+        m1 = m_smem.load(gl.SliceLayout(1, s_l))  # max(m0, tile 2j + 1's): where the pair ends
+        # P0 at m1 for warpgroup 1's half of the values (rows with no valid key have P0 = 0: any finite beta)
+        beta = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0_safe - gl.where(m1 == float("-inf"), 0.0, m1)))
+        kv_rope.index(z).store((p * beta[:, None]).to(gl.bfloat16))  # slot 0's rope columns: read by S0 only
+        fence_async_shared()
+        _signal(sync.index(S0))
+        o = o * gl.convert_layout(beta, gl.SliceLayout(1, o_l))[:, None]
+        den = den * beta
+        m = m1
+        mbarrier.wait(sync.index(S1), ph)
+        o_tok = warpgroup_mma(p1_smem.index(z), kv_l.index(1 + z), o, is_async=True)
+        if j + 1 < pairs:  # tile 2j + 2's QK^T on slot 0's left half while this PV runs
+            s_tok = _qk_part(q_l.index(z), kv_l.index(z), full_l.index(0), ph ^ 1, zero_s, False)
+            o = warpgroup_mma_wait(1, deps=(o_tok, ))
+            _signal(empty_l.index(1))
+            s_tok = _qk_part(q_r.index(z), kv_r.index(z), full_r.index(0), ph ^ 1, s_tok, True)
+            s_tok = warpgroup_mma(q_rope.index(z), kv_rope.index(z).permute((1, 0)), s_tok, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s_tok, ))
+        else:
+            o = warpgroup_mma_wait(0, deps=(o_tok, ))
+            _signal(empty_l.index(1))
+    _finish(o, m, den, m_smem, den_smem, sync, 0, out_row, stride_oh, 0, h0, HEADS, lse_row, False, o_l)
+
+
+@gluon.jit
+def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem, den_smem,
+               full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS: gl.constexpr,
+               BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
+    """Warpgroup 1 (a worker partition): tiles 2j + 1, O's columns 256-511, and the lse."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+    m = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+    den = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
+    o = gl.zeros([BLOCK_H, HALF], gl.float32, o_l)
+    for j in range(pairs):
+        ph = j & 1
+        z = (j + n_idx) >> 30  # always 0: see _qk_part
+        # the right half first: the producer fills slot 1's right half before its left
+        s_tok = _qk_part(q_r.index(z), kv_r.index(1 + z), full_r.index(1), ph, zero_s, False)
+        s_tok = warpgroup_mma(q_rope.index(z), kv_rope.index(1 + z).permute((1, 0)), s_tok, is_async=True)
+        s_tok = _qk_part(q_l.index(z), kv_l.index(1 + z), full_l.index(1), ph, s_tok, True)
+        s = warpgroup_mma_wait(0, deps=(s_tok, ))
+        x = _masked(s, idx_row, n_idx, (2 * j + 1) * BLOCK_N, scale_log2, s_l)
+        mbarrier.wait(sync.index(M0), ph)
+        m1 = gl.maximum(m_smem.load(gl.SliceLayout(1, s_l)), gl.max(x, axis=1))
+        gl.thread_barrier()  # every thread has read m0 before any writes m1 over it
+        m1_safe = gl.where(m1 == float("-inf"), 0.0, m1)
+        alpha = gl.exp2(m - m1_safe)
+        p = gl.exp2(x - m1_safe[:, None])
+        den = den * alpha + gl.sum(p, axis=1)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        m = m1
+        m_smem.store(m1)
+        _signal(sync.index(M1))
+        p_bf = p.to(gl.bfloat16)
+        o_tok = warpgroup_mma(gl.convert_layout(p_bf, p_op), kv_r.index(1 + z), o, is_async=True)
+        p1_smem.index(z).store(p_bf)
+        fence_async_shared()
+        _signal(sync.index(S1))
+        mbarrier.wait(sync.index(S0), ph)
+        o_tok = warpgroup_mma(kv_rope.index(z), kv_r.index(z), o_tok, is_async=True)  # P0, in slot 0's rope
+        warpgroup_mma_wait(1, deps=(o_tok, ))  # the first PV done (its value is read below, after both)
+        _signal(empty_r.index(1))  # slot 1's right half: this QK^T and the first PV are done
+        o = warpgroup_mma_wait(0, deps=(o_tok, ))
+        _signal(empty_r.index(0))  # slot 0's right half and P0
+    _finish(o, m, den, m_smem, den_smem, sync, 1, out_row, stride_oh, HALF, h0, HEADS, lse_row, True, o_l)
+
+
+@gluon.jit
+def _q_to_shared(smem, base, stride_row, r0, n_rows, col0):
+    """smem [R, C] = rows r0 .. r0 + R of q (rows n_rows and past as zeros), columns col0 .. col0 + C; by the 4
+    warps of the default partition before the specialised region."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    r = r0 + gl.arange(0, smem.shape[0], layout=gl.SliceLayout(1, layout))
+    c = col0 + gl.arange(0, smem.shape[1], layout=gl.SliceLayout(0, layout))
+    smem.store(gl.load(base + r[:, None] * stride_row + c[None, :], mask=(r < n_rows)[:, None], other=0.0))
+
+
+@gluon.jit
+def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n_idx, stride_qt, stride_qh, stride_kv,
+                         stride_it, stride_ot, stride_oh, stride_lt, HEADS: gl.constexpr, BLOCK_H: gl.constexpr,
+                         BLOCK_N: gl.constexpr, HALF: gl.constexpr, D_R: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr):
+    t = gl.program_id(0).to(gl.int64)
+    h0 = gl.program_id(1) * BLOCK_H
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    half_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], gl.bfloat16)
+    rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_R], gl.bfloat16)
+    kvh_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.bfloat16)
+    kvr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], gl.bfloat16)
+    vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    bar_l: gl.constexpr = mbarrier.MBarrierLayout()
+    q_l = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], half_sl)  # [1, ...]: see _qk
+    q_r = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], half_sl)
+    q_rope = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_R], rope_sl)
+    kv_l = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], kvh_sl)
+    kv_r = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], kvh_sl)
+    kv_rope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_R], kvr_sl)  # [BLOCK_H, BLOCK_N] P0 fits slot 0's
+    p1_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, BLOCK_N], kvr_sl)
+    m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)
+    den_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_sl)
+    full_l = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    full_r = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    empty_l = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    empty_r = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    sync = gl.allocate_shared_memory(gl.int64, [N_SYNC, 1], bar_l)
+    for s in gl.static_range(2):
+        mbarrier.init(full_l.index(s), count=PRODUCER_WARPS * 32)
+        mbarrier.init(full_r.index(s), count=PRODUCER_WARPS * 32)
+        mbarrier.init(empty_l.index(s), count=1)
+        mbarrier.init(empty_r.index(s), count=1)
+    for b in gl.static_range(N_SYNC):
+        mbarrier.init(sync.index(b), count=1)
+    q_row = q_ptr + t * stride_qt
+    _q_to_shared(q_l.index(0), q_row, stride_qh, h0, HEADS, 0)  # once; heads past HEADS as zeros
+    _q_to_shared(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF)
+    _q_to_shared(q_rope.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF)
+    fence_async_shared()
+    gl.thread_barrier()
+    idx_row = idx_ptr + t * stride_it
+    pairs = gl.cdiv(gl.cdiv(n_idx, BLOCK_N), 2)  # an odd last tile is paired with one of -1 slots
+    out_row = out_ptr + t * stride_ot
+    lse_row = lse_ptr + t * stride_lt
+    gl.warp_specialize(  # the constexprs inline: a tuple held in a variable turns them into tensors
+        [(_even_tiles, (idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem,
+                        den_smem, full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS,
+                        BLOCK_H, BLOCK_N, HALF)),
+         (_odd_tiles, (idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem,
+                       den_smem, full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS,
+                       BLOCK_H, BLOCK_N, HALF)),
+         (_gather_pairs, (kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope, full_l, full_r, empty_l,
+                          empty_r, BLOCK_N, HALF, ROW_GROUP, PRODUCER_WARPS))],
+        [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def constexprs(**change) -> dict:
+    """The kernel's compile-time constants besides HEADS (what a launch and bench/kernel_resources pass)."""
+    base = dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, HALF=HALF, D_R=D_R, **SCHEDULE)
+    unknown = set(change) - set(base)
+    if unknown:
+        raise ValueError(f"unknown Gluon paired sparse MLA constants {sorted(unknown)}; known: {sorted(base)}")
+    return base | change
+
+
+def sparse_mla_forward_pair(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
+                            d_v: int = 512, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there)."""
+    if not supports(q, kv, d_v):
+        raise ValueError("the Gluon sparse MLA forward needs bf16 q and kv on an sm_90 GPU with 512 + 64 "
+                         f"columns; got q {q.dtype} {tuple(q.shape)} on {q.device}, d_v={d_v}")
+    q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
+    T, heads, _ = q.shape
+    out = torch.empty((T, heads, d_v), device=q.device, dtype=q.dtype)
+    lse = torch.empty((T, heads), device=q.device, dtype=torch.float32)
+    if T == 0:
+        return out, lse
+    if idx.shape[1] == 0:  # no slot: the consumers would wait for a first tile that never comes
+        return out.zero_(), lse.fill_(float("-inf"))
+    _sparse_mla_fwd_pair[(T, triton.cdiv(heads, BLOCK_H))](
+        q, kv, idx, out, lse, sm_scale * 1.4426950408889634, idx.shape[1], q.stride(0), q.stride(1),
+        kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+        HEADS=heads, **constexprs(**schedule), num_warps=4)
+    return out, lse
