@@ -22,3 +22,18 @@ def test_a_schedule_that_fails_is_a_row_with_its_error_not_a_crash():
         raise RuntimeError("out of resource: shared memory\nRequired: 240000")
     row = schedule_row({"STAGES": 4}, run, lambda: {}, flops=1.0, baseline_ms=1.0, warmup=1, rep=1)
     assert row == {"schedule": {"STAGES": 4}, "error": "RuntimeError: Required: 240000"}
+
+
+def test_schedules_on_the_command_line_replace_the_probes_list_and_bad_ones_are_named(tmp_path, capsys):
+    import pytest
+
+    from bench.gpu.probe_cli import run_probe
+    own = [{}, {"STAGES": 3}]
+    seen = []
+    assert run_probe("probe", ["--out", str(tmp_path / "r.json"), "--schedules", '[{"kernel": "pair"}]'],
+                     lambda: 0, lambda: seen.append(list(own)) or {}, own) == 0
+    assert seen == [[{"kernel": "pair"}]] and own == [{"kernel": "pair"}]
+    with pytest.raises(SystemExit):
+        run_probe("probe", ["--out", str(tmp_path / "r.json"), "--schedules", '{"kernel": "pair"}'], lambda: 0,
+                  lambda: {}, own)
+    assert "--schedules must be a JSON list of objects" in capsys.readouterr().err

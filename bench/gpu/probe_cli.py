@@ -9,11 +9,19 @@ from typing import Any, Callable
 
 
 def run_probe(doc: str, argv: list[str] | None, compile_only: Callable[[], int],
-              measure: Callable[[], dict]) -> int:
+              measure: Callable[[], dict], schedules: list[dict] | None = None) -> int:
+    """The probes' command line; schedules: the probe's list, which --schedules replaces (in place)."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--out", type=Path, help="where the JSON report goes (required unless --compile-only)")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 here and print the resources")
+    if schedules is not None:
+        ap.add_argument("--schedules", type=json.loads, help="a JSON list of schedules to run instead of the "
+                        f"probe's own ({len(schedules)})")
     a = ap.parse_args(argv)
+    if getattr(a, "schedules", None) is not None:
+        if not isinstance(a.schedules, list) or not all(isinstance(x, dict) for x in a.schedules):
+            ap.error("--schedules must be a JSON list of objects, e.g. '[{}, {\"kernel\": \"pair\"}]'")
+        schedules[:] = a.schedules
     if a.compile_only:
         return compile_only()
     if a.out is None:
