@@ -122,6 +122,7 @@ def _dq_tiles(W: gl.constexpr, idx_row, n_idx, pairs, n_heads, lse_row, delta_ro
         _tile_out(ds_smem.index(mine), ds_row, k0, n_idx, n_heads)  # while the wgmmas run
         _tile_out(p_smem.index(mine), p_row, k0, n_idx, n_heads)
         mbarrier.wait(ds_full.index(1 - W), ph)  # the other tile's dS
+        fence_async_shared()  # its KV slot landed by cp.async (generic proxy), waited for by the other warpgroup
         n_tok = warpgroup_mma(ds_smem.index(other), kv_l.index(other) if W == 0 else kv_r.index(other), n_tok,
                               is_async=True)
         r_tok = warpgroup_mma(ds_smem.index(other), kv_ra.index(other) if W == 0 else kv_rb.index(other), r_tok,

@@ -179,6 +179,7 @@ def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
         den = den * beta
         m = m1
         mbarrier.wait(sync.index(S1), ph)
+        fence_async_shared()  # slot 1 landed by cp.async (generic proxy), waited for by warpgroup 1 only
         o_tok = warpgroup_mma(p1_smem.index(z), kv_l.index(1 + z), o, is_async=True)
         if j + 1 < pairs:  # tile 2j + 2's QK^T on slot 0's left half while this PV runs
             s_tok = _qk_part(q_l.index(z), kv_l.index(z), full_l.index(0), ph ^ 1, zero_s, False)
@@ -232,6 +233,7 @@ def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, 
         fence_async_shared()
         _signal(sync.index(S1))
         mbarrier.wait(sync.index(S0), ph)
+        fence_async_shared()  # slot 0's right half landed by cp.async, waited for by warpgroup 0 only
         o_tok = warpgroup_mma(kv_rope.index(z), kv_r.index(z), o_tok, is_async=True)  # P0, in slot 0's rope
         warpgroup_mma_wait(1, deps=(o_tok, ))  # the first PV done (its value is read below, after both)
         _signal(empty_r.index(1))  # slot 1's right half: this QK^T and the first PV are done
