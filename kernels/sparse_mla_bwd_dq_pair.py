@@ -25,25 +25,14 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels.sparse_mla_gluon import BLOCK_H, D_R, D_V
-from kernels.sparse_mla_gluon_pair import _copy_rows, _q_to_shared, _signal
+from kernels.sparse_mla_bwd_gluon import row_stats, tile_to_global
+from kernels.sparse_mla_gluon import BLOCK_H, D_R, D_V, rows_to_shared
+from kernels.sparse_mla_gluon_pair import copy_rows, signal
 
 HALF = D_V // 2  # value columns (and half of the rope columns) a warpgroup's dq owns
 # 224 / 48 (warpgroup 0, the default partition, gets 504 - 224 - 48 = 232): no spill in any loop (bench/kernel_resources;
 # 216 / 56 spills in warpgroup 1's, 232 / 40 in the producer's); what spills (80 bytes) is the set-up's values across setmaxnreg
 SCHEDULE = dict(BLOCK_N=32, PRODUCER_WARPS=4, PRODUCER_REGS=48, CONSUMER_REGS=224, ROW_GROUP=32)
-
-
-@gluon.jit
-def _tile_out(smem, row, k0, n_idx, n_heads):
-    """A [heads, keys] bf16 tile from shared memory into the [heads, topk] scratch rows at key k0, 16 bytes a
-    thread (sparse_mla_bwd_gluon._tile_to_global for one 4-warp warpgroup)."""
-    kpt: gl.constexpr = smem.shape[1] // 8
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // kpt, kpt], [4, 1], [1, 0])
-    h = gl.arange(0, smem.shape[0], layout=gl.SliceLayout(1, layout))
-    k = k0 + gl.arange(0, smem.shape[1], layout=gl.SliceLayout(0, layout))
-    gl.store(row + h[:, None] * n_idx + k[None, :], smem.load(layout),
-             mask=(h < n_heads)[:, None] & (k < n_idx)[None, :])
 
 
 @gluon.jit
@@ -56,10 +45,10 @@ def _gather_tiles4(kv_ptr, idx_row, n_idx, stride_kv, n_tiles, kv_l, kv_r, kv_ra
         s = i % 2
         mbarrier.wait(empty.index(s), ((i // 2) & 1) ^ 1)  # the phase before a fresh barrier's first counts done
         j0 = i * BLOCK_N
-        _copy_rows(kv_l.index(s), kv_ptr, idx_row, n_idx, stride_kv, j0, 0, ROW_GROUP, WARPS)
-        _copy_rows(kv_r.index(s), kv_ptr, idx_row, n_idx, stride_kv, j0, HALF, ROW_GROUP, WARPS)
-        _copy_rows(kv_ra.index(s), kv_ptr, idx_row, n_idx, stride_kv, j0, 2 * HALF, BLOCK_N, WARPS)
-        _copy_rows(kv_rb.index(s), kv_ptr, idx_row, n_idx, stride_kv, j0, 2 * HALF + RH, BLOCK_N, WARPS)
+        copy_rows(kv_l.index(s), kv_ptr, idx_row, n_idx, stride_kv, j0, 0, ROW_GROUP, WARPS)
+        copy_rows(kv_r.index(s), kv_ptr, idx_row, n_idx, stride_kv, j0, HALF, ROW_GROUP, WARPS)
+        copy_rows(kv_ra.index(s), kv_ptr, idx_row, n_idx, stride_kv, j0, 2 * HALF, BLOCK_N, WARPS)
+        copy_rows(kv_rb.index(s), kv_ptr, idx_row, n_idx, stride_kv, j0, 2 * HALF + RH, BLOCK_N, WARPS)
         cp.mbarrier_arrive(full.index(s), increment_count=False)
 
 
@@ -77,12 +66,7 @@ def _dq_tiles(W: gl.constexpr, idx_row, n_idx, pairs, n_heads, lse_row, delta_ro
     dn_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dn_l, k_width=2)
     dr_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dr_l, k_width=2)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
-    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
-    head_ok = heads < n_heads
-    lse = gl.load(lse_row + heads, mask=head_ok, other=float("-inf"))
-    row_ok = head_ok & (lse > float("-inf"))  # a row with no valid key has P = 0 everywhere
-    lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
-    delta = gl.load(delta_row + heads, mask=head_ok, other=0.0)
+    row_ok, lse2, delta = row_stats(lse_row, delta_row, n_heads, BLOCK_H, s_l)
     zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
     dq_n = gl.zeros([BLOCK_H, HALF], gl.float32, dn_l)
     dq_r = gl.zeros([BLOCK_H, RH], gl.float32, dr_l)
@@ -114,13 +98,13 @@ def _dq_tiles(W: gl.constexpr, idx_row, n_idx, pairs, n_heads, lse_row, delta_ro
         ds_smem.index(mine).store(ds)
         p_smem.index(mine).store(p.to(gl.bfloat16))
         fence_async_shared()
-        _signal(ds_full.index(W))
+        signal(ds_full.index(W))
         n_tok = warpgroup_mma(gl.convert_layout(ds, dn_op), kv_l.index(mine) if W == 0 else kv_r.index(mine), dq_n,
                               is_async=True)
         r_tok = warpgroup_mma(gl.convert_layout(ds, dr_op), kv_ra.index(mine) if W == 0 else kv_rb.index(mine), dq_r,
                               is_async=True)
-        _tile_out(ds_smem.index(mine), ds_row, k0, n_idx, n_heads)  # while the wgmmas run
-        _tile_out(p_smem.index(mine), p_row, k0, n_idx, n_heads)
+        tile_to_global(ds_smem.index(mine), ds_row, k0, n_idx, n_heads, 4)  # while the wgmmas run
+        tile_to_global(p_smem.index(mine), p_row, k0, n_idx, n_heads, 4)
         mbarrier.wait(ds_full.index(1 - W), ph)  # the other tile's dS
         fence_async_shared()  # its KV slot landed by cp.async (generic proxy), waited for by the other warpgroup
         n_tok = warpgroup_mma(ds_smem.index(other), kv_l.index(other) if W == 0 else kv_r.index(other), n_tok,
@@ -139,26 +123,6 @@ def _dq_tiles(W: gl.constexpr, idx_row, n_idx, pairs, n_heads, lse_row, delta_ro
     gl.store(dq_row + hr[:, None] * stride_dqh + 2 * HALF + W * RH
              + gl.arange(0, RH, layout=gl.SliceLayout(0, dr_l))[None, :], dq_r.to(gl.bfloat16),
              mask=(hr < HEADS)[:, None])
-
-
-@gluon.jit
-def _dq_tiles_0(idx_row, n_idx, pairs, n_heads, lse_row, delta_row, ds_row, p_row, scale, scale_log2, q_l, q_r, q_ra,
-                q_rb, do_l, do_r, kv_l, kv_r, kv_ra, kv_rb, ds_smem, p_smem, full, empty, ds_full, ds_free, dq_row,
-                stride_dqh, h0, HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                HALF: gl.constexpr):
-    _dq_tiles(0, idx_row, n_idx, pairs, n_heads, lse_row, delta_row, ds_row, p_row, scale, scale_log2, q_l, q_r, q_ra,
-              q_rb, do_l, do_r, kv_l, kv_r, kv_ra, kv_rb, ds_smem, p_smem, full, empty, ds_full, ds_free, dq_row,
-              stride_dqh, h0, HEADS, BLOCK_H, BLOCK_N, HALF)
-
-
-@gluon.jit
-def _dq_tiles_1(idx_row, n_idx, pairs, n_heads, lse_row, delta_row, ds_row, p_row, scale, scale_log2, q_l, q_r, q_ra,
-                q_rb, do_l, do_r, kv_l, kv_r, kv_ra, kv_rb, ds_smem, p_smem, full, empty, ds_full, ds_free, dq_row,
-                stride_dqh, h0, HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                HALF: gl.constexpr):
-    _dq_tiles(1, idx_row, n_idx, pairs, n_heads, lse_row, delta_row, ds_row, p_row, scale, scale_log2, q_l, q_r, q_ra,
-              q_rb, do_l, do_r, kv_l, kv_r, kv_ra, kv_rb, ds_smem, p_smem, full, empty, ds_full, ds_free, dq_row,
-              stride_dqh, h0, HEADS, BLOCK_H, BLOCK_N, HALF)
 
 
 @gluon.jit
@@ -201,12 +165,12 @@ def dq_pair_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, d
         mbarrier.init(ds_free.index(s), count=1)
     q_row = q_ptr + t * stride_qt
     do_row = do_ptr + t * stride_dot
-    _q_to_shared(q_l.index(0), q_row, stride_qh, h0, HEADS, 0)  # heads past HEADS as zeros
-    _q_to_shared(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF)
-    _q_to_shared(q_ra.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF)
-    _q_to_shared(q_rb.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF + RH)
-    _q_to_shared(do_l.index(0), do_row, stride_doh, h0, HEADS, 0)
-    _q_to_shared(do_r.index(0), do_row, stride_doh, h0, HEADS, HALF)
+    rows_to_shared(q_l.index(0), q_row, stride_qh, h0, HEADS, 0, 4)  # heads past HEADS as zeros
+    rows_to_shared(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF, 4)
+    rows_to_shared(q_ra.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF, 4)
+    rows_to_shared(q_rb.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF + RH, 4)
+    rows_to_shared(do_l.index(0), do_row, stride_doh, h0, HEADS, 0, 4)
+    rows_to_shared(do_r.index(0), do_row, stride_doh, h0, HEADS, HALF, 4)
     fence_async_shared()
     gl.thread_barrier()
     idx_row = idx_ptr + t * stride_it
@@ -218,10 +182,10 @@ def dq_pair_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, d
     p_row = p_ptr + t * stride_st + h0 * n_idx
     dq_row = dq_ptr + t * stride_dqt
     gl.warp_specialize(  # the constexprs inline: a tuple held in a variable turns them into tensors
-        [(_dq_tiles_0, (idx_row, n_idx, pairs, HEADS - h0, lse_row, delta_row, ds_row, p_row, scale, scale_log2, q_l,
+        [(_dq_tiles, (0, idx_row, n_idx, pairs, HEADS - h0, lse_row, delta_row, ds_row, p_row, scale, scale_log2, q_l,
                         q_r, q_ra, q_rb, do_l, do_r, kv_l, kv_r, kv_ra, kv_rb, ds_smem, p_smem, full, empty, ds_full,
                         ds_free, dq_row, stride_dqh, h0, HEADS, BLOCK_H, BLOCK_N, HALF)),
-         (_dq_tiles_1, (idx_row, n_idx, pairs, HEADS - h0, lse_row, delta_row, ds_row, p_row, scale, scale_log2, q_l,
+         (_dq_tiles, (1, idx_row, n_idx, pairs, HEADS - h0, lse_row, delta_row, ds_row, p_row, scale, scale_log2, q_l,
                         q_r, q_ra, q_rb, do_l, do_r, kv_l, kv_r, kv_ra, kv_rb, ds_smem, p_smem, full, empty, ds_full,
                         ds_free, dq_row, stride_dqh, h0, HEADS, BLOCK_H, BLOCK_N, HALF)),
          (_gather_tiles4, (kv_ptr, idx_row, n_idx, stride_kv, 2 * pairs, kv_l, kv_r, kv_ra, kv_rb, full, empty,

@@ -38,16 +38,27 @@ SCHEDULE = dict(BLOCK_N=32, STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=56, ROW_GR
 
 
 @gluon.jit
-def _tile_to_global(smem, row, k0, n_idx, n_heads):
+def tile_to_global(smem, row, k0, n_idx, n_heads, WARPS: gl.constexpr):
     """A [heads, keys] bf16 tile from shared memory into the [heads, topk] scratch rows at key k0, 16 bytes
-    a thread with one address each. From the wgmma layout each thread would store 8 scattered values
-    through 8 64-bit addresses (32 registers the consumers do not have)."""
+    a thread with one address each, by the WARPS warps of the calling partition. From the wgmma layout each
+    thread would store 8 scattered values through 8 64-bit addresses (32 registers the consumers do not have)."""
     kpt: gl.constexpr = smem.shape[1] // 8
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // kpt, kpt], [8, 1], [1, 0])
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // kpt, kpt], [WARPS, 1], [1, 0])
     h = gl.arange(0, smem.shape[0], layout=gl.SliceLayout(1, layout))
     k = k0 + gl.arange(0, smem.shape[1], layout=gl.SliceLayout(0, layout))
     gl.store(row + h[:, None] * n_idx + k[None, :], smem.load(layout),
              mask=(h < n_heads)[:, None] & (k < n_idx)[None, :])
+
+
+@gluon.jit
+def row_stats(lse_row, delta_row, n_heads, BLOCK_H: gl.constexpr, s_l: gl.constexpr):
+    """Per head row of the S tile (layout s_l): whether it has a valid key (a row with none has P = 0
+    everywhere), its lse in base 2 (0 where it has none) and its Delta."""
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
+    head_ok = heads < n_heads
+    lse = gl.load(lse_row + heads, mask=head_ok, other=float("-inf"))
+    row_ok = head_ok & (lse > float("-inf"))
+    return row_ok, gl.where(row_ok, lse * 1.4426950408889634, 0.0), gl.load(delta_row + heads, mask=head_ok, other=0.0)
 
 
 @gluon.jit
@@ -61,12 +72,7 @@ def _dq_consumer(idx_row, n_idx, n_heads, lse_row, delta_row, ds_row, p_row, sca
     dr_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                    instr_shape=[16, D_R // 2, 16])
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
-    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
-    head_ok = heads < n_heads
-    lse = gl.load(lse_row + heads, mask=head_ok, other=float("-inf"))
-    row_ok = head_ok & (lse > float("-inf"))  # a row with no valid key has P = 0 everywhere
-    lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
-    delta = gl.load(delta_row + heads, mask=head_ok, other=0.0)
+    row_ok, lse2, delta = row_stats(lse_row, delta_row, n_heads, BLOCK_H, s_l)
     zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
     dq_n = gl.zeros([BLOCK_H, D_V], gl.float32, dn_l)
     dq_r = gl.zeros([BLOCK_H, D_R], gl.float32, dr_l)
@@ -86,8 +92,8 @@ def _dq_consumer(idx_row, n_idx, n_heads, lse_row, delta_row, ds_row, p_row, sca
         gl.thread_barrier()  # both warpgroups' halves of dS and P in place before either reads all of it
         n_tok = warpgroup_mma(ds_smem, kv_nope.index(slot), dq_n, is_async=True)
         r_tok = warpgroup_mma(ds_smem, kv_rope.index(slot), dq_r, is_async=True)
-        _tile_to_global(ds_smem, ds_row, i * BLOCK_N, n_idx, n_heads)  # while the wgmmas run (they only read)
-        _tile_to_global(p_smem, p_row, i * BLOCK_N, n_idx, n_heads)
+        tile_to_global(ds_smem, ds_row, i * BLOCK_N, n_idx, n_heads, 8)  # while the wgmmas run (they only read)
+        tile_to_global(p_smem, p_row, i * BLOCK_N, n_idx, n_heads, 8)
         dq_n, dq_r = warpgroup_mma_wait(0, deps=(n_tok, r_tok))
         gl.thread_barrier()  # every warp is done with the slot, dS and P
         mbarrier.arrive(empty.index(slot), count=1)
@@ -112,9 +118,9 @@ def dq_pass_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, d
     kv_nope, kv_rope, full, empty = kv_ring(dtype, BLOCK_N, D_V, D_R, STAGES, PRODUCER_WARPS)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], t_sl)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], t_sl)
-    rows_to_shared(q_nope.index(0), q_ptr + t * stride_qt, stride_qh, h0, HEADS, 0)  # heads past HEADS: zeros
-    rows_to_shared(q_rope.index(0), q_ptr + t * stride_qt, stride_qh, h0, HEADS, D_V)
-    rows_to_shared(do_s.index(0), do_ptr + t * stride_dot, stride_doh, h0, HEADS, 0)
+    rows_to_shared(q_nope.index(0), q_ptr + t * stride_qt, stride_qh, h0, HEADS, 0, 8)  # heads past HEADS: 0
+    rows_to_shared(q_rope.index(0), q_ptr + t * stride_qt, stride_qh, h0, HEADS, D_V, 8)
+    rows_to_shared(do_s.index(0), do_ptr + t * stride_dot, stride_doh, h0, HEADS, 0, 8)
     fence_async_shared()
     gl.thread_barrier()
     idx_row = idx_ptr + t * stride_it

@@ -128,10 +128,10 @@ def _consumer(idx_row, n_idx, scale_log2, q_nope, q_rope, kv_nope, kv_rope, p_sm
 
 
 @gluon.jit
-def rows_to_shared(smem, base, stride_row, r0, n_rows, col0):
+def rows_to_shared(smem, base, stride_row, r0, n_rows, col0, WARPS: gl.constexpr):
     """smem [R, C] = rows r0 .. r0 + R of a row-major block at base (rows n_rows and past as zeros),
-    columns col0 .. col0 + C; by the 8 warps outside the specialised region."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+    columns col0 .. col0 + C; by the WARPS warps of the default partition, outside the specialised region."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
     r = r0 + gl.arange(0, smem.shape[0], layout=gl.SliceLayout(1, layout))
     c = col0 + gl.arange(0, smem.shape[1], layout=gl.SliceLayout(0, layout))
     smem.store(gl.load(base + r[:, None] * stride_row + c[None, :], mask=(r < n_rows)[:, None], other=0.0))
@@ -171,8 +171,8 @@ def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, 
     kv_nope, kv_rope, full, empty = kv_ring(dtype, BLOCK_N, D_V, D_R, STAGES, PRODUCER_WARPS)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_sl)
 
-    rows_to_shared(q_nope, q_ptr + t * stride_qt, stride_qh, h0, HEADS, 0)  # once; heads past HEADS as zeros
-    rows_to_shared(q_rope, q_ptr + t * stride_qt, stride_qh, h0, HEADS, D_V)
+    rows_to_shared(q_nope, q_ptr + t * stride_qt, stride_qh, h0, HEADS, 0, 8)  # once; heads past HEADS: zeros
+    rows_to_shared(q_rope, q_ptr + t * stride_qt, stride_qh, h0, HEADS, D_V, 8)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -214,12 +214,13 @@ def supports(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
             and q.shape[-1] == D_V + D_R and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
-def sparse_mla_forward_gluon(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
-                             d_v: int = 512, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
-    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there)."""
+def launch_forward(kernel, cx: dict, num_warps: int, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
+                   sm_scale: float, d_v: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mla.sparse_mla_forward's outputs from one of the Gluon forward kernels (this module's, or
+    sparse_mla_gluon_pair.py's: the same arguments) launched with constants cx, a program per (token, 64 heads)."""
     if not supports(q, kv, d_v):
-        raise ValueError("the Gluon sparse MLA forward needs bf16 q and kv on an sm_90 GPU with 512 + 64 "
-                         f"columns; got q {q.dtype} {tuple(q.shape)} on {q.device}, d_v={d_v}")
+        raise ValueError(f"the {name} needs bf16 q and kv on an sm_90 GPU with 512 + 64 columns; got q "
+                         f"{q.dtype} {tuple(q.shape)} on {q.device}, d_v={d_v}")
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
     T, heads, _ = q.shape
     out = torch.empty((T, heads, d_v), device=q.device, dtype=q.dtype)
@@ -228,8 +229,15 @@ def sparse_mla_forward_gluon(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tenso
         return out, lse
     if idx.shape[1] == 0:  # no slot: the consumers would wait for a first tile that never comes
         return out.zero_(), lse.fill_(float("-inf"))
-    _sparse_mla_fwd_gluon[(T, triton.cdiv(heads, BLOCK_H))](
+    kernel[(T, triton.cdiv(heads, BLOCK_H))](
         q, kv, idx, out, lse, sm_scale * 1.4426950408889634, idx.shape[1], q.stride(0), q.stride(1),
-        kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        HEADS=heads, **constexprs(**schedule), num_warps=8)
+        kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0), HEADS=heads, **cx,
+        num_warps=num_warps)
     return out, lse
+
+
+def sparse_mla_forward_gluon(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
+                             d_v: int = 512, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there)."""
+    return launch_forward(_sparse_mla_fwd_gluon, constexprs(**schedule), 8, q, kv, idx, sm_scale, d_v,
+                          "Gluon sparse MLA forward")

@@ -27,14 +27,13 @@ At the end the two warpgroups add their row sums through shared memory and each 
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels.sparse_mla_gluon import supports
+from kernels.sparse_mla_gluon import launch_forward, rows_to_shared
 
 BLOCK_H = 64  # heads a program: one wgmma M
 BLOCK_N = 64  # keys a tile
@@ -51,7 +50,7 @@ N_SYNC = gl.constexpr(6)
 
 
 @gluon.jit
-def _copy_rows(dst, kv_ptr, idx_row, n_idx, stride_kv, j0, col0, ROWS: gl.constexpr, WARPS: gl.constexpr):
+def copy_rows(dst, kv_ptr, idx_row, n_idx, stride_kv, j0, col0, ROWS: gl.constexpr, WARPS: gl.constexpr):
     """cp.async dst [BLOCK_N, C] <- kv[idx[j0 + r], col0 : col0 + C] (16 bytes a thread a copy, ROWS rows a
     call; slots past n_idx and -1 slots read row 0, which the consumers mask)."""
     C: gl.constexpr = dst.shape[1]
@@ -76,18 +75,18 @@ def _gather_pairs(kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope,
         j0 = 2 * j * BLOCK_N
         j1 = j0 + BLOCK_N
         mbarrier.wait(empty_l.index(0), ph)
-        _copy_rows(kv_l.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 0, ROW_GROUP, WARPS)
+        copy_rows(kv_l.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 0, ROW_GROUP, WARPS)
         cp.mbarrier_arrive(full_l.index(0), increment_count=False)
         mbarrier.wait(empty_r.index(1), ph)
-        _copy_rows(kv_r.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, HALF, ROW_GROUP, WARPS)
-        _copy_rows(kv_rope.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, 2 * HALF, BLOCK_N, WARPS)
+        copy_rows(kv_r.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, HALF, ROW_GROUP, WARPS)
+        copy_rows(kv_rope.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, 2 * HALF, BLOCK_N, WARPS)
         cp.mbarrier_arrive(full_r.index(1), increment_count=False)
         mbarrier.wait(empty_r.index(0), ph)
-        _copy_rows(kv_r.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, HALF, ROW_GROUP, WARPS)
-        _copy_rows(kv_rope.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 2 * HALF, BLOCK_N, WARPS)
+        copy_rows(kv_r.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, HALF, ROW_GROUP, WARPS)
+        copy_rows(kv_rope.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 2 * HALF, BLOCK_N, WARPS)
         cp.mbarrier_arrive(full_r.index(0), increment_count=False)
         mbarrier.wait(empty_l.index(1), ph)
-        _copy_rows(kv_l.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, 0, ROW_GROUP, WARPS)
+        copy_rows(kv_l.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, 0, ROW_GROUP, WARPS)
         cp.mbarrier_arrive(full_l.index(1), increment_count=False)
 
 
@@ -103,7 +102,7 @@ def _qk_part(q_part, kv_part, full, phase, acc, use_acc: gl.constexpr):
 
 
 @gluon.jit
-def _signal(bar):
+def signal(bar):
     """One arrival on bar once every warp of the calling warpgroup is past this point."""
     gl.thread_barrier()
     mbarrier.arrive(bar, count=1)
@@ -122,7 +121,7 @@ def _finish(o, m, den, m_smem, den_smem, sync, mine: gl.constexpr, out_row, stri
             lse_row, WRITE_LSE: gl.constexpr, o_l: gl.constexpr):
     """Both warpgroups' row sums added through shared memory; this warpgroup's half of out (and the lse)."""
     den_smem.slice(mine * den.shape[0], den.shape[0]).store(den)
-    _signal(sync.index(L0 + mine))
+    signal(sync.index(L0 + mine))
     mbarrier.wait(sync.index(L0 + 1 - mine), 0)
     den = den + den_smem.slice((1 - mine) * den.shape[0], den.shape[0]).load(den.type.layout)
     den_safe = gl.where(den > 0, den, 1.0)
@@ -136,19 +135,28 @@ def _finish(o, m, den, m_smem, den_smem, sync, mine: gl.constexpr, out_row, stri
         gl.store(lse_row + hl, lse, mask=hl < HEADS)
 
 
+# a consumer warpgroup's wgmma accumulators: S of a 64 x 64 tile, its half of O ([64, 256])
+S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]))
+O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]))
+
+
+@gluon.jit
+def _fresh(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
+    """A consumer's start: a zero S accumulator, the running max (-inf), the row sums and its half of O (0)."""
+    m = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    return (gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT), m, gl.zeros_like(m),
+            gl.zeros([BLOCK_H, HALF], gl.float32, O_LAYOUT))
+
+
 @gluon.jit
 def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem, den_smem,
                 full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS: gl.constexpr,
                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
     """Warpgroup 0 (the default partition): tiles 2j, O's columns 0-255."""
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    s_l: gl.constexpr = S_LAYOUT
+    o_l: gl.constexpr = O_LAYOUT
     p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
-    m = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
-    den = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
-    o = gl.zeros([BLOCK_H, HALF], gl.float32, o_l)
+    zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
     s_tok = _qk_part(q_l.index(0), kv_l.index(0), full_l.index(0), 0, zero_s, False)
     s_tok = _qk_part(q_r.index(0), kv_r.index(0), full_r.index(0), 0, s_tok, True)
     s_tok = warpgroup_mma(q_rope.index(0), kv_rope.index(0).permute((1, 0)), s_tok, is_async=True)
@@ -164,17 +172,17 @@ def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
         den = den * alpha + gl.sum(p, axis=1)
         o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
         m_smem.store(m0)
-        _signal(sync.index(M0))
+        signal(sync.index(M0))
         o_tok = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), kv_l.index(z), o, is_async=True)
         o = warpgroup_mma_wait(0, deps=(o_tok, ))
-        _signal(empty_l.index(0))  # slot 0's left half: its QK^T and this PV are done
+        signal(empty_l.index(0))  # slot 0's left half: its QK^T and this PV are done
         mbarrier.wait(sync.index(M1), ph)
         m1 = m_smem.load(gl.SliceLayout(1, s_l))  # max(m0, tile 2j + 1's): where the pair ends
         # P0 at m1 for warpgroup 1's half of the values (rows with no valid key have P0 = 0: any finite beta)
         beta = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0_safe - gl.where(m1 == float("-inf"), 0.0, m1)))
         kv_rope.index(z).store((p * beta[:, None]).to(gl.bfloat16))  # slot 0's rope columns: read by S0 only
         fence_async_shared()
-        _signal(sync.index(S0))
+        signal(sync.index(S0))
         o = o * gl.convert_layout(beta, gl.SliceLayout(1, o_l))[:, None]
         den = den * beta
         m = m1
@@ -184,13 +192,13 @@ def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
         if j + 1 < pairs:  # tile 2j + 2's QK^T on slot 0's left half while this PV runs
             s_tok = _qk_part(q_l.index(z), kv_l.index(z), full_l.index(0), ph ^ 1, zero_s, False)
             o = warpgroup_mma_wait(1, deps=(o_tok, ))
-            _signal(empty_l.index(1))
+            signal(empty_l.index(1))
             s_tok = _qk_part(q_r.index(z), kv_r.index(z), full_r.index(0), ph ^ 1, s_tok, True)
             s_tok = warpgroup_mma(q_rope.index(z), kv_rope.index(z).permute((1, 0)), s_tok, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s_tok, ))
         else:
             o = warpgroup_mma_wait(0, deps=(o_tok, ))
-            _signal(empty_l.index(1))
+            signal(empty_l.index(1))
     _finish(o, m, den, m_smem, den_smem, sync, 0, out_row, stride_oh, 0, h0, HEADS, lse_row, False, o_l)
 
 
@@ -199,14 +207,10 @@ def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, 
                full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS: gl.constexpr,
                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
     """Warpgroup 1 (a worker partition): tiles 2j + 1, O's columns 256-511, and the lse."""
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    s_l: gl.constexpr = S_LAYOUT
+    o_l: gl.constexpr = O_LAYOUT
     p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
-    m = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
-    den = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
-    o = gl.zeros([BLOCK_H, HALF], gl.float32, o_l)
+    zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
     for j in range(pairs):
         ph = j & 1
         z = (j + n_idx) >> 30  # always 0: see _qk_part
@@ -226,30 +230,20 @@ def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, 
         o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
         m = m1
         m_smem.store(m1)
-        _signal(sync.index(M1))
+        signal(sync.index(M1))
         p_bf = p.to(gl.bfloat16)
         o_tok = warpgroup_mma(gl.convert_layout(p_bf, p_op), kv_r.index(1 + z), o, is_async=True)
         p1_smem.index(z).store(p_bf)
         fence_async_shared()
-        _signal(sync.index(S1))
+        signal(sync.index(S1))
         mbarrier.wait(sync.index(S0), ph)
         fence_async_shared()  # slot 0's right half landed by cp.async, waited for by warpgroup 0 only
         o_tok = warpgroup_mma(kv_rope.index(z), kv_r.index(z), o_tok, is_async=True)  # P0, in slot 0's rope
         warpgroup_mma_wait(1, deps=(o_tok, ))  # the first PV done (its value is read below, after both)
-        _signal(empty_r.index(1))  # slot 1's right half: this QK^T and the first PV are done
+        signal(empty_r.index(1))  # slot 1's right half: this QK^T and the first PV are done
         o = warpgroup_mma_wait(0, deps=(o_tok, ))
-        _signal(empty_r.index(0))  # slot 0's right half and P0
+        signal(empty_r.index(0))  # slot 0's right half and P0
     _finish(o, m, den, m_smem, den_smem, sync, 1, out_row, stride_oh, HALF, h0, HEADS, lse_row, True, o_l)
-
-
-@gluon.jit
-def _q_to_shared(smem, base, stride_row, r0, n_rows, col0):
-    """smem [R, C] = rows r0 .. r0 + R of q (rows n_rows and past as zeros), columns col0 .. col0 + C; by the 4
-    warps of the default partition before the specialised region."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    r = r0 + gl.arange(0, smem.shape[0], layout=gl.SliceLayout(1, layout))
-    c = col0 + gl.arange(0, smem.shape[1], layout=gl.SliceLayout(0, layout))
-    smem.store(gl.load(base + r[:, None] * stride_row + c[None, :], mask=(r < n_rows)[:, None], other=0.0))
 
 
 @gluon.jit
@@ -288,9 +282,9 @@ def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n
     for b in gl.static_range(N_SYNC):
         mbarrier.init(sync.index(b), count=1)
     q_row = q_ptr + t * stride_qt
-    _q_to_shared(q_l.index(0), q_row, stride_qh, h0, HEADS, 0)  # once; heads past HEADS as zeros
-    _q_to_shared(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF)
-    _q_to_shared(q_rope.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF)
+    rows_to_shared(q_l.index(0), q_row, stride_qh, h0, HEADS, 0, 4)  # once; heads past HEADS as zeros
+    rows_to_shared(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF, 4)
+    rows_to_shared(q_rope.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF, 4)
     fence_async_shared()
     gl.thread_barrier()
     idx_row = idx_ptr + t * stride_it
@@ -321,19 +315,5 @@ def constexprs(**change) -> dict:
 def sparse_mla_forward_pair(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
                             d_v: int = 512, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
     """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there)."""
-    if not supports(q, kv, d_v):
-        raise ValueError("the Gluon sparse MLA forward needs bf16 q and kv on an sm_90 GPU with 512 + 64 "
-                         f"columns; got q {q.dtype} {tuple(q.shape)} on {q.device}, d_v={d_v}")
-    q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
-    T, heads, _ = q.shape
-    out = torch.empty((T, heads, d_v), device=q.device, dtype=q.dtype)
-    lse = torch.empty((T, heads), device=q.device, dtype=torch.float32)
-    if T == 0:
-        return out, lse
-    if idx.shape[1] == 0:  # no slot: the consumers would wait for a first tile that never comes
-        return out.zero_(), lse.fill_(float("-inf"))
-    _sparse_mla_fwd_pair[(T, triton.cdiv(heads, BLOCK_H))](
-        q, kv, idx, out, lse, sm_scale * 1.4426950408889634, idx.shape[1], q.stride(0), q.stride(1),
-        kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        HEADS=heads, **constexprs(**schedule), num_warps=4)
-    return out, lse
+    return launch_forward(_sparse_mla_fwd_pair, constexprs(**schedule), 4, q, kv, idx, sm_scale, d_v,
+                          "paired Gluon sparse MLA forward")
