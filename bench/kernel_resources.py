@@ -95,7 +95,6 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
 
 def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
     from kernels import sparse_mla_bwd_dkv_gluon as gluon_dkv
-    from kernels import sparse_mla_bwd_dq_pair as pair_dq
     from kernels import sparse_mla_bwd_gluon as gluon_dq
     from kernels import sparse_mla_gluon as gluon_fwd
     from kernels import sparse_mla_gluon_pair as gluon_pair
@@ -135,8 +134,6 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
          {**dims, "WITH_DKV": False, "STORE_DSP": True}, [(c, {}) for c in DQ_CONFIGS]),
         ("sparse_mla_bwd_split_dq_gluon", gluon_dq.dq_pass_kernel, gluon_dq_args, gluon_dq.constexprs(H),
          [(KernelConfig.make(num_warps=8, num_stages=1), {})]),
-        ("sparse_mla_bwd_split_dq_pair", pair_dq.dq_pair_kernel, gluon_dq_args, pair_dq.constexprs(H),
-         [(KernelConfig.make(num_warps=4, num_stages=1), {})]),
         ("sparse_mla_bwd_split_dkv", _dkv_from_dsp_kernel, dkv_args,
          {**dims, "BLOCK_H": 64}, [(c, {}) for c in DKV_CONFIGS]),
         ("sparse_mla_bwd_split_dkv_gluon", gluon_dkv.dkv_pass_kernel,

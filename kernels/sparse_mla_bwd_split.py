@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import sparse_mla_bwd_dkv_gluon, sparse_mla_bwd_dq_pair, sparse_mla_bwd_gluon, sparse_mla_gluon
+from kernels import sparse_mla_bwd_dkv_gluon, sparse_mla_bwd_gluon, sparse_mla_gluon
 from kernels._tuning import Autotuner, KernelConfig
 from kernels.sparse_mla import LOG2E, _bucket, gluon_runs
 from kernels.sparse_mla_bwd_rows import sparse_mla_bwd_rows_kernel
@@ -61,9 +61,8 @@ DKV_CONFIGS = [
     KernelConfig.make(BLOCK_N=64, N_COLS=1, COL_SPLIT=4, num_warps=8, num_stages=2),
     KernelConfig.make(BLOCK_N=64, N_COLS=2, COL_SPLIT=2, num_warps=8, num_stages=2),
 ]
-# "gluon": kernels/sparse_mla_bwd_gluon.py (bf16, 512 + 64 columns, sm_90); "pair": kernels/sparse_mla_bwd_dq_pair.py
-# (the same shapes and machines, the two consumer warpgroups on alternate tiles); "triton": DQ_CONFIGS, tuned
-DQ_IMPLS = ("gluon", "pair", "triton")
+# "gluon": kernels/sparse_mla_bwd_gluon.py (bf16, 512 + 64 columns, sm_90); "triton": DQ_CONFIGS, tuned
+DQ_IMPLS = ("gluon", "triton")
 # "gluon": kernels/sparse_mla_bwd_dkv_gluon.py (the dq pass's rule and exactly 64 heads); "triton": DKV_CONFIGS
 DKV_IMPLS = ("gluon", "triton")
 DQ_TUNER = Autotuner("sparse_mla_bwd_split_dq", DQ_CONFIGS)
@@ -248,9 +247,8 @@ def split_backward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, grad_ou
         def launch_dkv(cfg: KernelConfig, out: torch.Tensor) -> None:
             dkv_pass(cfg, qc, gc, ic, ds, p, out, d_v)
 
-        if dq_impl != "triton":
-            dq_pass = (sparse_mla_bwd_gluon if dq_impl == "gluon" else sparse_mla_bwd_dq_pair).dq_pass
-            run("dq", lambda: dq_pass(qc, kv, ic, gc, lc, dc, dqc, ds, p, sm_scale))
+        if dq_impl == "gluon":
+            run("dq", lambda: sparse_mla_bwd_gluon.dq_pass(qc, kv, ic, gc, lc, dc, dqc, ds, p, sm_scale))
         else:
             dq_cfg = DQ_TUNER.choose(key, q.device, launch_dq)
             run("dq", lambda: launch_dq(dq_cfg))

@@ -8,7 +8,7 @@ key columns of S: a 64 x 32 wgmma whose 2 KB of q per 16-deep step is read from 
 keys, so at 64 heads the QK^T GEMM (53% of the FLOPs) is bound by shared-memory reads, and each tile's
 steps run one after another (374-382 TFLOP/s on an H100). Here each warpgroup takes every other tile whole
 (64 x 64 wgmmas: q's reads amortised over twice the keys) and owns half of O's 512 value columns, the
-schedule DeepSeek's FlashMLA sparse prefill uses for 64 heads (REFERENCE.md: 640 TFLOP/s on an H800):
+schedule DeepSeek's FlashMLA sparse prefill uses for 64 heads (issue #22: 640 TFLOP/s on an H800):
 - tile pair j: warpgroup 0 has S0 of tile 2j, warpgroup 1 S1 of tile 2j + 1. Warpgroup 0 takes the online
   softmax's new row max m0 over its tile and hands it over in shared memory; warpgroup 1 goes on to
   m1 = max(m0, its tile's), hands that back, and both end the pair at m1;
@@ -23,6 +23,10 @@ schedule DeepSeek's FlashMLA sparse prefill uses for 64 heads (REFERENCE.md: 640
 - warpgroup 0's P for warpgroup 1 goes where slot 0's rope columns were (read only by its QK^T, already
   done): q 72 KB + two 72 KB slots + warpgroup 1's P 8 KB fit the 227 KB an SM has.
 At the end the two warpgroups add their row sums through shared memory and each writes its half of out.
+Measured on an H100 (bench/results/sparse_mla_gluon_gpu.json run 4, three timings in two processes), 4096
+tokens x top-2048: at an 8K context (latents in L2) 2.73-2.74 ms, 426-429 TFLOP/s, 1.05-1.12x sparse_mla_gluon.py;
+at 64K 3.04-3.14 ms, 0.97-0.98x: there the gathers that miss L2 decide, and both kernels hold two 64-key slots.
+So it is `impl="pair"`, not the default (bench.kernels times it beside the default at both contexts).
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ N_SYNC = gl.constexpr(6)
 
 
 @gluon.jit
-def copy_rows(dst, kv_ptr, idx_row, n_idx, stride_kv, j0, col0, ROWS: gl.constexpr, WARPS: gl.constexpr):
+def _copy_rows(dst, kv_ptr, idx_row, n_idx, stride_kv, j0, col0, ROWS: gl.constexpr, WARPS: gl.constexpr):
     """cp.async dst [BLOCK_N, C] <- kv[idx[j0 + r], col0 : col0 + C] (16 bytes a thread a copy, ROWS rows a
     call; slots past n_idx and -1 slots read row 0, which the consumers mask)."""
     C: gl.constexpr = dst.shape[1]
@@ -75,18 +79,18 @@ def _gather_pairs(kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope,
         j0 = 2 * j * BLOCK_N
         j1 = j0 + BLOCK_N
         mbarrier.wait(empty_l.index(0), ph)
-        copy_rows(kv_l.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 0, ROW_GROUP, WARPS)
+        _copy_rows(kv_l.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 0, ROW_GROUP, WARPS)
         cp.mbarrier_arrive(full_l.index(0), increment_count=False)
         mbarrier.wait(empty_r.index(1), ph)
-        copy_rows(kv_r.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, HALF, ROW_GROUP, WARPS)
-        copy_rows(kv_rope.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, 2 * HALF, BLOCK_N, WARPS)
+        _copy_rows(kv_r.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, HALF, ROW_GROUP, WARPS)
+        _copy_rows(kv_rope.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, 2 * HALF, BLOCK_N, WARPS)
         cp.mbarrier_arrive(full_r.index(1), increment_count=False)
         mbarrier.wait(empty_r.index(0), ph)
-        copy_rows(kv_r.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, HALF, ROW_GROUP, WARPS)
-        copy_rows(kv_rope.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 2 * HALF, BLOCK_N, WARPS)
+        _copy_rows(kv_r.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, HALF, ROW_GROUP, WARPS)
+        _copy_rows(kv_rope.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 2 * HALF, BLOCK_N, WARPS)
         cp.mbarrier_arrive(full_r.index(0), increment_count=False)
         mbarrier.wait(empty_l.index(1), ph)
-        copy_rows(kv_l.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, 0, ROW_GROUP, WARPS)
+        _copy_rows(kv_l.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, 0, ROW_GROUP, WARPS)
         cp.mbarrier_arrive(full_l.index(1), increment_count=False)
 
 
@@ -102,7 +106,7 @@ def _qk_part(q_part, kv_part, full, phase, acc, use_acc: gl.constexpr):
 
 
 @gluon.jit
-def signal(bar):
+def _signal(bar):
     """One arrival on bar once every warp of the calling warpgroup is past this point."""
     gl.thread_barrier()
     mbarrier.arrive(bar, count=1)
@@ -121,7 +125,7 @@ def _finish(o, m, den, m_smem, den_smem, sync, mine: gl.constexpr, out_row, stri
             lse_row, WRITE_LSE: gl.constexpr, o_l: gl.constexpr):
     """Both warpgroups' row sums added through shared memory; this warpgroup's half of out (and the lse)."""
     den_smem.slice(mine * den.shape[0], den.shape[0]).store(den)
-    signal(sync.index(L0 + mine))
+    _signal(sync.index(L0 + mine))
     mbarrier.wait(sync.index(L0 + 1 - mine), 0)
     den = den + den_smem.slice((1 - mine) * den.shape[0], den.shape[0]).load(den.type.layout)
     den_safe = gl.where(den > 0, den, 1.0)
@@ -172,17 +176,17 @@ def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
         den = den * alpha + gl.sum(p, axis=1)
         o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
         m_smem.store(m0)
-        signal(sync.index(M0))
+        _signal(sync.index(M0))
         o_tok = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), kv_l.index(z), o, is_async=True)
         o = warpgroup_mma_wait(0, deps=(o_tok, ))
-        signal(empty_l.index(0))  # slot 0's left half: its QK^T and this PV are done
+        _signal(empty_l.index(0))  # slot 0's left half: its QK^T and this PV are done
         mbarrier.wait(sync.index(M1), ph)
         m1 = m_smem.load(gl.SliceLayout(1, s_l))  # max(m0, tile 2j + 1's): where the pair ends
         # P0 at m1 for warpgroup 1's half of the values (rows with no valid key have P0 = 0: any finite beta)
         beta = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0_safe - gl.where(m1 == float("-inf"), 0.0, m1)))
         kv_rope.index(z).store((p * beta[:, None]).to(gl.bfloat16))  # slot 0's rope columns: read by S0 only
         fence_async_shared()
-        signal(sync.index(S0))
+        _signal(sync.index(S0))
         o = o * gl.convert_layout(beta, gl.SliceLayout(1, o_l))[:, None]
         den = den * beta
         m = m1
@@ -192,13 +196,13 @@ def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
         if j + 1 < pairs:  # tile 2j + 2's QK^T on slot 0's left half while this PV runs
             s_tok = _qk_part(q_l.index(z), kv_l.index(z), full_l.index(0), ph ^ 1, zero_s, False)
             o = warpgroup_mma_wait(1, deps=(o_tok, ))
-            signal(empty_l.index(1))
+            _signal(empty_l.index(1))
             s_tok = _qk_part(q_r.index(z), kv_r.index(z), full_r.index(0), ph ^ 1, s_tok, True)
             s_tok = warpgroup_mma(q_rope.index(z), kv_rope.index(z).permute((1, 0)), s_tok, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s_tok, ))
         else:
             o = warpgroup_mma_wait(0, deps=(o_tok, ))
-            signal(empty_l.index(1))
+            _signal(empty_l.index(1))
     _finish(o, m, den, m_smem, den_smem, sync, 0, out_row, stride_oh, 0, h0, HEADS, lse_row, False, o_l)
 
 
@@ -230,19 +234,19 @@ def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, 
         o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
         m = m1
         m_smem.store(m1)
-        signal(sync.index(M1))
+        _signal(sync.index(M1))
         p_bf = p.to(gl.bfloat16)
         o_tok = warpgroup_mma(gl.convert_layout(p_bf, p_op), kv_r.index(1 + z), o, is_async=True)
         p1_smem.index(z).store(p_bf)
         fence_async_shared()
-        signal(sync.index(S1))
+        _signal(sync.index(S1))
         mbarrier.wait(sync.index(S0), ph)
         fence_async_shared()  # slot 0's right half landed by cp.async, waited for by warpgroup 0 only
         o_tok = warpgroup_mma(kv_rope.index(z), kv_r.index(z), o_tok, is_async=True)  # P0, in slot 0's rope
         warpgroup_mma_wait(1, deps=(o_tok, ))  # the first PV done (its value is read below, after both)
-        signal(empty_r.index(1))  # slot 1's right half: this QK^T and the first PV are done
+        _signal(empty_r.index(1))  # slot 1's right half: this QK^T and the first PV are done
         o = warpgroup_mma_wait(0, deps=(o_tok, ))
-        signal(empty_r.index(0))  # slot 0's right half and P0
+        _signal(empty_r.index(0))  # slot 0's right half and P0
     _finish(o, m, den, m_smem, den_smem, sync, 1, out_row, stride_oh, HALF, h0, HEADS, lse_row, True, o_l)
 
 

@@ -93,17 +93,6 @@ def test_the_gluon_dq_pass_fits_without_spilling_its_consumers():
     assert hoisted["spill_stack_bytes"] > 4 * res["spill_stack_bytes"], (hoisted, res)
 
 
-def test_the_paired_gluon_dq_pass_fits():
-    """kernels/sparse_mla_bwd_dq_pair.py: q, dO, two 32-key slots and both tiles' dS / P in 227 KB; what spills
-    is the set-up's values across setmaxnreg (72 bytes, reloaded once), none in a loop (read in the SASS)."""
-    case = next(c for c in kr._sparse_mla_bwd_cases() if c[0] == "sparse_mla_bwd_split_dq_pair")
-    _, fn, args, constexprs, configs = case
-    cfg, _ = configs[0]
-    res = kr.compile_sm90(fn, args, constexprs, cfg.num_warps, cfg.num_stages)
-    # per warpgroup and tile: S (36 k-steps), dP (32), its dq columns from both tiles' dS (2 x 2 x 2)
-    assert res["wgmma"] == 2 * (36 + 32 + 8) and res["shared_bytes"] <= 232448 and res["spill_stack_bytes"] <= 80, res
-
-
 def test_the_gluon_dkv_pass_fits_two_rings_beside_its_columns_without_spilling():
     case = next(c for c in kr._sparse_mla_bwd_cases() if c[0] == "sparse_mla_bwd_split_dkv_gluon")
     _, fn, args, constexprs, configs = case

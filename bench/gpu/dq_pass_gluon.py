@@ -17,23 +17,12 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.gpu.probe_cli import run_probe, schedule_row  # noqa: E402
-from kernels import sparse_mla_bwd_dq_pair, sparse_mla_bwd_gluon  # noqa: E402
-
-# a schedule's "kernel": sparse_mla_bwd_gluon.py's pass ("gluon", the default) or sparse_mla_bwd_dq_pair.py's ("pair")
-KERNELS = {"gluon": sparse_mla_bwd_gluon, "pair": sparse_mla_bwd_dq_pair}
-
-
-def _split(schedule: dict):
-    """(the kernel's module, its constants' changes)."""
-    change = dict(schedule)
-    return KERNELS[change.pop("kernel", "gluon")], change
+from kernels.sparse_mla_bwd_gluon import constexprs, dq_pass, dq_pass_kernel  # noqa: E402
 
 # the default; 16-row copies; 88 producer registers (the consumers get 208 and spill 40 bytes); 40 and 72; a
-# 2-warp producer; q and dO at a constant index (312 bytes spilled); 64-key tiles in one slot (80 bytes spilled);
-# the paired pass (its default; 16-row copies)
+# 2-warp producer; q and dO at a constant index (312 bytes spilled); 64-key tiles in one slot (80 bytes spilled)
 SCHEDULES = [{}, {"ROW_GROUP": 16}, {"PRODUCER_REGS": 88}, {"PRODUCER_REGS": 40}, {"PRODUCER_REGS": 72},
-             {"PRODUCER_WARPS": 2}, {"PRODUCER_REGS": 88, "OPAQUE_Q": False}, {"BLOCK_N": 64, "STAGES": 1},
-             {"kernel": "pair"}, {"kernel": "pair", "ROW_GROUP": 16}]
+             {"PRODUCER_WARPS": 2}, {"PRODUCER_REGS": 88, "OPAQUE_Q": False}, {"BLOCK_N": 64, "STAGES": 1}]
 
 
 def compile_only() -> int:
@@ -45,10 +34,7 @@ def compile_only() -> int:
             "stride_qh": 576, "stride_kv": 576, "stride_it": K, "stride_dot": H * 512, "stride_doh": 512,
             "stride_lt": H, "stride_dqt": H * 576, "stride_dqh": 576, "stride_st": K * H}
     for sch in SCHEDULES:
-        mod, change = _split(sch)
-        kernel = mod.dq_pass_kernel if mod is sparse_mla_bwd_gluon else mod.dq_pair_kernel
-        warps = 8 if mod is sparse_mla_bwd_gluon else 4
-        print(json.dumps({"schedule": sch, **compile_sm90(kernel, args, mod.constexprs(H, **change), warps, 1)}))
+        print(json.dumps({"schedule": sch, **compile_sm90(dq_pass_kernel, args, constexprs(H, **sch), 8, 1)}))
     return 0
 
 
@@ -88,8 +74,7 @@ def measure() -> dict:
     for sch in SCHEDULES:
         ds, p, dq = torch.empty_like(ds0), torch.empty_like(p0), torch.empty_like(q)
         result["gluon"].append(schedule_row(
-            sch, lambda ds=ds, p=p, dq=dq, kernel="gluon", **s: KERNELS[kernel].dq_pass(q, kv, idx, dout, lse, delta,
-                                                                                       dq, ds, p, scale, **s),
+            sch, lambda ds=ds, p=p, dq=dq, **s: dq_pass(q, kv, idx, dout, lse, delta, dq, ds, p, scale, **s),
             lambda ds=ds, p=p, dq=dq: {"max_abs_diff_dq": float((dq.float() - dq0.float()).abs().max()),
                                        "max_abs_dq": float(dq0.float().abs().max()),
                                        "max_abs_diff_ds": float((ds.float() - ds0.float()).abs().max()),
