@@ -26,7 +26,8 @@ At the end the two warpgroups add their row sums through shared memory and each 
 Measured on an H100 (bench/results/sparse_mla_gluon_gpu.json run 4, three timings in two processes), 4096
 tokens x top-2048: at an 8K context (latents in L2) 2.73-2.74 ms, 426-429 TFLOP/s, 1.05-1.12x sparse_mla_gluon.py;
 at 64K 3.04-3.14 ms, 0.97-0.98x: there the gathers that miss L2 decide, and both kernels hold two 64-key slots.
-So it is `impl="pair"`, not the default (bench.kernels times it beside the default at both contexts).
+So the default takes it only for latents that L2 holds (sparse_mla.PAIR_KV_BYTES); bench.kernels times both kernels
+at both contexts.
 """
 from __future__ import annotations
 

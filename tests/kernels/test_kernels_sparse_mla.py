@@ -37,12 +37,16 @@ def test_an_unknown_impl_is_named(device):
                               torch.zeros(1, 2, device=device, dtype=torch.int32), 0.1, d_v=32, impl="cuda")
 
 
-def test_the_gluon_kernel_is_the_default_only_without_padded_heads(monkeypatch):
+def test_the_gluon_kernels_are_the_default_only_without_padded_heads_and_pair_only_for_short_contexts(monkeypatch):
     from kernels import sparse_mla_gluon
     kv = torch.zeros(4, 576, dtype=torch.bfloat16)
     assert sm.default_forward_impl(torch.zeros(1, 64, 576, dtype=torch.bfloat16), kv, 512) == "triton"  # CPU
     monkeypatch.setattr(sparse_mla_gluon, "supports", lambda q, kv, d_v: True)  # as on an sm_90 GPU
-    assert sm.default_forward_impl(torch.zeros(1, 128, 576, dtype=torch.bfloat16), kv, 512) == "gluon"
+    q = torch.zeros(1, 128, 576, dtype=torch.bfloat16)
+    assert sm.default_forward_impl(q, kv, 512) == "pair"
+    at_bound = torch.empty(sm.PAIR_KV_BYTES // (576 * 2), 576, dtype=torch.bfloat16, device="meta")
+    assert sm.default_forward_impl(q, at_bound, 512) == "pair"
+    assert sm.default_forward_impl(q, torch.empty(65536, 576, dtype=torch.bfloat16, device="meta"), 512) == "gluon"
     assert sm.default_forward_impl(torch.zeros(1, 16, 576, dtype=torch.bfloat16), kv, 512) == "triton"
 
 
