@@ -88,8 +88,9 @@ def timed(dev, schedules) -> list[dict]:
         idx = idx.sort(dim=1).values
         scale = default_sm_scale()
         flops = sparse_mla_flops(T, heads, K)
-        want = sparse_mla_forward(q, kv, idx, scale)
-        t_ms = triton.testing.do_bench(lambda: sparse_mla_forward(q, kv, idx, scale), warmup=50, rep=400)
+        want = sparse_mla_forward(q, kv, idx, scale, impl="triton")
+        t_ms = triton.testing.do_bench(lambda: sparse_mla_forward(q, kv, idx, scale, impl="triton"), warmup=50,
+                                       rep=400)
         base = {"tokens": T, "heads": heads, "context": S, "topk": K}
         rows.append({**base, "kernel": "triton", "ms": round(t_ms, 3), "tflops": round(flops / t_ms / 1e9, 1)})
         print(json.dumps(rows[-1]), flush=True)
