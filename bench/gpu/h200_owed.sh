@@ -2,7 +2,7 @@
 # [K2] what is owed on an H200 (the issue's goals are for one H200), in one device call: exits at once on
 # any other card so that a call that gets an H100 costs only the machine's start. Writes under $OUT:
 # kernels_indexer.json (indexer family: the top-k's share of the copy rate), kernels_mla.json (sparse MLA
-# forward and every backward impl), dq_pass_gluon.json and dkv_pass_gluon.json (the Gluon dq and dkv passes'
+# forward, the default with the other Gluon kernel timed beside it at 64K and 8K, and every backward impl), dq_pass_gluon.json and dkv_pass_gluon.json (the Gluon dq and dkv passes'
 # schedules against the Triton passes; on the H200 the dkv pass's best band count may differ).
 # Merge into bench/results/kernels.json by hand (the files carry the machine and versions).
 # Arguments name the parts (default: all, about 650 s: more than one call): `mla` (bench.kernels' sparse MLA
