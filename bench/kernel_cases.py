@@ -265,7 +265,6 @@ def bench_sparse_mla(torch, dev, sh, timer) -> Iterator[dict]:
 
 def _bench_sparse_mla_one(torch, dev, sh, timer, S) -> dict:
     from kernels.sparse_mla import (
-        FWD_IMPLS,
         GLUON_FWD_IMPLS,
         default_forward_impl,
         default_sm_scale,
@@ -291,8 +290,8 @@ def _bench_sparse_mla_one(torch, dev, sh, timer, S) -> dict:
     triton_ms = timer(lambda: sparse_mla_forward(q, kv, idx, scale, d_v=dv, impl="triton"))
     default = default_forward_impl(q, kv, dv)
     others = {}  # every other Gluon kernel that runs here, checked and timed on the same inputs
-    for impl in FWD_IMPLS:
-        if impl == default or impl not in GLUON_FWD_IMPLS or not gluon_runs(q, kv, dv):
+    for impl in GLUON_FWD_IMPLS if gluon_runs(q, kv, dv) else ():
+        if impl == default:
             continue
         o_out, o_lse = sparse_mla_forward(q, kv, idx, scale, d_v=dv, impl=impl)
         o_err = float((o_out[:n].float() - ref_out.float()).abs().max())

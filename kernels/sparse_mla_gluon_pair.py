@@ -38,12 +38,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels.sparse_mla_gluon import launch_forward, rows_to_shared
+from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, launch_forward, rows_to_shared
 
-BLOCK_H = 64  # heads a program: one wgmma M
-BLOCK_N = 64  # keys a tile
-HALF = 256  # value columns a warpgroup owns; also the left half of a KV row
-D_V, D_R = 512, 64
+HALF = D_V // 2  # value columns a warpgroup owns; also the left half of a KV row
 # the register split (setmaxnreg): WG1's CONSUMER_REGS and the producer's PRODUCER_REGS are asked for, WG0 (the
 # default partition) gets what is left of 64K / 384 threads: 504 - CONSUMER_REGS - PRODUCER_REGS
 # 216 / 56 (warpgroup 0: 232) and 208 / 56 (240) compile without spills (bench/kernel_resources); 216 / 72 (216)
@@ -143,6 +140,7 @@ def _finish(o, m, den, m_smem, den_smem, sync, mine: gl.constexpr, out_row, stri
 # a consumer warpgroup's wgmma accumulators: S of a 64 x 64 tile, its half of O ([64, 256])
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]))
 O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]))
+P_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))  # own P, from registers
 
 
 @gluon.jit
@@ -158,9 +156,6 @@ def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
                 full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS: gl.constexpr,
                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
     """Warpgroup 0 (the default partition): tiles 2j, O's columns 0-255."""
-    s_l: gl.constexpr = S_LAYOUT
-    o_l: gl.constexpr = O_LAYOUT
-    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
     zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
     s_tok = _qk_part(q_l.index(0), kv_l.index(0), full_l.index(0), 0, zero_s, False)
     s_tok = _qk_part(q_r.index(0), kv_r.index(0), full_r.index(0), 0, s_tok, True)
@@ -169,26 +164,26 @@ def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
     for j in range(pairs):
         ph = j & 1
         z = (j + n_idx) >> 30  # always 0 (n_idx < 2^30): see _qk_part
-        x = _masked(s, idx_row, n_idx, 2 * j * BLOCK_N, scale_log2, s_l)
+        x = _masked(s, idx_row, n_idx, 2 * j * BLOCK_N, scale_log2, S_LAYOUT)
         m0 = gl.maximum(m, gl.max(x, axis=1))
         m0_safe = gl.where(m0 == float("-inf"), 0.0, m0)  # rows with no valid key yet
         alpha = gl.exp2(m - m0_safe)
         p = gl.exp2(x - m0_safe[:, None])
         den = den * alpha + gl.sum(p, axis=1)
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
         m_smem.store(m0)
         _signal(sync.index(M0))
-        o_tok = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), kv_l.index(z), o, is_async=True)
+        o_tok = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_OPERAND), kv_l.index(z), o, is_async=True)
         o = warpgroup_mma_wait(0, deps=(o_tok, ))
         _signal(empty_l.index(0))  # slot 0's left half: its QK^T and this PV are done
         mbarrier.wait(sync.index(M1), ph)
-        m1 = m_smem.load(gl.SliceLayout(1, s_l))  # max(m0, tile 2j + 1's): where the pair ends
+        m1 = m_smem.load(gl.SliceLayout(1, S_LAYOUT))  # max(m0, tile 2j + 1's): where the pair ends
         # P0 at m1 for warpgroup 1's half of the values (rows with no valid key have P0 = 0: any finite beta)
         beta = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0_safe - gl.where(m1 == float("-inf"), 0.0, m1)))
         kv_rope.index(z).store((p * beta[:, None]).to(gl.bfloat16))  # slot 0's rope columns: read by S0 only
         fence_async_shared()
         _signal(sync.index(S0))
-        o = o * gl.convert_layout(beta, gl.SliceLayout(1, o_l))[:, None]
+        o = o * gl.convert_layout(beta, gl.SliceLayout(1, O_LAYOUT))[:, None]
         den = den * beta
         m = m1
         mbarrier.wait(sync.index(S1), ph)
@@ -204,7 +199,7 @@ def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
         else:
             o = warpgroup_mma_wait(0, deps=(o_tok, ))
             _signal(empty_l.index(1))
-    _finish(o, m, den, m_smem, den_smem, sync, 0, out_row, stride_oh, 0, h0, HEADS, lse_row, False, o_l)
+    _finish(o, m, den, m_smem, den_smem, sync, 0, out_row, stride_oh, 0, h0, HEADS, lse_row, False, O_LAYOUT)
 
 
 @gluon.jit
@@ -212,9 +207,6 @@ def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, 
                full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS: gl.constexpr,
                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
     """Warpgroup 1 (a worker partition): tiles 2j + 1, O's columns 256-511, and the lse."""
-    s_l: gl.constexpr = S_LAYOUT
-    o_l: gl.constexpr = O_LAYOUT
-    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
     zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
     for j in range(pairs):
         ph = j & 1
@@ -224,20 +216,20 @@ def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, 
         s_tok = warpgroup_mma(q_rope.index(z), kv_rope.index(1 + z).permute((1, 0)), s_tok, is_async=True)
         s_tok = _qk_part(q_l.index(z), kv_l.index(1 + z), full_l.index(1), ph, s_tok, True)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
-        x = _masked(s, idx_row, n_idx, (2 * j + 1) * BLOCK_N, scale_log2, s_l)
+        x = _masked(s, idx_row, n_idx, (2 * j + 1) * BLOCK_N, scale_log2, S_LAYOUT)
         mbarrier.wait(sync.index(M0), ph)
-        m1 = gl.maximum(m_smem.load(gl.SliceLayout(1, s_l)), gl.max(x, axis=1))
+        m1 = gl.maximum(m_smem.load(gl.SliceLayout(1, S_LAYOUT)), gl.max(x, axis=1))
         gl.thread_barrier()  # every thread has read m0 before any writes m1 over it
         m1_safe = gl.where(m1 == float("-inf"), 0.0, m1)
         alpha = gl.exp2(m - m1_safe)
         p = gl.exp2(x - m1_safe[:, None])
         den = den * alpha + gl.sum(p, axis=1)
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
         m = m1
         m_smem.store(m1)
         _signal(sync.index(M1))
         p_bf = p.to(gl.bfloat16)
-        o_tok = warpgroup_mma(gl.convert_layout(p_bf, p_op), kv_r.index(1 + z), o, is_async=True)
+        o_tok = warpgroup_mma(gl.convert_layout(p_bf, P_OPERAND), kv_r.index(1 + z), o, is_async=True)
         p1_smem.index(z).store(p_bf)
         fence_async_shared()
         _signal(sync.index(S1))
@@ -248,7 +240,7 @@ def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, 
         _signal(empty_r.index(1))  # slot 1's right half: this QK^T and the first PV are done
         o = warpgroup_mma_wait(0, deps=(o_tok, ))
         _signal(empty_r.index(0))  # slot 0's right half and P0
-    _finish(o, m, den, m_smem, den_smem, sync, 1, out_row, stride_oh, HALF, h0, HEADS, lse_row, True, o_l)
+    _finish(o, m, den, m_smem, den_smem, sync, 1, out_row, stride_oh, HALF, h0, HEADS, lse_row, True, O_LAYOUT)
 
 
 @gluon.jit
