@@ -38,14 +38,15 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, launch_forward, rows_to_shared
+from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, launch_forward, prefetch_rows_l2, rows_to_shared
 
 HALF = D_V // 2  # value columns a warpgroup owns; also the left half of a KV row
 # the register split (setmaxnreg): WG1's CONSUMER_REGS and the producer's PRODUCER_REGS are asked for, WG0 (the
 # default partition) gets what is left of 64K / 384 threads: 504 - CONSUMER_REGS - PRODUCER_REGS
 # 216 / 56 (warpgroup 0: 232) and 208 / 56 (240) compile without spills (bench/kernel_resources); 216 / 72 (216)
 # spills 96 bytes in warpgroup 0's loop
-SCHEDULE = dict(PRODUCER_WARPS=4, PRODUCER_REGS=56, CONSUMER_REGS=216, ROW_GROUP=32)
+# PREFETCH: tile pairs ahead whose rows the producer asks L2 for (sparse_mla_gluon.prefetch_rows_l2); 0: none
+SCHEDULE = dict(PRODUCER_WARPS=4, PRODUCER_REGS=56, CONSUMER_REGS=216, ROW_GROUP=32, PREFETCH=0)
 # the exchange barriers between the consumer warpgroups (each completes once a pair, or once at the end)
 M0, M1, S0, S1, L0, L1 = (gl.constexpr(i) for i in range(6))
 N_SYNC = gl.constexpr(6)
@@ -68,7 +69,8 @@ def _copy_rows(dst, kv_ptr, idx_row, n_idx, stride_kv, j0, col0, ROWS: gl.conste
 
 @gluon.jit
 def _gather_pairs(kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope, full_l, full_r, empty_l, empty_r,
-                  BLOCK_N: gl.constexpr, HALF: gl.constexpr, ROW_GROUP: gl.constexpr, WARPS: gl.constexpr):
+                  BLOCK_N: gl.constexpr, HALF: gl.constexpr, ROW_GROUP: gl.constexpr, WARPS: gl.constexpr,
+                  PREFETCH: gl.constexpr):
     """The producer: per pair, in the order the consumers hand the halves back, slot 0's left half (tile 2j),
     slot 1's right (2j + 1), slot 0's right, slot 1's left; each half's `full` barrier takes one arrival
     from every producer thread, as its copies land."""
@@ -76,6 +78,8 @@ def _gather_pairs(kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope,
         ph = (j & 1) ^ 1  # a fresh barrier counts as having completed the phase before its first
         j0 = 2 * j * BLOCK_N
         j1 = j0 + BLOCK_N
+        if PREFETCH > 0:  # before the waits for the consumers: the rows of pair j + PREFETCH, into L2
+            prefetch_rows_l2(kv_ptr, idx_row, n_idx, stride_kv, j0 + 2 * PREFETCH * BLOCK_N, 2 * BLOCK_N, WARPS)
         mbarrier.wait(empty_l.index(0), ph)
         _copy_rows(kv_l.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 0, ROW_GROUP, WARPS)
         cp.mbarrier_arrive(full_l.index(0), increment_count=False)
@@ -247,7 +251,8 @@ def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, 
 def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n_idx, stride_qt, stride_qh, stride_kv,
                          stride_it, stride_ot, stride_oh, stride_lt, HEADS: gl.constexpr, BLOCK_H: gl.constexpr,
                          BLOCK_N: gl.constexpr, HALF: gl.constexpr, D_R: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr):
+                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr,
+                         PREFETCH: gl.constexpr):
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -296,7 +301,7 @@ def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n
                        den_smem, full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS,
                        BLOCK_H, BLOCK_N, HALF)),
          (_gather_pairs, (kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope, full_l, full_r, empty_l,
-                          empty_r, BLOCK_N, HALF, ROW_GROUP, PRODUCER_WARPS))],
+                          empty_r, BLOCK_N, HALF, ROW_GROUP, PRODUCER_WARPS, PREFETCH))],
         [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
