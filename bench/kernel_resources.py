@@ -32,8 +32,7 @@ class Ptr:
 # 16-byte (atom_v4_f32, what tl.atomic_add becomes when Triton proves the alignment; red_v4_f32, the
 # inline-asm form with an L2 cache policy); warp shuffles and block barriers (what a reduction or a prefix
 # sum costs).
-INSTRUCTIONS = {"wgmma": r"wgmma\.mma_async", "mma_sync": r"\bmma\.sync", "cp_async": r"cp\.async\.(?!bulk\.prefetch)",
-                "prefetch_l2": r"cp\.async\.bulk\.prefetch\.L2",
+INSTRUCTIONS = {"wgmma": r"wgmma\.mma_async", "mma_sync": r"\bmma\.sync", "cp_async": r"cp\.async\.",
                 "red_f32": r"red\.global[\w.]*\.add\.f32",
                 "atom_v4_f32": r"atom\.global[\w.]*\.add\.v4\.f32", "atom_f32": r"atom\.global[\w.]*\.add\.f32",
                 "red_v4_f32": r"\bred\.[\w.:]*global[\w.:]*\.v4\.f32",
@@ -126,15 +125,15 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
         ("sparse_mla_fwd", _sparse_mla_fwd_kernel, fwd_args,
          {**dims, "WS": False}, [(c, {}) for c in FWD_CONFIGS if not dict(c.params).get("WS")]),
         ("sparse_mla_fwd_gluon", gluon_fwd._sparse_mla_fwd_gluon, fwd_args, {"HEADS": H, **gluon_fwd.constexprs()},
-         [(KernelConfig.make(num_warps=8, num_stages=1), change) for change in ({}, {"PREFETCH": 2})]),
+         [(KernelConfig.make(num_warps=8, num_stages=1), {})]),
         ("sparse_mla_fwd_gluon_pair", gluon_pair._sparse_mla_fwd_pair, fwd_args, {"HEADS": H, **gluon_pair.constexprs()},
-         [(KernelConfig.make(num_warps=4, num_stages=1), change) for change in ({}, {"PREFETCH": 1})]),
+         [(KernelConfig.make(num_warps=4, num_stages=1), {})]),
         ("sparse_mla_bwd_atomic", sparse_mla_bwd_rows_kernel, rows_args,
          {**dims, "WITH_DKV": True, "STORE_DSP": False}, [(c, {}) for c in BWD_CONFIGS]),
         ("sparse_mla_bwd_split_dq", sparse_mla_bwd_rows_kernel, rows_args,
          {**dims, "WITH_DKV": False, "STORE_DSP": True}, [(c, {}) for c in DQ_CONFIGS]),
         ("sparse_mla_bwd_split_dq_gluon", gluon_dq.dq_pass_kernel, gluon_dq_args, gluon_dq.constexprs(H),
-         [(KernelConfig.make(num_warps=8, num_stages=1), change) for change in ({}, {"PREFETCH": 3})]),
+         [(KernelConfig.make(num_warps=8, num_stages=1), {})]),
         ("sparse_mla_bwd_split_dkv", _dkv_from_dsp_kernel, dkv_args,
          {**dims, "BLOCK_H": 64}, [(c, {}) for c in DKV_CONFIGS]),
         ("sparse_mla_bwd_split_dkv_gluon", gluon_dkv.dkv_pass_kernel,

@@ -34,8 +34,7 @@ from kernels.sparse_mla_gluon import BLOCK_H, D_R, D_V, gather_tiles, kv_ring, r
 # producer registers 40, 56, 72 or 88 (the consumers get 208 there and spill 40 bytes), 2 producer warps,
 # 16- or 32-row copies all within 2.52-2.64 ms (noise); 64-key tiles in 1 slot 2.83; q at a constant
 # address 3.74-3.82
-# PREFETCH: tiles ahead whose rows the producer asks L2 for (sparse_mla_gluon.prefetch_rows_l2); 0: none
-SCHEDULE = dict(BLOCK_N=32, STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=56, ROW_GROUP=32, OPAQUE_Q=True, PREFETCH=0)
+SCHEDULE = dict(BLOCK_N=32, STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=56, ROW_GROUP=32, OPAQUE_Q=True)
 
 
 @gluon.jit
@@ -106,8 +105,7 @@ def dq_pass_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, d
                    n_idx, stride_qt, stride_qh, stride_kv, stride_it, stride_dot, stride_doh, stride_lt, stride_dqt,
                    stride_dqh, stride_st, HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                    D_V: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                   PRODUCER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr, OPAQUE_Q: gl.constexpr,
-                   PREFETCH: gl.constexpr):
+                   PRODUCER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr, OPAQUE_Q: gl.constexpr):
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -133,7 +131,7 @@ def dq_pass_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, d
                          q_nope, q_rope, do_s, kv_nope, kv_rope, ds_smem, p_smem, full, empty, BLOCK_H, BLOCK_N,
                          D_V, D_R, STAGES, OPAQUE_Q)),
          (gather_tiles, (kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty, BLOCK_N, D_V, D_R, STAGES,
-                         ROW_GROUP, PRODUCER_WARPS, PREFETCH))],
+                         ROW_GROUP, PRODUCER_WARPS))],
         [PRODUCER_WARPS], [PRODUCER_REGS])
     dn_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
     dr_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],

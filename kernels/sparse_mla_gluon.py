@@ -42,32 +42,12 @@ PRODUCER_WARPS = 4
 # timings): 88 registers and 32-row copies 3.06 ms; 56 / 16 rows 3.16-3.36; 88 / 64 rows 3.32; 152 / 64 3.38
 PRODUCER_REGS = 88
 ROW_GROUP = 32  # rows per cp.async call in the producer (16 16-byte copies a thread)
-# tiles ahead whose KV rows the producer asks L2 for (cp.async.bulk.prefetch.L2) before it waits for a free slot,
-# so that the slot's gathers hit L2 instead of HBM; 0: none
-PREFETCH = 0
-HALF_ROW = gl.constexpr((D_V + D_R) // 2)  # 288 bf16: 576 bytes, a bulk prefetch (a multiple of 16 bytes)
-
-
-@gluon.jit
-def prefetch_rows_l2(kv_ptr, idx_row, n_idx, stride_kv, j0, ROWS: gl.constexpr, WARPS: gl.constexpr):
-    """Ask L2 for the KV rows idx[j0 : j0 + ROWS] (every column of a row: two bulk prefetches of 576 bytes; -1
-    slots and slots past n_idx skipped). Nothing waits for it: a later cp.async of the rows finds them in L2,
-    or, if they were evicted meanwhile, goes to HBM as it would have."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 1], [16, 2], [WARPS, 1], [1, 0])
-    j = j0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    ids = gl.load(idx_row + j, mask=j < n_idx, other=-1)
-    part = gl.arange(0, 2, layout=gl.SliceLayout(0, layout))
-    ptr = kv_ptr + gl.where(ids >= 0, ids, 0).to(gl.int64)[:, None] * stride_kv + (part * HALF_ROW)[None, :]
-    wanted = (ids[:, None] >= 0) & (part[None, :] >= 0)
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 576; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr.to(gl.uint64, bitcast=True), wanted.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
 def gather_tiles(kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty,
               BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr,
-              ROW_GROUP: gl.constexpr, WARPS: gl.constexpr, PREFETCH: gl.constexpr = 0):
+              ROW_GROUP: gl.constexpr, WARPS: gl.constexpr):
     # 16-byte chunks (8 bf16) a thread, a warp's threads along the row
     nope_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])  # [ROW_GROUP, 512]
     rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])  # [BLOCK_N, 64]
@@ -76,8 +56,6 @@ def gather_tiles(kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empt
     n_tiles = gl.cdiv(n_idx, BLOCK_N)
     for i in range(n_tiles):
         s = i % STAGES
-        if PREFETCH > 0:
-            prefetch_rows_l2(kv_ptr, idx_row, n_idx, stride_kv, (i + PREFETCH) * BLOCK_N, BLOCK_N, WARPS)
         # a fresh barrier counts as having completed the phase before its first: the first round passes
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         for g in gl.static_range(BLOCK_N // ROW_GROUP):
@@ -181,7 +159,7 @@ def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, 
                           stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
                           HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
                           D_R: gl.constexpr, STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr, PREFETCH: gl.constexpr):
+                          PRODUCER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr):
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -203,7 +181,7 @@ def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, 
         [(_consumer, (idx_row, n_idx, scale_log2, q_nope, q_rope, kv_nope, kv_rope, p_smem, full, empty,
                       BLOCK_H, BLOCK_N, D_V, STAGES)),
          (gather_tiles, (kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty,
-                      BLOCK_N, D_V, D_R, STAGES, ROW_GROUP, PRODUCER_WARPS, PREFETCH))],
+                      BLOCK_N, D_V, D_R, STAGES, ROW_GROUP, PRODUCER_WARPS))],
         [PRODUCER_WARPS], [PRODUCER_REGS])
 
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
@@ -221,9 +199,9 @@ def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, 
 def constexprs(**change) -> dict:
     """The kernel's compile-time constants besides HEADS (what a launch and bench/kernel_resources pass);
     change: the variants bench/gpu/sparse_mla_gluon_check.py times (BLOCK_N 32 with STAGES up to 4,
-    PRODUCER_REGS, PRODUCER_WARPS, ROW_GROUP, PREFETCH)."""
+    PRODUCER_REGS, PRODUCER_WARPS, ROW_GROUP)."""
     base = dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, D_V=D_V, D_R=D_R, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
-                PRODUCER_REGS=PRODUCER_REGS, ROW_GROUP=ROW_GROUP, PREFETCH=PREFETCH)
+                PRODUCER_REGS=PRODUCER_REGS, ROW_GROUP=ROW_GROUP)
     unknown = set(change) - set(base)
     if unknown:
         raise ValueError(f"unknown Gluon sparse MLA constants {sorted(unknown)}; known: {sorted(base)}")

@@ -27,7 +27,9 @@ Measured on an H100 (bench/results/sparse_mla_gluon_gpu.json run 4, three timing
 tokens x top-2048: at an 8K context (latents in L2) 2.73-2.74 ms, 426-429 TFLOP/s, 1.05-1.12x sparse_mla_gluon.py;
 at 64K 3.04-3.14 ms, 0.97-0.98x: there the gathers that miss L2 decide, and both kernels hold two 64-key slots.
 So the default takes it only for latents that L2 holds (sparse_mla.PAIR_KV_BYTES); bench.kernels times both kernels
-at both contexts.
+at both contexts. Tried and removed (run 5): the producer asking L2 for the next pair's rows (cp.async.bulk.prefetch.L2)
+before waiting for a slot: 3.00-3.10 ms at 64K against 3.01-3.09 without (the in-order kernel and the dq pass: slower),
+so what 64K adds is the throughput of L2 misses for random rows, not a latency that a prefetch hides.
 """
 from __future__ import annotations
 
@@ -38,15 +40,14 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, launch_forward, prefetch_rows_l2, rows_to_shared
+from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, launch_forward, rows_to_shared
 
 HALF = D_V // 2  # value columns a warpgroup owns; also the left half of a KV row
 # the register split (setmaxnreg): WG1's CONSUMER_REGS and the producer's PRODUCER_REGS are asked for, WG0 (the
 # default partition) gets what is left of 64K / 384 threads: 504 - CONSUMER_REGS - PRODUCER_REGS
 # 216 / 56 (warpgroup 0: 232) and 208 / 56 (240) compile without spills (bench/kernel_resources); 216 / 72 (216)
 # spills 96 bytes in warpgroup 0's loop
-# PREFETCH: tile pairs ahead whose rows the producer asks L2 for (sparse_mla_gluon.prefetch_rows_l2); 0: none
-SCHEDULE = dict(PRODUCER_WARPS=4, PRODUCER_REGS=56, CONSUMER_REGS=216, ROW_GROUP=32, PREFETCH=0)
+SCHEDULE = dict(PRODUCER_WARPS=4, PRODUCER_REGS=56, CONSUMER_REGS=216, ROW_GROUP=32)
 # the exchange barriers between the consumer warpgroups (each completes once a pair, or once at the end)
 M0, M1, S0, S1, L0, L1 = (gl.constexpr(i) for i in range(6))
 N_SYNC = gl.constexpr(6)
@@ -69,8 +70,7 @@ def _copy_rows(dst, kv_ptr, idx_row, n_idx, stride_kv, j0, col0, ROWS: gl.conste
 
 @gluon.jit
 def _gather_pairs(kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope, full_l, full_r, empty_l, empty_r,
-                  BLOCK_N: gl.constexpr, HALF: gl.constexpr, ROW_GROUP: gl.constexpr, WARPS: gl.constexpr,
-                  PREFETCH: gl.constexpr):
+                  BLOCK_N: gl.constexpr, HALF: gl.constexpr, ROW_GROUP: gl.constexpr, WARPS: gl.constexpr):
     """The producer: per pair, in the order the consumers hand the halves back, slot 0's left half (tile 2j),
     slot 1's right (2j + 1), slot 0's right, slot 1's left; each half's `full` barrier takes one arrival
     from every producer thread, as its copies land."""
@@ -78,8 +78,6 @@ def _gather_pairs(kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope,
         ph = (j & 1) ^ 1  # a fresh barrier counts as having completed the phase before its first
         j0 = 2 * j * BLOCK_N
         j1 = j0 + BLOCK_N
-        if PREFETCH > 0:  # before the waits for the consumers: the rows of pair j + PREFETCH, into L2
-            prefetch_rows_l2(kv_ptr, idx_row, n_idx, stride_kv, j0 + 2 * PREFETCH * BLOCK_N, 2 * BLOCK_N, WARPS)
         mbarrier.wait(empty_l.index(0), ph)
         _copy_rows(kv_l.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 0, ROW_GROUP, WARPS)
         cp.mbarrier_arrive(full_l.index(0), increment_count=False)
@@ -251,8 +249,7 @@ def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, 
 def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n_idx, stride_qt, stride_qh, stride_kv,
                          stride_it, stride_ot, stride_oh, stride_lt, HEADS: gl.constexpr, BLOCK_H: gl.constexpr,
                          BLOCK_N: gl.constexpr, HALF: gl.constexpr, D_R: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr,
-                         PREFETCH: gl.constexpr):
+                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr):
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -301,7 +298,7 @@ def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n
                        den_smem, full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS,
                        BLOCK_H, BLOCK_N, HALF)),
          (_gather_pairs, (kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope, full_l, full_r, empty_l,
-                          empty_r, BLOCK_N, HALF, ROW_GROUP, PRODUCER_WARPS, PREFETCH))],
+                          empty_r, BLOCK_N, HALF, ROW_GROUP, PRODUCER_WARPS))],
         [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
