@@ -77,18 +77,9 @@ def _fail(msg: str, code: int = 2):
 def _show(cfg, plan, as_json: bool) -> None:
     """The plan, then, if the trainer backend or the weight transport would refuse it, the same
     refusal `train` gives (exit 2): the dry run never shows a plan as runnable that is not."""
-    from agentrl.config.plan import PlanError, check_plan_runnable
-    from agentrl.config.show import plan_json, print_plan
+    from agentrl.config.show import show_plan
 
-    try:
-        check_plan_runnable(plan)
-        refusal = None
-    except PlanError as e:
-        refusal = str(e)
-    if as_json:
-        typer.echo(plan_json(cfg, plan, refusal=refusal))
-    else:
-        print_plan(cfg, plan)
+    refusal = show_plan(cfg, plan, as_json)
     if refusal:
         _fail(f"this plan cannot run: {refusal}")
 

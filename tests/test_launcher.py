@@ -103,3 +103,22 @@ def test_prepare_rejects_wrong_architecture(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
     r = run("prepare", "--model-name", "GLM-5.2", "--set", f"model.path={tmp_path}", "--set", "model.megatron_dir=/tmp/x")
     assert r.returncode == 2 and "model_type" in r.stderr and "glm_moe_dsa" in r.stderr
+
+
+def test_config_show_gives_the_same_verdict_as_train():
+    """`agentrl config show` prints the plan with the refusal `train` would give, and exits 2 on one."""
+    from typer.testing import CliRunner
+
+    from agentrl.config.cli import app
+    from agentrl.config.front import resolve_run
+    from agentrl.config.plan import PlanError, check_plan_runnable
+
+    for recipe in ("local", "glm5_2_tbench2"):
+        r = CliRunner().invoke(app, ["show", "--config", recipe, "--json"])
+        d = json.loads(r.stdout[: r.stdout.rindex("}") + 1])
+        assert d["recipe"] == recipe
+        try:
+            check_plan_runnable(resolve_run(config=recipe, check_runnable=False)[1])
+            assert r.exit_code == 0 and d["runnable"] is True and d["refusal"] is None, r.output
+        except PlanError as e:
+            assert r.exit_code == 2 and d["runnable"] is False and d["refusal"] == str(e)

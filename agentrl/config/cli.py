@@ -17,24 +17,14 @@ def show(
 ) -> None:
     """Resolve a recipe plus overrides and print the plan (nothing is started)."""
     from agentrl.config.front import FrontDoorError, error_line, resolve_run
-    from agentrl.config.show import plan_json, print_plan
-
-    from agentrl.config.plan import PlanError, check_plan_runnable
+    from agentrl.config.show import show_plan
 
     try:
         cfg, plan = resolve_run(config=recipe, overrides=overrides, check_runnable=False)
     except FrontDoorError as e:
         typer.echo(error_line(e), err=True)
         raise typer.Exit(2) from None
-    try:
-        check_plan_runnable(plan)
-        refusal = None
-    except PlanError as e:
-        refusal = str(e)
-    if as_json:
-        typer.echo(plan_json(cfg, plan, refusal=refusal))
-    else:
-        print_plan(cfg, plan)
+    refusal = show_plan(cfg, plan, as_json)
     if refusal:
         typer.echo(error_line(f"this plan cannot run: {refusal}"), err=True)
         raise typer.Exit(2)

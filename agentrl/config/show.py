@@ -52,6 +52,24 @@ def print_plan(cfg: RunConfig, plan: RunPlan, console: Console | None = None) ->
     console.file.write(redact(captured.get()))
 
 
+def show_plan(cfg: RunConfig, plan: RunPlan, as_json: bool) -> str | None:
+    """Print the plan (JSON or tables) with its runnability, and return the refusal `train` would give
+    (None when the trainer backend and the weight transport accept it): a dry run never shows as
+    runnable a plan that is not. The caller decides the exit."""
+    from agentrl.config.plan import PlanError, check_plan_runnable
+
+    try:
+        check_plan_runnable(plan)
+        refusal = None
+    except PlanError as e:
+        refusal = str(e)
+    if as_json:
+        print(plan_json(cfg, plan, refusal=refusal), flush=True)
+    else:
+        print_plan(cfg, plan)
+    return refusal
+
+
 def engine_command_preview(cfg: RunConfig, spec) -> str:
     """Node 0's command of engine `spec`, with the addresses only its node knows as placeholders."""
     from agentrl.rollout.engine_cmd import engine_argv
