@@ -4,7 +4,8 @@
 # kernels_indexer.json (indexer family: the top-k's share of the copy rate), kernels_mla.json (sparse MLA
 # forward, the default with the other Gluon kernel timed beside it at 64K and 8K, and every backward impl), dq_pass_gluon.json and dkv_pass_gluon.json (the Gluon dq and dkv passes'
 # schedules against the Triton passes; on the H200 the dkv pass's best band count may differ).
-# Merge into bench/results/kernels.json by hand (the files carry the machine and versions).
+# Merge the bench.kernels parts into the record with `python -m bench.kernels_merge --into
+# bench/results/kernels.json kernels_mla.json kernels_indexer.json --note '...'` (it refuses a part from another card).
 # Arguments name the parts (default: all, about 650 s: more than one call): `mla` (bench.kernels' sparse MLA
 # forward and backward, about 170 s), `indexer` (its indexer family, about 280 s), `dq`, `dkv` (the two Gluon
 # passes' probes).
