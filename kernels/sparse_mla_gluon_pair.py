@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, launch_forward, rows_to_shared
+from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, SERPENTINE, launch_forward, rows_to_shared
 
 HALF = D_V // 2  # value columns a warpgroup owns; also the left half of a KV row
 # the register split (setmaxnreg): WG1's CONSUMER_REGS and the producer's PRODUCER_REGS are asked for, WG0 (the
@@ -312,7 +312,9 @@ def constexprs(**change) -> dict:
 
 
 def sparse_mla_forward_pair(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
-                            d_v: int = 512, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
-    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there)."""
+                            d_v: int = 512, serpentine: bool = SERPENTINE, **schedule
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there; serpentine: the rows of
+    every other wave reversed, sparse_mla_gluon.serpentine_rows)."""
     return launch_forward(_sparse_mla_fwd_pair, constexprs(**schedule), 4, q, kv, idx, sm_scale, d_v,
-                          "paired Gluon sparse MLA forward")
+                          "paired Gluon sparse MLA forward", serpentine)

@@ -50,6 +50,17 @@ def test_the_gluon_kernels_are_the_default_only_without_padded_heads_and_pair_on
     assert sm.default_forward_impl(torch.zeros(1, 16, 576, dtype=torch.bfloat16), kv, 512) == "triton"
 
 
+def test_serpentine_rows_reverse_every_other_wave_and_keep_each_rows_slots():
+    from kernels.sparse_mla_gluon import serpentine_rows
+    idx = torch.arange(7 * 5, dtype=torch.int32).reshape(7, 5)
+    idx[6, 3:] = -1
+    out = serpentine_rows(idx, wave=2)  # waves: rows 0-1, 2-3 (reversed), 4-5, 6 (reversed)
+    reversed_rows = {2, 3, 6}
+    for t in range(7):
+        assert out[t].tolist() == (idx[t].flip(0) if t in reversed_rows else idx[t]).tolist()
+    assert idx[2].tolist() == [10, 11, 12, 13, 14]  # the input is not changed
+
+
 def test_bad_shapes_are_named(device):
     q = torch.zeros(2, 16, 48, device=device, dtype=torch.bfloat16)
     kv = torch.zeros(5, 48, device=device, dtype=torch.bfloat16)
