@@ -86,12 +86,11 @@ def _bucket(n: int) -> int:
 # alternate tiles); "triton": the kernel above (any power-of-two split, any CUDA GPU, the interpreter on CPU).
 FWD_IMPLS = ("gluon", "pair", "triton")
 GLUON_FWD_IMPLS = ("gluon", "pair")  # what gluon_runs gates
-# The Gluon kernel a default launch takes where gluon_runs: "pair" where the latents are at most PAIR_KV_BYTES, else
-# "gluon". H100, 4096 tokens x top-2048 (bench/results/sparse_mla_gluon_gpu.json run 4): with 8K keys (9.4 MB, in L2)
-# the pair kernel takes 2.73 ms against 2.86-3.05 (1.05-1.12x); with 64K keys (75 MB, past L2's 50) 3.04-3.14 against
-# 2.98-3.08, where the gathers that miss L2 decide. Between the two nothing is measured: the bound stays near the
-# measured fit.
-PAIR_KV_BYTES = 16 << 20
+# The Gluon kernel a default launch takes where gluon_runs: the paired one, at every context. 4096 tokens x top-2048:
+# on the H200 (bench/results/kernels.json and sparse_mla_gluon_gpu.json run 6, session 25) with 8K keys (latents in
+# L2) 2.69-2.76 ms against 2.90-2.96 for the in-order kernel, with 64K keys 2.96-3.01 against 3.01-3.06; on an H100
+# 8K 1.05-1.12x, 64K 0.97-1.03x over four runs (runs 4-5, kernels_fwd_h100.json).
+DEFAULT_GLUON_FWD = "pair"
 
 
 def gluon_runs(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
@@ -102,11 +101,9 @@ def gluon_runs(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
 
 
 def default_forward_impl(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str:
-    """The FWD_IMPLS entry sparse_mla_forward takes when none is named: where gluon_runs, "pair" for latents of at
-    most PAIR_KV_BYTES and "gluon" past them; elsewhere "triton"."""
-    if not gluon_runs(q, kv, d_v):
-        return "triton"
-    return "pair" if kv.shape[0] * kv.shape[1] * kv.element_size() <= PAIR_KV_BYTES else "gluon"
+    """The FWD_IMPLS entry sparse_mla_forward takes when none is named: DEFAULT_GLUON_FWD where gluon_runs, else
+    "triton"."""
+    return DEFAULT_GLUON_FWD if gluon_runs(q, kv, d_v) else "triton"
 
 
 def sparse_mla_forward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,

@@ -214,30 +214,14 @@ def supports(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
             and q.shape[-1] == D_V + D_R and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
-# the top-k rows of every other wave of programs reversed before the launch (serpentine_rows); False: as given
-SERPENTINE = False
-
-
-def serpentine_rows(idx: torch.Tensor, wave: int) -> torch.Tensor:
-    """idx with the rows of odd waves (rows [wave, 2 wave), [3 wave, 4 wave), ...) reversed. Why: a row's top-k
-    slots come in ascending key order, the programs of a wave (one an SM) start together and run in step, so
-    a wave sweeps the keys from low to high; a wave sweeping them from high to low starts on the rows the one
-    before read last, which L2 still holds (at a 64K context the latents are 75 MB, L2 50). Attention does not
-    depend on the order of a row's slots (-1 slots are masked wherever they are)."""
-    odd = (torch.arange(idx.shape[0], device=idx.device) // wave) % 2 == 1
-    return torch.where(odd[:, None], idx.flip(1), idx)
-
-
 def launch_forward(kernel, cx: dict, num_warps: int, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
-                   sm_scale: float, d_v: int, name: str, serpentine: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   sm_scale: float, d_v: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """sparse_mla.sparse_mla_forward's outputs from one of the Gluon forward kernels (this module's, or
     sparse_mla_gluon_pair.py's: the same arguments) launched with constants cx, a program per (token, 64 heads)."""
     if not supports(q, kv, d_v):
         raise ValueError(f"the {name} needs bf16 q and kv on an sm_90 GPU with 512 + 64 columns; got q "
                          f"{q.dtype} {tuple(q.shape)} on {q.device}, d_v={d_v}")
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
-    if serpentine and idx.shape[0] > (wave := torch.cuda.get_device_properties(q.device).multi_processor_count):
-        idx = serpentine_rows(idx, wave)
     T, heads, _ = q.shape
     out = torch.empty((T, heads, d_v), device=q.device, dtype=q.dtype)
     lse = torch.empty((T, heads), device=q.device, dtype=torch.float32)
@@ -253,8 +237,7 @@ def launch_forward(kernel, cx: dict, num_warps: int, q: torch.Tensor, kv: torch.
 
 
 def sparse_mla_forward_gluon(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
-                             d_v: int = 512, serpentine: bool = SERPENTINE, **schedule
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+                             d_v: int = 512, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
     """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there)."""
     return launch_forward(_sparse_mla_fwd_gluon, constexprs(**schedule), 8, q, kv, idx, sm_scale, d_v,
-                          "Gluon sparse MLA forward", serpentine)
+                          "Gluon sparse MLA forward")

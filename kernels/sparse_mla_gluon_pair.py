@@ -26,10 +26,13 @@ At the end the two warpgroups add their row sums through shared memory and each 
 Measured on an H100 (bench/results/sparse_mla_gluon_gpu.json run 4, three timings in two processes), 4096
 tokens x top-2048: at an 8K context (latents in L2) 2.73-2.74 ms, 426-429 TFLOP/s, 1.05-1.12x sparse_mla_gluon.py;
 at 64K 3.04-3.14 ms, 0.97-0.98x: there the gathers that miss L2 decide, and both kernels hold two 64-key slots.
-So the default takes it only for latents that L2 holds (sparse_mla.PAIR_KV_BYTES); bench.kernels times both kernels
-at both contexts. Tried and removed (run 5): the producer asking L2 for the next pair's rows (cp.async.bulk.prefetch.L2)
-before waiting for a slot: 3.00-3.10 ms at 64K against 3.01-3.09 without (the in-order kernel and the dq pass: slower),
-so what 64K adds is the throughput of L2 misses for random rows, not a latency that a prefetch hides.
+On the H200 (session 25, same runs) it was the faster at both contexts: 8K 2.69-2.76 ms against 2.90-2.96, 64K
+2.96-3.01 against 3.01-3.06 (388-394 TFLOP/s), so it is the default wherever the Gluon kernels run
+(sparse_mla.DEFAULT_GLUON_FWD); bench.kernels times the other beside it.
+Tried and removed, for the 64K context: the producer asking L2 for the next pair's rows (cp.async.bulk.prefetch.L2)
+before waiting for a slot (run 5, H100: 3.00-3.10 ms against 3.01-3.09; the in-order kernel and the dq pass slower), so
+what 64K adds is not a latency that a prefetch hides; every other wave of programs taking its rows' slots in reverse,
+so that a wave starts on the rows the one before read last (run 6, H200: 2.98-3.02 against 2.96-3.01).
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, SERPENTINE, launch_forward, rows_to_shared
+from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, launch_forward, rows_to_shared
 
 HALF = D_V // 2  # value columns a warpgroup owns; also the left half of a KV row
 # the register split (setmaxnreg): WG1's CONSUMER_REGS and the producer's PRODUCER_REGS are asked for, WG0 (the
@@ -312,9 +315,7 @@ def constexprs(**change) -> dict:
 
 
 def sparse_mla_forward_pair(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
-                            d_v: int = 512, serpentine: bool = SERPENTINE, **schedule
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there; serpentine: the rows of
-    every other wave reversed, sparse_mla_gluon.serpentine_rows)."""
+                            d_v: int = 512, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there)."""
     return launch_forward(_sparse_mla_fwd_pair, constexprs(**schedule), 4, q, kv, idx, sm_scale, d_v,
-                          "paired Gluon sparse MLA forward", serpentine)
+                          "paired Gluon sparse MLA forward")

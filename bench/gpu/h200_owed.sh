@@ -8,11 +8,9 @@
 # bench/results/kernels.json kernels_mla.json kernels_indexer.json --note '...'` (it refuses a part from another card).
 # Arguments name the parts (default: all, about 650 s: more than one call): `mla` (bench.kernels' sparse MLA
 # forward and backward, about 170 s), `indexer` (its indexer family, about 280 s), `dq`, `dkv` (the two Gluon
-# passes' probes), `serp` (both Gluon forwards with and without sparse_mla_gluon.serpentine_rows, twice,
-# interleaved: sparse_mla_gluon_serpentine.json, about 80 s; it runs first: its answer may change the default
-# that `mla` records).
+# passes' probes).
 set -u
-PARTS=" ${*:-serp mla indexer dq dkv} "
+PARTS=" ${*:-mla indexer dq dkv} "
 OUT=${OUT:?set OUT}
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "GPU: $GPU"
@@ -21,8 +19,6 @@ bash bench/gpu/pending.sh stage > "$OUT/stage.log" 2>&1
 export PYTHONPATH=$PWD:/tmp/site2:/tmp/site PYTHONUNBUFFERED=1
 run() { local name=$1 t=$2; shift 2; timeout -k 20 "$t" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc $?"; tail -3 "$OUT/$name.log"; }
 want() { case "$PARTS" in *" $1 "*) return 0 ;; esac; return 1; }
-SERP='[{"kernel":"pair"},{"kernel":"pair","serpentine":true},{},{"serpentine":true},{"kernel":"pair"},{"kernel":"pair","serpentine":true},{},{"serpentine":true}]'
-want serp && run serpentine 150 python3 bench/gpu/sparse_mla_gluon_check.py --parts time --schedules "$SERP" --out "$OUT/sparse_mla_gluon_serpentine.json"
 want mla && run kernels_mla 170 python3 -m bench.kernels --only sparse_mla,sparse_mla_bwd --out "$OUT/kernels_mla.json"
 want indexer && run kernels_indexer 280 python3 -m bench.kernels --only indexer --out "$OUT/kernels_indexer.json"
 want dq && run dq_gluon 90 python3 bench/gpu/dq_pass_gluon.py --out "$OUT/dq_pass_gluon.json"

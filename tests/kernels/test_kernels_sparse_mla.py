@@ -37,28 +37,15 @@ def test_an_unknown_impl_is_named(device):
                               torch.zeros(1, 2, device=device, dtype=torch.int32), 0.1, d_v=32, impl="cuda")
 
 
-def test_the_gluon_kernels_are_the_default_only_without_padded_heads_and_pair_only_for_short_contexts(monkeypatch):
+def test_the_paired_gluon_kernel_is_the_default_where_it_runs_without_padded_heads(monkeypatch):
     from kernels import sparse_mla_gluon
     kv = torch.zeros(4, 576, dtype=torch.bfloat16)
     assert sm.default_forward_impl(torch.zeros(1, 64, 576, dtype=torch.bfloat16), kv, 512) == "triton"  # CPU
     monkeypatch.setattr(sparse_mla_gluon, "supports", lambda q, kv, d_v: True)  # as on an sm_90 GPU
     q = torch.zeros(1, 128, 576, dtype=torch.bfloat16)
     assert sm.default_forward_impl(q, kv, 512) == "pair"
-    at_bound = torch.empty(sm.PAIR_KV_BYTES // (576 * 2), 576, dtype=torch.bfloat16, device="meta")
-    assert sm.default_forward_impl(q, at_bound, 512) == "pair"
-    assert sm.default_forward_impl(q, torch.empty(65536, 576, dtype=torch.bfloat16, device="meta"), 512) == "gluon"
+    assert sm.default_forward_impl(q, torch.empty(131072, 576, dtype=torch.bfloat16, device="meta"), 512) == "pair"
     assert sm.default_forward_impl(torch.zeros(1, 16, 576, dtype=torch.bfloat16), kv, 512) == "triton"
-
-
-def test_serpentine_rows_reverse_every_other_wave_and_keep_each_rows_slots():
-    from kernels.sparse_mla_gluon import serpentine_rows
-    idx = torch.arange(7 * 5, dtype=torch.int32).reshape(7, 5)
-    idx[6, 3:] = -1
-    out = serpentine_rows(idx, wave=2)  # waves: rows 0-1, 2-3 (reversed), 4-5, 6 (reversed)
-    reversed_rows = {2, 3, 6}
-    for t in range(7):
-        assert out[t].tolist() == (idx[t].flip(0) if t in reversed_rows else idx[t]).tolist()
-    assert idx[2].tolist() == [10, 11, 12, 13, 14]  # the input is not changed
 
 
 def test_bad_shapes_are_named(device):
