@@ -33,6 +33,8 @@ def test_a_part_replaces_entries_of_the_same_name_and_shape_and_adds_new_ones():
     assert rec["kernels"][0]["ms"] == 4.8
     assert "2026-12-06 on NVIDIA H200" in out["runs"]["fwd"] and "h200_owed.sh mla" in out["runs"]["fwd"]
     assert any("4.8 -> 2.9" in line for line in lines)
+    again, _ = merge(out, report("NVIDIA H200", [{"name": "fwd", "shape": SHAPE_8K, "ms": 2.0, "correct": True}]), "n2")
+    assert list(again["runs"]) == ["fwd"] and again["runs"]["fwd"].endswith("n2")  # the replaced run's line went
 
 
 def test_a_part_from_another_card_or_without_a_gpu_is_refused():
