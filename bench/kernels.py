@@ -112,6 +112,7 @@ def run_kernel_bench(out_path: str | Path, shapes: BenchShapes = GLM52, only: se
             for entry in case(torch, dev, shapes, timer):
                 report["kernels"].append(entry)
                 print(f"[bench]   {json.dumps(entry)}", flush=True)
+                _save(out_path, report)  # a device call cut short keeps every entry measured so far
         except Exception as exc:  # noqa: BLE001 -- record and go on: one GPU call should yield all it can
             report["kernels"].append({"name": family, "error": f"{type(exc).__name__}: {exc}",
                                       "traceback": traceback.format_exc()[-4000:]})
@@ -121,10 +122,17 @@ def run_kernel_bench(out_path: str | Path, shapes: BenchShapes = GLM52, only: se
                 torch.cuda.empty_cache()
         report["tuning"] = kernel_cases.tuning_summary()
         print(f"[bench] {family}: done in {time.time() - t0:.1f}s", flush=True)
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(report, indent=1))
-    out_path.write_text(json.dumps(report, indent=1))
+        _save(out_path, report)
+    _save(out_path, report)
     return report
+
+
+def _save(out_path: Path, report: dict) -> None:
+    """The report so far, replaced whole (a reader never sees half a file)."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(out_path)
 
 
 def _has_cuda() -> bool:

@@ -45,6 +45,23 @@ def test_failures_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
+def test_each_entry_is_on_disk_before_the_next_is_measured(tmp_path, monkeypatch):
+    """A device call cut short (its time limit kills the process) keeps every entry measured so far."""
+    out = tmp_path / "r.json"
+    seen = []
+
+    def family(torch_mod, dev, shapes, timer):
+        for i in range(3):
+            if i:
+                seen.append([e["ms"] for e in json.loads(out.read_text())["kernels"]])
+            yield kernel_cases.make_entry(f"k{i}", {"n": i}, float(i + 1), nbytes=16.0, correct=True)
+
+    monkeypatch.setattr(kernel_cases, "CASES", {"f": family})
+    kb.run_kernel_bench(out, kb.TINY, device="cpu")
+    assert seen == [[1.0], [1.0, 2.0]]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 def test_full_shapes_refuse_to_run_without_cuda(tmp_path, capsys):
     assert kb.main(["--out", str(tmp_path / "x.json")]) == 2
     assert "no CUDA device" in capsys.readouterr().err
