@@ -7,7 +7,7 @@ record's entry of the same name and shape; entries new to the record are added; 
 record's. Refused, so that the record never mixes cards or keeps a wrong number: a part from another GPU model (keep it
 in a file of its own, as kernels_fwd_h100.json), a part without a CUDA device. Entries that failed or were not correct
 are not merged (the record's entry stays) and are listed. Each merge adds a line to the record's `runs`: the families,
-the date, the machine, the versions and the note; a line whose every family the part replaced goes.
+the date, the machine, the versions and the note; a line goes when the part replaced every entry of every family it names.
 """
 from __future__ import annotations
 
@@ -68,8 +68,11 @@ def merge(record: dict, part: dict, note: str, where: str = "part",
     out.setdefault("tuning", {}).update(part.get("tuning", {}))
     machine = part["machine"]
     when = date or datetime.date.today().isoformat()
+    merged = {_key(e) for e in part.get("kernels", []) if e.get("name") in families and "error" not in e
+              and e.get("correct") is not False}
+    replaced = {n for n in families if all(_key(e) in merged for e in record["kernels"] if e.get("name") == n)}
     runs = out.setdefault("runs", {})
-    for names in [k for k in runs if set(k.split(", ")) <= set(families)]:  # a run whose every entry is replaced
+    for names in [k for k in runs if set(k.split(", ")) <= replaced]:  # a run none of whose entries is left
         del runs[names]
     runs[", ".join(families)] = (
         f"{when} on {got} ({machine.get('cpu_count')} cores): {json.dumps(part.get('versions', {}))}; {note}")

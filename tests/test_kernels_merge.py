@@ -33,8 +33,15 @@ def test_a_part_replaces_entries_of_the_same_name_and_shape_and_adds_new_ones():
     assert rec["kernels"][0]["ms"] == 4.8
     assert "2026-12-06 on NVIDIA H200" in out["runs"]["fwd"] and "h200_owed.sh mla" in out["runs"]["fwd"]
     assert any("4.8 -> 2.9" in line for line in lines)
-    again, _ = merge(out, report("NVIDIA H200", [{"name": "fwd", "shape": SHAPE_8K, "ms": 2.0, "correct": True}]), "n2")
-    assert list(again["runs"]) == ["fwd"] and again["runs"]["fwd"].endswith("n2")  # the replaced run's line went
+    only_8k = report("NVIDIA H200", [{"name": "fwd", "shape": SHAPE_8K, "ms": 2.0, "correct": True}])
+    again, _ = merge(out, only_8k, "n2")
+    assert again["runs"]["fwd"].endswith("n2")  # one line a family list: the new run's
+    both = report("NVIDIA H200", [{"name": "fwd", "shape": sh, "ms": 1.0, "correct": True}
+                                  for sh in (SHAPE_64K, SHAPE_8K, {"tokens": 4096, "context": 131072})])
+    partial = {**rec, "runs": {"fwd, bwd": "old"}}
+    assert merge(partial, only_8k, "n3")[0]["runs"]["fwd, bwd"] == "old"  # fwd at 64K and bwd still from it
+    both["kernels"].append({"name": "bwd", "shape": SHAPE_64K, "ms": 9.0, "correct": True})
+    assert "fwd, bwd" not in merge(partial, both, "n4")[0]["runs"]  # every entry it named replaced
 
 
 def test_a_part_from_another_card_or_without_a_gpu_is_refused():
