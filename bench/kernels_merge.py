@@ -45,13 +45,14 @@ def merge(record: dict, part: dict, note: str, where: str = "part",
                          f"(as bench/results/kernels_fwd_h100.json)")
     out = json.loads(json.dumps(record))
     index = {_key(e): i for i, e in enumerate(out["kernels"]) if "name" in e}
-    lines, families = [], []
+    lines, families, merged = [], [], set()
     for entry in part.get("kernels", []):
         if "error" in entry or entry.get("correct") is False:
             lines.append(f"kept the record's {entry.get('name')}: the part's failed "
                          f"({entry.get('error') or 'not correct'})")
             continue
         key = _key(entry)
+        merged.add(key)
         family = entry["name"]
         if family not in families:
             families.append(family)
@@ -68,8 +69,6 @@ def merge(record: dict, part: dict, note: str, where: str = "part",
     out.setdefault("tuning", {}).update(part.get("tuning", {}))
     machine = part["machine"]
     when = date or datetime.date.today().isoformat()
-    merged = {_key(e) for e in part.get("kernels", []) if e.get("name") in families and "error" not in e
-              and e.get("correct") is not False}
     replaced = {n for n in families if all(_key(e) in merged for e in record["kernels"] if e.get("name") == n)}
     runs = out.setdefault("runs", {})
     for names in [k for k in runs if set(k.split(", ")) <= replaced]:  # a run none of whose entries is left
