@@ -98,6 +98,7 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
     from kernels import sparse_mla_bwd_gluon as gluon_dq
     from kernels import sparse_mla_gluon as gluon_fwd
     from kernels import sparse_mla_gluon_pair as gluon_pair
+    from kernels import sparse_mla_gluon_stream as gluon_stream
     from kernels._tuning import KernelConfig
     from kernels.sparse_mla import CONFIGS as FWD_CONFIGS
     from kernels.sparse_mla import _sparse_mla_fwd_kernel
@@ -128,6 +129,9 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
          [(KernelConfig.make(num_warps=8, num_stages=1), {})]),
         ("sparse_mla_fwd_gluon_pair", gluon_pair._sparse_mla_fwd_pair, fwd_args, {"HEADS": H, **gluon_pair.constexprs()},
          [(KernelConfig.make(num_warps=4, num_stages=1), {})]),
+        ("sparse_mla_fwd_gluon_stream", gluon_stream._sparse_mla_fwd_stream,
+         {**fwd_args, "ws_ptr": Ptr("fp32"), "ml_ptr": Ptr("fp32"), "units": 4096 * K // 128, "pairs_per_item": K // 128},
+         {"HEADS": H, "HB": 1, **gluon_stream.constexprs()}, [(KernelConfig.make(num_warps=4, num_stages=1), {})]),
         ("sparse_mla_bwd_atomic", sparse_mla_bwd_rows_kernel, rows_args,
          {**dims, "WITH_DKV": True, "STORE_DSP": False}, [(c, {}) for c in BWD_CONFIGS]),
         ("sparse_mla_bwd_split_dq", sparse_mla_bwd_rows_kernel, rows_args,

@@ -23,9 +23,11 @@ from kernels.sparse_mla import (default_sm_scale, reference_sparse_mla, sparse_m
                                 sparse_mla_forward)
 from kernels.sparse_mla_gluon import sparse_mla_forward_gluon  # noqa: E402
 from kernels.sparse_mla_gluon_pair import sparse_mla_forward_pair  # noqa: E402
+from kernels.sparse_mla_gluon_stream import sparse_mla_forward_stream  # noqa: E402
 
-# a schedule's "kernel": sparse_mla_gluon.py's ("gluon", the default) or sparse_mla_gluon_pair.py's ("pair")
-KERNELS = {"gluon": sparse_mla_forward_gluon, "pair": sparse_mla_forward_pair}
+# a schedule's "kernel": sparse_mla_gluon.py's ("gluon", the default), sparse_mla_gluon_pair.py's ("pair") or
+# sparse_mla_gluon_stream.py's ("stream")
+KERNELS = {"gluon": sparse_mla_forward_gluon, "pair": sparse_mla_forward_pair, "stream": sparse_mla_forward_stream}
 
 
 def _forward(q, kv, idx, scale, schedule):
@@ -80,10 +82,10 @@ def check(dev, schedule, cases) -> list[dict]:
     return rows
 
 
-def timed(dev, schedules) -> list[dict]:
+def timed(dev, schedules, tokens=(4096, )) -> list[dict]:
     rows = []
-    T, heads, K = 4096, 64, 2048
-    for S in (65536, 8192):
+    heads, K = 64, 2048
+    for T, S in [(T, S) for S in (65536, 8192) for T in tokens]:
         q, kv, idx = _case(T, heads, S, K, False, dev, seed=1)
         idx = idx.sort(dim=1).values
         scale = default_sm_scale()
@@ -110,6 +112,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--parts", default="check,time")
     ap.add_argument("--schedules", type=json.loads, default=SCHEDULES, help="JSON list of schedule dicts")
+    ap.add_argument("--tokens", default="4096", help="comma-separated token counts to time (132 SMs: 4092 is 31 "
+                    "full waves of one program an SM, 4096 adds a 32nd of 4)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     result = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
@@ -124,7 +128,7 @@ def main() -> int:
                                for row in check(dev, sch, CASES if i in firsts.values() else [CASES[0], CASES[4]])]
             ok = [sch for sch in a.schedules if all(r["ok"] for r in result["check"] if r["schedule"] == sch)]
         if "time" in parts and ok:
-            result["time"] = timed(dev, ok)
+            result["time"] = timed(dev, ok, [int(t) for t in a.tokens.split(",")])
     finally:
         a.out.write_text(json.dumps(result, indent=1))
     return 0

@@ -1,0 +1,359 @@
+"""Sparse MLA forward in Gluon: the paired kernel (sparse_mla_gluon_pair.py) made persistent, its work split
+evenly over the SMs by Stream-K (kernels/sparse_mla_stream_k.py), sm_90.
+
+Same contract as kernels/sparse_mla_gluon.py (q [T, heads, 576], kv [S, 576], idx [T, topk] int32 with -1 for
+unused slots; out [T, heads, 512] and the natural-log lse).
+
+Why: the paired kernel runs a program per (token, 64 heads), one an SM, and each program
+- loads its q (72 KB) before its producer may gather a row, and stores its output (64 KB) after its last PV: the
+  SM's tensor cores wait through both, a few us of a ~95 us program;
+- at 4096 tokens on 132 SMs fills 31 waves and a 32nd of 4 programs (3% of the run, 128 SMs idle).
+Here G programs (one an SM) each take an equal run of key-tile pairs in (token, head block) order, so an SM's
+run covers ~31 items, the first and last maybe cut (written as partials, merged after by
+sparse_mla_stream_k.combine_partials). Within a run the producer loads the next item's q (cp.async, freed
+by the consumers' `q_empty` once their last QK^T of an item is done) and its first KV tiles while the consumers
+finish the item before: its last PVs, the row sums' exchange and the output's stores. The pair schedule itself
+(warpgroup 0 on even tiles, 1 on odd ones, each owning half of O's columns, the max handed over in shared memory)
+is the paired kernel's; every barrier that completed once a pair or once an item keeps its phase by a count
+carried across items.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from kernels import sparse_mla_stream_k as sk
+from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, supports
+from kernels.sparse_mla_gluon_pair import (HALF, L0, M0, M1, N_SYNC, O_LAYOUT, P_OPERAND, S0, S1, S_LAYOUT,
+                                           SCHEDULE, _copy_rows, _fresh, _masked, _qk_part, _signal)
+
+
+@gluon.jit
+def _run(units, pairs_per_item):
+    """This program's units [start, end) (sparse_mla_stream_k.program_units) and how many items they touch."""
+    g = gl.program_id(0).to(gl.int64)
+    n_prog = gl.num_programs(0).to(gl.int64)
+    start = (g * units // n_prog).to(gl.int32)
+    end = ((g + 1) * units // n_prog).to(gl.int32)
+    n_seg = gl.where(end > start, (end - 1) // pairs_per_item - start // pairs_per_item + 1, 0)
+    return start, end, n_seg
+
+
+@gluon.jit
+def _segment(start, end, s, pairs_per_item, n_idx, idx_ptr, stride_it, HB: gl.constexpr, BLOCK_H: gl.constexpr,
+             BLOCK_N: gl.constexpr):
+    """Segment s of a run: its token, first head, idx row (moved to the segment's first key), keys and pairs,
+    and its partial slot (-1 where the segment is its whole item)."""
+    item = start // pairs_per_item + s
+    p0 = gl.maximum(start - item * pairs_per_item, 0)
+    p1 = gl.minimum(end - item * pairs_per_item, pairs_per_item)
+    t = (item // HB).to(gl.int64)
+    h0 = (item % HB) * BLOCK_H
+    k0 = p0 * 2 * BLOCK_N
+    idx_row = idx_ptr + t * stride_it + k0
+    n_keys = gl.minimum(n_idx - k0, (p1 - p0) * 2 * BLOCK_N)
+    cut = (p0 > 0) | (p1 < pairs_per_item)
+    slot = gl.where(cut, 2 * gl.program_id(0) + gl.minimum(s, 1), -1)
+    return t, h0, idx_row, n_keys, p1 - p0, slot
+
+
+@gluon.jit
+def _copy_q(dst, q_row, stride_qh, h0, HEADS: gl.constexpr, col0, ROWS: gl.constexpr, WARPS: gl.constexpr):
+    """cp.async dst [BLOCK_H, C] <- q[t, h0 + r, col0 : col0 + C]; heads past HEADS are filled with zeros."""
+    C: gl.constexpr = dst.shape[1]
+    TPC: gl.constexpr = C // 8 if C // 8 < 32 else 32
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [WARPS, 1], [1, 0])
+    c = col0 + gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+    for g in gl.static_range(dst.shape[0] // ROWS):
+        h = h0 + g * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        cp.async_copy_global_to_shared(dst.slice(g * ROWS, ROWS, dim=0),
+                                       q_row + h.to(gl.int64)[:, None] * stride_qh + c[None, :],
+                                       mask=(h < HEADS)[:, None])
+
+
+@gluon.jit
+def _produce(q_ptr, kv_ptr, idx_ptr, n_idx, units, pairs_per_item, stride_qt, stride_qh, stride_kv, stride_it, q_l,
+             q_r, q_rope, kv_l, kv_r, kv_rope, q_full, q_empty, full_l, full_r, empty_l, empty_r, HEADS: gl.constexpr,
+             HB: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr,
+             ROW_GROUP: gl.constexpr, WARPS: gl.constexpr):
+    """The producer: per segment, its q once the consumers are done with the last one's, then its KV tiles in
+    the paired kernel's order (slot 0's left, slot 1's right, slot 0's right, slot 1's left), each half's
+    `full` barrier taking one arrival from every producer thread as its copies land."""
+    start, end, n_seg = _run(units, pairs_per_item)
+    done = 0  # pairs gathered before this segment: the pair barriers' phase count
+    for s in range(n_seg):
+        t, h0, idx_row, n_keys, pairs, slot = _segment(start, end, s, pairs_per_item, n_idx, idx_ptr, stride_it, HB,
+                                                       BLOCK_H, BLOCK_N)
+        mbarrier.wait(q_empty, (s & 1) ^ 1)  # a fresh barrier counts as having completed the phase before
+        q_row = q_ptr + t * stride_qt
+        _copy_q(q_l.index(0), q_row, stride_qh, h0, HEADS, 0, ROW_GROUP, WARPS)
+        _copy_q(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF, ROW_GROUP, WARPS)
+        _copy_q(q_rope.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF, BLOCK_H, WARPS)
+        cp.mbarrier_arrive(q_full, increment_count=False)
+        for j in range(pairs):
+            ph = ((done + j) & 1) ^ 1
+            j0 = 2 * j * BLOCK_N
+            j1 = j0 + BLOCK_N
+            mbarrier.wait(empty_l.index(0), ph)
+            _copy_rows(kv_l.index(0), kv_ptr, idx_row, n_keys, stride_kv, j0, 0, ROW_GROUP, WARPS)
+            cp.mbarrier_arrive(full_l.index(0), increment_count=False)
+            mbarrier.wait(empty_r.index(1), ph)
+            _copy_rows(kv_r.index(1), kv_ptr, idx_row, n_keys, stride_kv, j1, HALF, ROW_GROUP, WARPS)
+            _copy_rows(kv_rope.index(1), kv_ptr, idx_row, n_keys, stride_kv, j1, 2 * HALF, BLOCK_N, WARPS)
+            cp.mbarrier_arrive(full_r.index(1), increment_count=False)
+            mbarrier.wait(empty_r.index(0), ph)
+            _copy_rows(kv_r.index(0), kv_ptr, idx_row, n_keys, stride_kv, j0, HALF, ROW_GROUP, WARPS)
+            _copy_rows(kv_rope.index(0), kv_ptr, idx_row, n_keys, stride_kv, j0, 2 * HALF, BLOCK_N, WARPS)
+            cp.mbarrier_arrive(full_r.index(0), increment_count=False)
+            mbarrier.wait(empty_l.index(1), ph)
+            _copy_rows(kv_l.index(1), kv_ptr, idx_row, n_keys, stride_kv, j1, 0, ROW_GROUP, WARPS)
+            cp.mbarrier_arrive(full_l.index(1), increment_count=False)
+        done += pairs
+
+
+@gluon.jit
+def _finish(o, m, den, den_smem, sync, phase, mine: gl.constexpr, slot, out_row, stride_oh, col0, h0,
+            HEADS: gl.constexpr, lse_row, ws_ptr, ml_ptr, WRITE_LSE: gl.constexpr, D_V: gl.constexpr,
+            o_l: gl.constexpr):
+    """Both warpgroups' row sums added through shared memory; then this warpgroup's half of out (and the lse),
+    or, for a cut item, of the partial: o unnormalised in fp32, the max (base 2) and the row sum."""
+    den_smem.slice(mine * den.shape[0], den.shape[0]).store(den)
+    _signal(sync.index(L0 + mine))
+    mbarrier.wait(sync.index(L0 + 1 - mine), phase)
+    den = den + den_smem.slice((1 - mine) * den.shape[0], den.shape[0]).load(den.type.layout)
+    r = gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, o_l))
+    co = col0 + gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_l))
+    rl = gl.arange(0, o.shape[0], layout=den.type.layout)
+    if slot >= 0:
+        ws_row = ws_ptr + slot.to(gl.int64) * o.shape[0] * D_V
+        gl.store(ws_row + r[:, None] * D_V + co[None, :], o, mask=(h0 + r < HEADS)[:, None])
+        if WRITE_LSE:
+            ml_row = ml_ptr + slot.to(gl.int64) * 2 * o.shape[0]
+            gl.store(ml_row + rl, m)
+            gl.store(ml_row + o.shape[0] + rl, den)
+    else:
+        den_safe = gl.where(den > 0, den, 1.0)
+        out = o / gl.convert_layout(den_safe, gl.SliceLayout(1, o_l))[:, None]
+        gl.store(out_row + (h0 + r)[:, None] * stride_oh + co[None, :], out.to(gl.bfloat16),
+                 mask=(h0 + r < HEADS)[:, None])
+        if WRITE_LSE:
+            lse = gl.where(den > 0, (m + gl.log2(den_safe)) / 1.4426950408889634, float("-inf"))
+            gl.store(lse_row + h0 + rl, lse, mask=h0 + rl < HEADS)
+
+
+@gluon.jit
+def _even_tiles(idx_ptr, n_idx, units, pairs_per_item, stride_it, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope,
+                p1_smem, m_smem, den_smem, q_full, q_empty, full_l, full_r, empty_l, empty_r, sync, out_ptr, stride_ot,
+                stride_oh, lse_ptr, stride_lt, ws_ptr, ml_ptr, HEADS: gl.constexpr, HB: gl.constexpr,
+                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, D_V: gl.constexpr):
+    """Warpgroup 0 (the default partition): tiles 2j, O's columns 0-255."""
+    start, end, n_seg = _run(units, pairs_per_item)
+    done = 0
+    for s in range(n_seg):
+        t, h0, idx_row, n_keys, pairs, slot = _segment(start, end, s, pairs_per_item, n_idx, idx_ptr, stride_it, HB,
+                                                       BLOCK_H, BLOCK_N)
+        zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
+        w = (s + n_keys) >> 30  # always 0: a loop-variant index keeps the wgmma descriptors in the loop (_qk_part)
+        mbarrier.wait(q_full, s & 1)
+        s_tok = _qk_part(q_l.index(w), kv_l.index(w), full_l.index(0), done & 1, zero_s, False)
+        s_tok = _qk_part(q_r.index(w), kv_r.index(w), full_r.index(0), done & 1, s_tok, True)
+        s_tok = warpgroup_mma(q_rope.index(w), kv_rope.index(w).permute((1, 0)), s_tok, is_async=True)
+        sc = warpgroup_mma_wait(0, deps=(s_tok, ))
+        for j in range(pairs):
+            ph = (done + j) & 1
+            z = (j + n_keys) >> 30  # always 0: see _qk_part
+            if j == pairs - 1:
+                _signal(q_empty)  # this item's QK^Ts are done: q may be refilled
+            x = _masked(sc, idx_row, n_keys, 2 * j * BLOCK_N, scale_log2, S_LAYOUT)
+            m0 = gl.maximum(m, gl.max(x, axis=1))
+            m0_safe = gl.where(m0 == float("-inf"), 0.0, m0)  # rows with no valid key yet
+            alpha = gl.exp2(m - m0_safe)
+            p = gl.exp2(x - m0_safe[:, None])
+            den = den * alpha + gl.sum(p, axis=1)
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+            m_smem.store(m0)
+            _signal(sync.index(M0))
+            o_tok = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_OPERAND), kv_l.index(z), o, is_async=True)
+            o = warpgroup_mma_wait(0, deps=(o_tok, ))
+            _signal(empty_l.index(0))  # slot 0's left half: its QK^T and this PV are done
+            mbarrier.wait(sync.index(M1), ph)
+            m1 = m_smem.load(gl.SliceLayout(1, S_LAYOUT))  # max(m0, tile 2j + 1's): where the pair ends
+            beta = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0_safe - gl.where(m1 == float("-inf"), 0.0, m1)))
+            kv_rope.index(z).store((p * beta[:, None]).to(gl.bfloat16))  # slot 0's rope columns: read by S0 only
+            fence_async_shared()
+            _signal(sync.index(S0))
+            o = o * gl.convert_layout(beta, gl.SliceLayout(1, O_LAYOUT))[:, None]
+            den = den * beta
+            m = m1
+            mbarrier.wait(sync.index(S1), ph)
+            fence_async_shared()  # slot 1 landed by cp.async (generic proxy), waited for by warpgroup 1 only
+            o_tok = warpgroup_mma(p1_smem.index(z), kv_l.index(1 + z), o, is_async=True)
+            if j + 1 < pairs:  # tile 2j + 2's QK^T on slot 0's left half while this PV runs
+                s_tok = _qk_part(q_l.index(z), kv_l.index(z), full_l.index(0), ph ^ 1, zero_s, False)
+                o = warpgroup_mma_wait(1, deps=(o_tok, ))
+                _signal(empty_l.index(1))
+                s_tok = _qk_part(q_r.index(z), kv_r.index(z), full_r.index(0), ph ^ 1, s_tok, True)
+                s_tok = warpgroup_mma(q_rope.index(z), kv_rope.index(z).permute((1, 0)), s_tok, is_async=True)
+                sc = warpgroup_mma_wait(0, deps=(s_tok, ))
+            else:
+                o = warpgroup_mma_wait(0, deps=(o_tok, ))
+                _signal(empty_l.index(1))
+        _finish(o, m, den, den_smem, sync, s & 1, 0, slot, out_ptr + t * stride_ot, stride_oh, 0, h0, HEADS,
+                lse_ptr + t * stride_lt, ws_ptr, ml_ptr, False, D_V, O_LAYOUT)
+        done += pairs
+
+
+@gluon.jit
+def _odd_tiles(idx_ptr, n_idx, units, pairs_per_item, stride_it, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope,
+               p1_smem, m_smem, den_smem, q_full, q_empty, full_l, full_r, empty_l, empty_r, sync, out_ptr, stride_ot,
+               stride_oh, lse_ptr, stride_lt, ws_ptr, ml_ptr, HEADS: gl.constexpr, HB: gl.constexpr,
+               BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, D_V: gl.constexpr):
+    """Warpgroup 1 (a worker partition): tiles 2j + 1, O's columns 256-511, and the lse."""
+    start, end, n_seg = _run(units, pairs_per_item)
+    done = 0
+    for s in range(n_seg):
+        t, h0, idx_row, n_keys, pairs, slot = _segment(start, end, s, pairs_per_item, n_idx, idx_ptr, stride_it, HB,
+                                                       BLOCK_H, BLOCK_N)
+        zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
+        mbarrier.wait(q_full, s & 1)
+        for j in range(pairs):
+            ph = (done + j) & 1
+            z = (j + n_keys) >> 30  # always 0: see _qk_part
+            # the right half first: the producer fills slot 1's right half before its left
+            s_tok = _qk_part(q_r.index(z), kv_r.index(1 + z), full_r.index(1), ph, zero_s, False)
+            s_tok = warpgroup_mma(q_rope.index(z), kv_rope.index(1 + z).permute((1, 0)), s_tok, is_async=True)
+            s_tok = _qk_part(q_l.index(z), kv_l.index(1 + z), full_l.index(1), ph, s_tok, True)
+            sc = warpgroup_mma_wait(0, deps=(s_tok, ))
+            if j == pairs - 1:
+                _signal(q_empty)  # this item's QK^Ts are done: q may be refilled
+            x = _masked(sc, idx_row, n_keys, (2 * j + 1) * BLOCK_N, scale_log2, S_LAYOUT)
+            mbarrier.wait(sync.index(M0), ph)
+            m1 = gl.maximum(m_smem.load(gl.SliceLayout(1, S_LAYOUT)), gl.max(x, axis=1))
+            gl.thread_barrier()  # every thread has read m0 before any writes m1 over it
+            m1_safe = gl.where(m1 == float("-inf"), 0.0, m1)
+            alpha = gl.exp2(m - m1_safe)
+            p = gl.exp2(x - m1_safe[:, None])
+            den = den * alpha + gl.sum(p, axis=1)
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+            m = m1
+            m_smem.store(m1)
+            _signal(sync.index(M1))
+            p_bf = p.to(gl.bfloat16)
+            o_tok = warpgroup_mma(gl.convert_layout(p_bf, P_OPERAND), kv_r.index(1 + z), o, is_async=True)
+            p1_smem.index(z).store(p_bf)
+            fence_async_shared()
+            _signal(sync.index(S1))
+            mbarrier.wait(sync.index(S0), ph)
+            fence_async_shared()  # slot 0's right half landed by cp.async, waited for by warpgroup 0 only
+            o_tok = warpgroup_mma(kv_rope.index(z), kv_r.index(z), o_tok, is_async=True)  # P0, in slot 0's rope
+            warpgroup_mma_wait(1, deps=(o_tok, ))  # the first PV done (its value is read below, after both)
+            _signal(empty_r.index(1))  # slot 1's right half: this QK^T and the first PV are done
+            o = warpgroup_mma_wait(0, deps=(o_tok, ))
+            _signal(empty_r.index(0))  # slot 0's right half and P0
+        _finish(o, m, den, den_smem, sync, s & 1, 1, slot, out_ptr + t * stride_ot, stride_oh, HALF, h0, HEADS,
+                lse_ptr + t * stride_lt, ws_ptr, ml_ptr, True, D_V, O_LAYOUT)
+        done += pairs
+
+
+@gluon.jit
+def _sparse_mla_fwd_stream(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, ws_ptr, ml_ptr, scale_log2, n_idx, units,
+                           pairs_per_item, stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
+                           HEADS: gl.constexpr, HB: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                           HALF: gl.constexpr, D_R: gl.constexpr, D_V: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+                           PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr):
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    half_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], gl.bfloat16)
+    rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_R], gl.bfloat16)
+    kvh_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.bfloat16)
+    kvr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], gl.bfloat16)
+    vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    bar_l: gl.constexpr = mbarrier.MBarrierLayout()
+    q_l = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], half_sl)  # [1, ...]: see _qk_part
+    q_r = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], half_sl)
+    q_rope = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_R], rope_sl)
+    kv_l = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], kvh_sl)
+    kv_r = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], kvh_sl)
+    kv_rope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_R], kvr_sl)  # [BLOCK_H, BLOCK_N] P0 fits slot 0's
+    p1_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, BLOCK_N], kvr_sl)
+    m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_sl)
+    den_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_sl)
+    q_full = gl.allocate_shared_memory(gl.int64, [1], bar_l)
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], bar_l)
+    full_l = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    full_r = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    empty_l = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    empty_r = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    sync = gl.allocate_shared_memory(gl.int64, [N_SYNC, 1], bar_l)
+    mbarrier.init(q_full, count=PRODUCER_WARPS * 32)
+    mbarrier.init(q_empty, count=2)  # one arrival from each consumer warpgroup
+    for s in gl.static_range(2):
+        mbarrier.init(full_l.index(s), count=PRODUCER_WARPS * 32)
+        mbarrier.init(full_r.index(s), count=PRODUCER_WARPS * 32)
+        mbarrier.init(empty_l.index(s), count=1)
+        mbarrier.init(empty_r.index(s), count=1)
+    for b in gl.static_range(N_SYNC):
+        mbarrier.init(sync.index(b), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    gl.warp_specialize(  # the constexprs inline: a tuple held in a variable turns them into tensors
+        [(_even_tiles, (idx_ptr, n_idx, units, pairs_per_item, stride_it, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
+                        kv_rope, p1_smem, m_smem, den_smem, q_full, q_empty, full_l, full_r, empty_l, empty_r, sync,
+                        out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, ws_ptr, ml_ptr, HEADS, HB, BLOCK_H,
+                        BLOCK_N, HALF, D_V)),
+         (_odd_tiles, (idx_ptr, n_idx, units, pairs_per_item, stride_it, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
+                       kv_rope, p1_smem, m_smem, den_smem, q_full, q_empty, full_l, full_r, empty_l, empty_r, sync,
+                       out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, ws_ptr, ml_ptr, HEADS, HB, BLOCK_H,
+                       BLOCK_N, HALF, D_V)),
+         (_produce, (q_ptr, kv_ptr, idx_ptr, n_idx, units, pairs_per_item, stride_qt, stride_qh, stride_kv, stride_it,
+                     q_l, q_r, q_rope, kv_l, kv_r, kv_rope, q_full, q_empty, full_l, full_r, empty_l, empty_r, HEADS,
+                     HB, BLOCK_H, BLOCK_N, HALF, ROW_GROUP, PRODUCER_WARPS))],
+        [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def constexprs(**change) -> dict:
+    """The kernel's compile-time constants besides HEADS and HB (what a launch and bench/kernel_resources pass)."""
+    base = dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, HALF=HALF, D_R=D_R, D_V=D_V, **SCHEDULE)
+    unknown = set(change) - set(base)
+    if unknown:
+        raise ValueError(f"unknown Gluon Stream-K sparse MLA constants {sorted(unknown)}; known: {sorted(base)}")
+    return base | change
+
+
+def sm_count(device: torch.device) -> int:
+    """The programs a launch runs: one an SM (the kernel's shared memory admits one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def sparse_mla_forward_stream(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
+                              d_v: int = 512, programs: int | None = None,
+                              **schedule) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there). programs: how many
+    to launch (default: one an SM)."""
+    if not supports(q, kv, d_v):
+        raise ValueError(f"the Gluon Stream-K sparse MLA forward needs bf16 q and kv on an sm_90 GPU with 512 + 64 "
+                         f"columns; got q {q.dtype} {tuple(q.shape)} on {q.device}, d_v={d_v}")
+    q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
+    T, heads, _ = q.shape
+    out = torch.empty((T, heads, d_v), device=q.device, dtype=q.dtype)
+    lse = torch.empty((T, heads), device=q.device, dtype=torch.float32)
+    if T == 0:
+        return out, lse
+    n_idx = idx.shape[1]
+    if n_idx == 0:  # no slot: the consumers would wait for a first tile that never comes
+        return out.zero_(), lse.fill_(float("-inf"))
+    hb = triton.cdiv(heads, BLOCK_H)
+    items, pairs = T * hb, triton.cdiv(triton.cdiv(n_idx, BLOCK_N), 2)
+    units = items * pairs
+    programs = min(programs or sm_count(q.device), units)
+    ws, ml = sk.workspace(programs, BLOCK_H, d_v, q.device)
+    _sparse_mla_fwd_stream[(programs, )](
+        q, kv, idx, out, lse, ws, ml, sm_scale * 1.4426950408889634, n_idx, units, pairs, q.stride(0), q.stride(1),
+        kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0), HEADS=heads, HB=hb,
+        **constexprs(**schedule), num_warps=4)
+    sk.combine_partials(ws, ml, out, lse, items, pairs, programs, BLOCK_H)
+    return out, lse
