@@ -35,31 +35,33 @@ from kernels.sparse_mla_gluon_pair import (HALF, L0, M0, M1, N_SYNC, O_LAYOUT, P
 
 @gluon.jit
 def _run(units, pairs_per_item):
-    """This program's units [start, end) (sparse_mla_stream_k.program_units) and how many items they touch."""
+    """This program's units [start, end) (sparse_mla_stream_k.program_units) and the first item they touch."""
     g = gl.program_id(0).to(gl.int64)
     n_prog = gl.num_programs(0).to(gl.int64)
     start = (g * units // n_prog).to(gl.int32)
     end = ((g + 1) * units // n_prog).to(gl.int32)
-    n_seg = gl.where(end > start, (end - 1) // pairs_per_item - start // pairs_per_item + 1, 0)
-    return start, end, n_seg
+    return start, end, start // pairs_per_item
 
 
 @gluon.jit
-def _segment(start, end, s, pairs_per_item, n_idx, idx_ptr, stride_it, HB: gl.constexpr, BLOCK_H: gl.constexpr,
-             BLOCK_N: gl.constexpr):
-    """Segment s of a run: its token, first head, idx row (moved to the segment's first key), keys and pairs,
-    and its partial slot (-1 where the segment is its whole item)."""
-    item = start // pairs_per_item + s
-    p0 = gl.maximum(start - item * pairs_per_item, 0)
-    p1 = gl.minimum(end - item * pairs_per_item, pairs_per_item)
-    t = (item // HB).to(gl.int64)
-    h0 = (item % HB) * BLOCK_H
-    k0 = p0 * 2 * BLOCK_N
-    idx_row = idx_ptr + t * stride_it + k0
-    n_keys = gl.minimum(n_idx - k0, (p1 - p0) * 2 * BLOCK_N)
-    cut = (p0 > 0) | (p1 < pairs_per_item)
-    slot = gl.where(cut, 2 * gl.program_id(0) + gl.minimum(s, 1), -1)
-    return t, h0, idx_row, n_keys, p1 - p0, slot
+def _unit(start, end, u, pairs_per_item, first_item, HB: gl.constexpr, BLOCK_H: gl.constexpr):
+    """Unit u of a run: its item's token and first head, the pair's index in the item, the segment's index
+    in the run, and whether the unit is its segment's first and last. One loop over units, with the segment's
+    start and end as branches inside it, and not a loop over segments around one over pairs: ptxas
+    serialises every wgmma of that nest (C7514, "non wgmma instructions reading accumulator registers")."""
+    gu = start + u
+    item = gu // pairs_per_item
+    pair = gu - item * pairs_per_item
+    first = (pair == 0) | (u == 0)
+    last = (pair == pairs_per_item - 1) | (gu == end - 1)
+    return (item // HB).to(gl.int64), (item % HB) * BLOCK_H, pair, item - first_item, first, last
+
+
+@gluon.jit
+def _slot(start, end, item_start, s, pairs_per_item):
+    """The partial's workspace slot of segment s (its item's units from item_start), -1 for a whole item."""
+    cut = (start > item_start) | (end < item_start + pairs_per_item)
+    return gl.where(cut, 2 * gl.program_id(0) + gl.minimum(s, 1), -1)
 
 
 @gluon.jit
@@ -81,39 +83,37 @@ def _produce(q_ptr, kv_ptr, idx_ptr, n_idx, units, pairs_per_item, stride_qt, st
              q_r, q_rope, kv_l, kv_r, kv_rope, q_full, q_empty, full_l, full_r, empty_l, empty_r, HEADS: gl.constexpr,
              HB: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr,
              ROW_GROUP: gl.constexpr, WARPS: gl.constexpr):
-    """The producer: per segment, its q once the consumers are done with the last one's, then its KV tiles in
-    the paired kernel's order (slot 0's left, slot 1's right, slot 0's right, slot 1's left), each half's
-    `full` barrier taking one arrival from every producer thread as its copies land."""
-    start, end, n_seg = _run(units, pairs_per_item)
-    done = 0  # pairs gathered before this segment: the pair barriers' phase count
-    for s in range(n_seg):
-        t, h0, idx_row, n_keys, pairs, slot = _segment(start, end, s, pairs_per_item, n_idx, idx_ptr, stride_it, HB,
-                                                       BLOCK_H, BLOCK_N)
-        mbarrier.wait(q_empty, (s & 1) ^ 1)  # a fresh barrier counts as having completed the phase before
-        q_row = q_ptr + t * stride_qt
-        _copy_q(q_l.index(0), q_row, stride_qh, h0, HEADS, 0, ROW_GROUP, WARPS)
-        _copy_q(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF, ROW_GROUP, WARPS)
-        _copy_q(q_rope.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF, BLOCK_H, WARPS)
-        cp.mbarrier_arrive(q_full, increment_count=False)
-        for j in range(pairs):
-            ph = ((done + j) & 1) ^ 1
-            j0 = 2 * j * BLOCK_N
-            j1 = j0 + BLOCK_N
-            mbarrier.wait(empty_l.index(0), ph)
-            _copy_rows(kv_l.index(0), kv_ptr, idx_row, n_keys, stride_kv, j0, 0, ROW_GROUP, WARPS)
-            cp.mbarrier_arrive(full_l.index(0), increment_count=False)
-            mbarrier.wait(empty_r.index(1), ph)
-            _copy_rows(kv_r.index(1), kv_ptr, idx_row, n_keys, stride_kv, j1, HALF, ROW_GROUP, WARPS)
-            _copy_rows(kv_rope.index(1), kv_ptr, idx_row, n_keys, stride_kv, j1, 2 * HALF, BLOCK_N, WARPS)
-            cp.mbarrier_arrive(full_r.index(1), increment_count=False)
-            mbarrier.wait(empty_r.index(0), ph)
-            _copy_rows(kv_r.index(0), kv_ptr, idx_row, n_keys, stride_kv, j0, HALF, ROW_GROUP, WARPS)
-            _copy_rows(kv_rope.index(0), kv_ptr, idx_row, n_keys, stride_kv, j0, 2 * HALF, BLOCK_N, WARPS)
-            cp.mbarrier_arrive(full_r.index(0), increment_count=False)
-            mbarrier.wait(empty_l.index(1), ph)
-            _copy_rows(kv_l.index(1), kv_ptr, idx_row, n_keys, stride_kv, j1, 0, ROW_GROUP, WARPS)
-            cp.mbarrier_arrive(full_l.index(1), increment_count=False)
-        done += pairs
+    """The producer: at a segment's first pair its q, once the consumers are done with the last one's; every
+    pair's KV tiles in the paired kernel's order (slot 0's left, slot 1's right, slot 0's right, slot 1's left),
+    each half's `full` barrier taking one arrival from every producer thread as its copies land."""
+    start, end, first_item = _run(units, pairs_per_item)
+    for u in range(end - start):
+        t, h0, pair, s, first, last = _unit(start, end, u, pairs_per_item, first_item, HB, BLOCK_H)
+        if first:
+            mbarrier.wait(q_empty, (s & 1) ^ 1)  # a fresh barrier counts as having completed the phase before
+            q_row = q_ptr + t * stride_qt
+            _copy_q(q_l.index(0), q_row, stride_qh, h0, HEADS, 0, ROW_GROUP, WARPS)
+            _copy_q(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF, ROW_GROUP, WARPS)
+            _copy_q(q_rope.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF, BLOCK_H, WARPS)
+            cp.mbarrier_arrive(q_full, increment_count=False)
+        idx_row = idx_ptr + t * stride_it
+        ph = (u & 1) ^ 1
+        j0 = 2 * pair * BLOCK_N
+        j1 = j0 + BLOCK_N
+        mbarrier.wait(empty_l.index(0), ph)
+        _copy_rows(kv_l.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 0, ROW_GROUP, WARPS)
+        cp.mbarrier_arrive(full_l.index(0), increment_count=False)
+        mbarrier.wait(empty_r.index(1), ph)
+        _copy_rows(kv_r.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, HALF, ROW_GROUP, WARPS)
+        _copy_rows(kv_rope.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, 2 * HALF, BLOCK_N, WARPS)
+        cp.mbarrier_arrive(full_r.index(1), increment_count=False)
+        mbarrier.wait(empty_r.index(0), ph)
+        _copy_rows(kv_r.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, HALF, ROW_GROUP, WARPS)
+        _copy_rows(kv_rope.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 2 * HALF, BLOCK_N, WARPS)
+        cp.mbarrier_arrive(full_r.index(0), increment_count=False)
+        mbarrier.wait(empty_l.index(1), ph)
+        _copy_rows(kv_l.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, 0, ROW_GROUP, WARPS)
+        cp.mbarrier_arrive(full_l.index(1), increment_count=False)
 
 
 @gluon.jit
@@ -151,61 +151,63 @@ def _even_tiles(idx_ptr, n_idx, units, pairs_per_item, stride_it, scale_log2, q_
                 p1_smem, m_smem, den_smem, q_full, q_empty, full_l, full_r, empty_l, empty_r, sync, out_ptr, stride_ot,
                 stride_oh, lse_ptr, stride_lt, ws_ptr, ml_ptr, HEADS: gl.constexpr, HB: gl.constexpr,
                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, D_V: gl.constexpr):
-    """Warpgroup 0 (the default partition): tiles 2j, O's columns 0-255."""
-    start, end, n_seg = _run(units, pairs_per_item)
-    done = 0
-    for s in range(n_seg):
-        t, h0, idx_row, n_keys, pairs, slot = _segment(start, end, s, pairs_per_item, n_idx, idx_ptr, stride_it, HB,
-                                                       BLOCK_H, BLOCK_N)
-        zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
-        w = (s + n_keys) >> 30  # always 0: a loop-variant index keeps the wgmma descriptors in the loop (_qk_part)
-        mbarrier.wait(q_full, s & 1)
-        s_tok = _qk_part(q_l.index(w), kv_l.index(w), full_l.index(0), done & 1, zero_s, False)
-        s_tok = _qk_part(q_r.index(w), kv_r.index(w), full_r.index(0), done & 1, s_tok, True)
-        s_tok = warpgroup_mma(q_rope.index(w), kv_rope.index(w).permute((1, 0)), s_tok, is_async=True)
-        sc = warpgroup_mma_wait(0, deps=(s_tok, ))
-        for j in range(pairs):
-            ph = (done + j) & 1
-            z = (j + n_keys) >> 30  # always 0: see _qk_part
-            if j == pairs - 1:
-                _signal(q_empty)  # this item's QK^Ts are done: q may be refilled
-            x = _masked(sc, idx_row, n_keys, 2 * j * BLOCK_N, scale_log2, S_LAYOUT)
-            m0 = gl.maximum(m, gl.max(x, axis=1))
-            m0_safe = gl.where(m0 == float("-inf"), 0.0, m0)  # rows with no valid key yet
-            alpha = gl.exp2(m - m0_safe)
-            p = gl.exp2(x - m0_safe[:, None])
-            den = den * alpha + gl.sum(p, axis=1)
-            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-            m_smem.store(m0)
-            _signal(sync.index(M0))
-            o_tok = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_OPERAND), kv_l.index(z), o, is_async=True)
+    """Warpgroup 0 (the default partition): tiles 2j, O's columns 0-255. A segment starts from the max -inf,
+    which zeroes the row sums and O through the first rescale (alpha = 0)."""
+    start, end, first_item = _run(units, pairs_per_item)
+    zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
+    mbarrier.wait(q_full, 0)
+    s_tok = _qk_part(q_l.index(0), kv_l.index(0), full_l.index(0), 0, zero_s, False)
+    s_tok = _qk_part(q_r.index(0), kv_r.index(0), full_r.index(0), 0, s_tok, True)
+    s_tok = warpgroup_mma(q_rope.index(0), kv_rope.index(0).permute((1, 0)), s_tok, is_async=True)
+    sc = warpgroup_mma_wait(0, deps=(s_tok, ))
+    for u in range(end - start):
+        t, h0, pair, s, first, last = _unit(start, end, u, pairs_per_item, first_item, HB, BLOCK_H)
+        ph = u & 1
+        z = (u + n_idx) >> 30  # always 0 (n_idx < 2^30): see _qk_part
+        if last:
+            _signal(q_empty)  # this segment's QK^Ts are done: q may be refilled
+        x = _masked(sc, idx_ptr + t * stride_it, n_idx, 2 * pair * BLOCK_N, scale_log2, S_LAYOUT)
+        m0 = gl.maximum(m, gl.max(x, axis=1))
+        m0_safe = gl.where(m0 == float("-inf"), 0.0, m0)  # rows with no valid key yet
+        alpha = gl.exp2(m - m0_safe)
+        p = gl.exp2(x - m0_safe[:, None])
+        den = den * alpha + gl.sum(p, axis=1)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        m_smem.store(m0)
+        _signal(sync.index(M0))
+        o_tok = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_OPERAND), kv_l.index(z), o, is_async=True)
+        o = warpgroup_mma_wait(0, deps=(o_tok, ))
+        _signal(empty_l.index(0))  # slot 0's left half: its QK^T and this PV are done
+        mbarrier.wait(sync.index(M1), ph)
+        m1 = m_smem.load(gl.SliceLayout(1, S_LAYOUT))  # max(m0, tile 2j + 1's): where the pair ends
+        beta = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0_safe - gl.where(m1 == float("-inf"), 0.0, m1)))
+        kv_rope.index(z).store((p * beta[:, None]).to(gl.bfloat16))  # slot 0's rope columns: read by S0 only
+        fence_async_shared()
+        _signal(sync.index(S0))
+        o = o * gl.convert_layout(beta, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        den = den * beta
+        m = m1
+        mbarrier.wait(sync.index(S1), ph)
+        fence_async_shared()  # slot 1 landed by cp.async (generic proxy), waited for by warpgroup 1 only
+        o_tok = warpgroup_mma(p1_smem.index(z), kv_l.index(1 + z), o, is_async=True)
+        if u + 1 < end - start:  # the next pair's first QK^T (the next segment's: on its q) while this PV runs
+            if last:
+                mbarrier.wait(q_full, (s + 1) & 1)
+            s_tok = _qk_part(q_l.index(z), kv_l.index(z), full_l.index(0), ph ^ 1, zero_s, False)
+            o = warpgroup_mma_wait(1, deps=(o_tok, ))
+            _signal(empty_l.index(1))
+            s_tok = _qk_part(q_r.index(z), kv_r.index(z), full_r.index(0), ph ^ 1, s_tok, True)
+            s_tok = warpgroup_mma(q_rope.index(z), kv_rope.index(z).permute((1, 0)), s_tok, is_async=True)
+            sc = warpgroup_mma_wait(0, deps=(s_tok, ))
+        else:
             o = warpgroup_mma_wait(0, deps=(o_tok, ))
-            _signal(empty_l.index(0))  # slot 0's left half: its QK^T and this PV are done
-            mbarrier.wait(sync.index(M1), ph)
-            m1 = m_smem.load(gl.SliceLayout(1, S_LAYOUT))  # max(m0, tile 2j + 1's): where the pair ends
-            beta = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0_safe - gl.where(m1 == float("-inf"), 0.0, m1)))
-            kv_rope.index(z).store((p * beta[:, None]).to(gl.bfloat16))  # slot 0's rope columns: read by S0 only
-            fence_async_shared()
-            _signal(sync.index(S0))
-            o = o * gl.convert_layout(beta, gl.SliceLayout(1, O_LAYOUT))[:, None]
-            den = den * beta
-            m = m1
-            mbarrier.wait(sync.index(S1), ph)
-            fence_async_shared()  # slot 1 landed by cp.async (generic proxy), waited for by warpgroup 1 only
-            o_tok = warpgroup_mma(p1_smem.index(z), kv_l.index(1 + z), o, is_async=True)
-            if j + 1 < pairs:  # tile 2j + 2's QK^T on slot 0's left half while this PV runs
-                s_tok = _qk_part(q_l.index(z), kv_l.index(z), full_l.index(0), ph ^ 1, zero_s, False)
-                o = warpgroup_mma_wait(1, deps=(o_tok, ))
-                _signal(empty_l.index(1))
-                s_tok = _qk_part(q_r.index(z), kv_r.index(z), full_r.index(0), ph ^ 1, s_tok, True)
-                s_tok = warpgroup_mma(q_rope.index(z), kv_rope.index(z).permute((1, 0)), s_tok, is_async=True)
-                sc = warpgroup_mma_wait(0, deps=(s_tok, ))
-            else:
-                o = warpgroup_mma_wait(0, deps=(o_tok, ))
-                _signal(empty_l.index(1))
-        _finish(o, m, den, den_smem, sync, s & 1, 0, slot, out_ptr + t * stride_ot, stride_oh, 0, h0, HEADS,
-                lse_ptr + t * stride_lt, ws_ptr, ml_ptr, False, D_V, O_LAYOUT)
-        done += pairs
+            _signal(empty_l.index(1))
+        if last:
+            item_start = (first_item + s) * pairs_per_item
+            _finish(o, m, den, den_smem, sync, s & 1, 0, _slot(start, end, item_start, s, pairs_per_item),
+                    out_ptr + t * stride_ot, stride_oh, 0, h0, HEADS, lse_ptr + t * stride_lt, ws_ptr, ml_ptr, False,
+                    D_V, O_LAYOUT)
+            zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)  # the next segment's start (o is free)
 
 
 @gluon.jit
@@ -214,50 +216,51 @@ def _odd_tiles(idx_ptr, n_idx, units, pairs_per_item, stride_it, scale_log2, q_l
                stride_oh, lse_ptr, stride_lt, ws_ptr, ml_ptr, HEADS: gl.constexpr, HB: gl.constexpr,
                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, D_V: gl.constexpr):
     """Warpgroup 1 (a worker partition): tiles 2j + 1, O's columns 256-511, and the lse."""
-    start, end, n_seg = _run(units, pairs_per_item)
-    done = 0
-    for s in range(n_seg):
-        t, h0, idx_row, n_keys, pairs, slot = _segment(start, end, s, pairs_per_item, n_idx, idx_ptr, stride_it, HB,
-                                                       BLOCK_H, BLOCK_N)
-        zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
-        mbarrier.wait(q_full, s & 1)
-        for j in range(pairs):
-            ph = (done + j) & 1
-            z = (j + n_keys) >> 30  # always 0: see _qk_part
-            # the right half first: the producer fills slot 1's right half before its left
-            s_tok = _qk_part(q_r.index(z), kv_r.index(1 + z), full_r.index(1), ph, zero_s, False)
-            s_tok = warpgroup_mma(q_rope.index(z), kv_rope.index(1 + z).permute((1, 0)), s_tok, is_async=True)
-            s_tok = _qk_part(q_l.index(z), kv_l.index(1 + z), full_l.index(1), ph, s_tok, True)
-            sc = warpgroup_mma_wait(0, deps=(s_tok, ))
-            if j == pairs - 1:
-                _signal(q_empty)  # this item's QK^Ts are done: q may be refilled
-            x = _masked(sc, idx_row, n_keys, (2 * j + 1) * BLOCK_N, scale_log2, S_LAYOUT)
-            mbarrier.wait(sync.index(M0), ph)
-            m1 = gl.maximum(m_smem.load(gl.SliceLayout(1, S_LAYOUT)), gl.max(x, axis=1))
-            gl.thread_barrier()  # every thread has read m0 before any writes m1 over it
-            m1_safe = gl.where(m1 == float("-inf"), 0.0, m1)
-            alpha = gl.exp2(m - m1_safe)
-            p = gl.exp2(x - m1_safe[:, None])
-            den = den * alpha + gl.sum(p, axis=1)
-            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-            m = m1
-            m_smem.store(m1)
-            _signal(sync.index(M1))
-            p_bf = p.to(gl.bfloat16)
-            o_tok = warpgroup_mma(gl.convert_layout(p_bf, P_OPERAND), kv_r.index(1 + z), o, is_async=True)
-            p1_smem.index(z).store(p_bf)
-            fence_async_shared()
-            _signal(sync.index(S1))
-            mbarrier.wait(sync.index(S0), ph)
-            fence_async_shared()  # slot 0's right half landed by cp.async, waited for by warpgroup 0 only
-            o_tok = warpgroup_mma(kv_rope.index(z), kv_r.index(z), o_tok, is_async=True)  # P0, in slot 0's rope
-            warpgroup_mma_wait(1, deps=(o_tok, ))  # the first PV done (its value is read below, after both)
-            _signal(empty_r.index(1))  # slot 1's right half: this QK^T and the first PV are done
-            o = warpgroup_mma_wait(0, deps=(o_tok, ))
-            _signal(empty_r.index(0))  # slot 0's right half and P0
-        _finish(o, m, den, den_smem, sync, s & 1, 1, slot, out_ptr + t * stride_ot, stride_oh, HALF, h0, HEADS,
-                lse_ptr + t * stride_lt, ws_ptr, ml_ptr, True, D_V, O_LAYOUT)
-        done += pairs
+    start, end, first_item = _run(units, pairs_per_item)
+    zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
+    for u in range(end - start):
+        t, h0, pair, s, first, last = _unit(start, end, u, pairs_per_item, first_item, HB, BLOCK_H)
+        ph = u & 1
+        z = (u + n_idx) >> 30  # always 0: see _qk_part
+        if first:
+            mbarrier.wait(q_full, s & 1)
+        # the right half first: the producer fills slot 1's right half before its left
+        s_tok = _qk_part(q_r.index(z), kv_r.index(1 + z), full_r.index(1), ph, zero_s, False)
+        s_tok = warpgroup_mma(q_rope.index(z), kv_rope.index(1 + z).permute((1, 0)), s_tok, is_async=True)
+        s_tok = _qk_part(q_l.index(z), kv_l.index(1 + z), full_l.index(1), ph, s_tok, True)
+        sc = warpgroup_mma_wait(0, deps=(s_tok, ))
+        if last:
+            _signal(q_empty)  # this segment's QK^Ts are done: q may be refilled
+        x = _masked(sc, idx_ptr + t * stride_it, n_idx, (2 * pair + 1) * BLOCK_N, scale_log2, S_LAYOUT)
+        mbarrier.wait(sync.index(M0), ph)
+        m1 = gl.maximum(m_smem.load(gl.SliceLayout(1, S_LAYOUT)), gl.max(x, axis=1))
+        gl.thread_barrier()  # every thread has read m0 before any writes m1 over it
+        m1_safe = gl.where(m1 == float("-inf"), 0.0, m1)
+        alpha = gl.exp2(m - m1_safe)
+        p = gl.exp2(x - m1_safe[:, None])
+        den = den * alpha + gl.sum(p, axis=1)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        m = m1
+        m_smem.store(m1)
+        _signal(sync.index(M1))
+        p_bf = p.to(gl.bfloat16)
+        o_tok = warpgroup_mma(gl.convert_layout(p_bf, P_OPERAND), kv_r.index(1 + z), o, is_async=True)
+        p1_smem.index(z).store(p_bf)
+        fence_async_shared()
+        _signal(sync.index(S1))
+        mbarrier.wait(sync.index(S0), ph)
+        fence_async_shared()  # slot 0's right half landed by cp.async, waited for by warpgroup 0 only
+        o_tok = warpgroup_mma(kv_rope.index(z), kv_r.index(z), o_tok, is_async=True)  # P0, in slot 0's rope
+        warpgroup_mma_wait(1, deps=(o_tok, ))  # the first PV done (its value is read below, after both)
+        _signal(empty_r.index(1))  # slot 1's right half: this QK^T and the first PV are done
+        o = warpgroup_mma_wait(0, deps=(o_tok, ))
+        _signal(empty_r.index(0))  # slot 0's right half and P0
+        if last:
+            item_start = (first_item + s) * pairs_per_item
+            _finish(o, m, den, den_smem, sync, s & 1, 1, _slot(start, end, item_start, s, pairs_per_item),
+                    out_ptr + t * stride_ot, stride_oh, HALF, h0, HEADS, lse_ptr + t * stride_lt, ws_ptr, ml_ptr, True,
+                    D_V, O_LAYOUT)
+            zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)  # the next segment's start (o is free)
 
 
 @gluon.jit

@@ -98,7 +98,7 @@ def _combine(ws_ptr, ml_ptr, cut_ptr, off_ptr, slot_ptr, out_ptr, lse_ptr, strid
     tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :],
              (acc / den_safe[:, None]).to(out_ptr.dtype.element_ty), mask=(heads < HEADS)[:, None])
     if cb == 0:
-        lse = tl.where(den > 0, (big + tl.log2(den_safe)) / LOG2E, float("-inf"))
+        lse = tl.where(den > 0, (big + tl.log2(den_safe)) / 1.4426950408889634, float("-inf"))  # / log2(e)
         tl.store(lse_ptr + t * stride_lt + heads, lse, mask=heads < HEADS)
 
 
