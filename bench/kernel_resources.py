@@ -74,14 +74,54 @@ def compile_sm90(fn, args: dict[str, Any], constexprs: dict[str, Any], num_warps
                               options={"num_warps": num_warps, "num_stages": num_stages})
     usage = _resource_usage(compiled.asm["cubin"])
     ptx = compiled.asm["ptx"]
-    return {**usage, "shared_bytes": compiled.metadata.shared,
-            **{k: len(re.findall(p, ptx)) for k, p in INSTRUCTIONS.items()}}
+    counts = {k: len(re.findall(p, ptx)) for k, p in INSTRUCTIONS.items()}
+    extra = {}
+    if counts["wgmma"]:
+        extra = {"wgmma_serialized": _wgmma_serialized(ptx), "partitions": _partitions(compiled.asm["cubin"])}
+    return {**usage, "shared_bytes": compiled.metadata.shared, **counts, **extra}
+
+
+def _nv_tool(name: str) -> Path:
+    from triton.backends.nvidia import compiler as nv
+
+    return Path(nv.__file__).parent / "bin" / name
+
+
+def _wgmma_serialized(ptx: str) -> bool:
+    """Whether ptxas serialises the kernel's wgmmas (its C7514 warning: each waits for the one before, as when a
+    non-wgmma instruction may touch an accumulator in flight). Triton does not show ptxas' warnings, so the PTX
+    is assembled again with -v."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        text = subprocess.run([str(_nv_tool("ptxas")), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.o")],
+                              capture_output=True, text=True, check=True).stderr
+    return "C7514" in text
+
+
+def _partitions(cubin: bytes) -> list[dict[str, int]]:
+    """A warp-specialised kernel's partitions as the SASS shows them: the code after each register
+    reallocation (setmaxnreg), with its register count and its spill stores and wgmmas, in SASS order
+    (a total spill count does not say whether the producer or a consumer spills)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(_nv_tool("cuobjdump")), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    parts = [{"registers": 0, "spill_stores": 0, "wgmma": 0}]
+    for line in sass.splitlines():
+        found = re.search(r"USETMAXREG\.\w+\.CTAPOOL\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)", line)
+        if found:
+            parts.append({"registers": int(found.group(1), 16), "spill_stores": 0, "wgmma": 0})
+        elif re.search(r"\bSTL(\.\w+)*\s", line):
+            parts[-1]["spill_stores"] += 1
+        elif "HGMMA" in line:
+            parts[-1]["wgmma"] += 1
+    return [p for p in parts if p["spill_stores"] or p["wgmma"]]
 
 
 def _resource_usage(cubin: bytes) -> dict[str, int]:
-    from triton.backends.nvidia import compiler as nv
-
-    cuobjdump = Path(nv.__file__).parent / "bin" / "cuobjdump"
+    cuobjdump = _nv_tool("cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
