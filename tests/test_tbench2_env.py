@@ -119,6 +119,21 @@ async def test_verifier_failures_are_not_rewards(env):
     assert time.monotonic() - start < 10
 
 
+async def test_a_workdir_the_agent_locked_is_scored_not_an_infra_error(env):
+    # The local sandbox's root cannot enter a folder without its owner's x bit: test.sh used to
+    # fail to start (`env -C /app`, exit 125) and the episode was an infra error, its group untrained.
+    await env.reset("write-name")  # the tests run in the agent's own sandbox
+    await env.step(Action(command="echo 'Ada Lovelace' > name.txt && chmod 444 ."))
+    verdict = await env.score()
+    assert (verdict.status, verdict.reward) == ("scored", 1.0), verdict.text  # as root on Docker scores it
+    out = await env.step(Action(command="stat -c %a /app"))
+    assert out.text.strip() == "544"  # only the search bit the verifier needed
+    await env.reset("write-name")
+    await env.step(Action(command="chmod 000 /app"))
+    verdict = await env.score()
+    assert (verdict.status, verdict.reward) == ("scored", 0.0), verdict.text
+
+
 async def test_agent_timeout_ends_the_episode(env):
     await env.reset("hanging-command")  # [agent] timeout_sec = 3
     start = time.monotonic()

@@ -5,7 +5,9 @@ The policy is an adversary: whatever lets it forge a pass, it will find. So, in 
    waiting for /tests to appear), so nothing it left running can write a verdict or swap a test;
 2. /tests and /logs/verifier are removed whatever the agent made of them (a planted verdict, a
    symlink elsewhere, a directory where the file goes, chmod/chattr locks, a mount on top) and
-   made again, owned by the verifier (root);
+   made again, owned by the verifier (root); the task's working directory is made again if the
+   agent removed it, and made enterable if it took its owner's search permission (see
+   _ENTER_WORKDIR);
 3. only now tests/ is uploaded to /tests, and `bash /tests/test.sh` runs in the task's working
    directory under the verifier timeout, with the image's environment plus `[verifier.env]`
    (nothing the agent exported reaches it) and /bin/bash itself rather than the first `bash` on
@@ -48,10 +50,21 @@ VERIFIER_ERROR = "infra_error:verifier"
 VERIFIER_TIMEOUT = "infra_error:verifier_timeout"
 _MAX_REWARD_FILE_BYTES = 64 * 1024
 _SETUP_TIMEOUT_S = 60.0
+# The working directory, and every folder above it, gets its owner's search bit back when the
+# verifier cannot enter it. An agent's `chmod 444 /app` (or `chmod 600 .`) is its own failed
+# attempt, but the local sandbox's root has neither CAP_DAC_OVERRIDE nor CAP_DAC_READ_SEARCH:
+# the exec's `env -C` failed with 125 before test.sh ran, and the episode, whose verdict is the
+# tests' to give, was an infra error (its whole group left untrained). A folder the verifier can
+# enter is left as it is (on Daytona root enters every folder), so the tests see the agent's modes.
+_ENTER_WORKDIR = (
+    'p=; set -f; IFS=/; for c in $1; do [ -n "$c" ] || continue; p="$p/$c"; '
+    '[ -d "$p" ] && ! (cd "$p") 2>/dev/null && chmod u+x "$p" 2>/dev/null; done; unset IFS; set +f; '
+)
 # Step 2: undo a mount on top (lazily, a few times: mounts stack), a link or a file where a folder
 # goes (removed first, so nothing below follows it elsewhere), an immutable flag, modes that keep
 # even their owner out (the local sandbox's root has no CAP_DAC_OVERRIDE); then fresh folders
-# owned by the verifier. $1 is the task's working directory.
+# owned by the verifier, and a working directory the verifier can enter (_ENTER_WORKDIR). $1 is
+# the task's working directory.
 _RESET_SCRIPT = (
     "for d in /tests /logs/verifier /logs; do i=0; "
     "while [ $i -lt 8 ] && grep -q \" $d \" /proc/self/mountinfo 2>/dev/null; do umount -l \"$d\" 2>/dev/null || break; "
@@ -59,7 +72,8 @@ _RESET_SCRIPT = (
     "for d in /tests /logs /logs/verifier; do "
     "if [ -L \"$d\" ] || { [ -e \"$d\" ] && [ ! -d \"$d\" ]; }; then rm -f \"$d\" 2>/dev/null; fi; done; "
     "chattr -R -i /tests /logs 2>/dev/null; chmod u+rwx /logs 2>/dev/null; chmod -R u+rwX /tests /logs/verifier 2>/dev/null; "
-    f"rm -rf {TESTS_DIR} {VERIFIER_DIR} && mkdir -p -m 755 {VERIFIER_DIR} {TESTS_DIR} \"$1\" && "
+    + _ENTER_WORKDIR
+    + f"rm -rf {TESTS_DIR} {VERIFIER_DIR} && mkdir -p -m 755 {VERIFIER_DIR} {TESTS_DIR} \"$1\" && "
     f"chmod 755 {VERIFIER_DIR} {TESTS_DIR}"
 )
 # Step 3: /bin/bash when the image has one (a `bash` planted earlier on PATH is not it).
