@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kernels import sparse_mla_stream_k as sk
 from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, supports
-from kernels.sparse_mla_gluon_pair import (HALF, L0, M0, M1, N_SYNC, O_LAYOUT, P_OPERAND, S0, S1, S_LAYOUT,
+from kernels.sparse_mla_gluon_pair import (HALF, M0, M1, N_SYNC, O_LAYOUT, P_OPERAND, S0, S1, S_LAYOUT,
                                            SCHEDULE, _copy_rows, _fresh, _masked, _qk_part, _signal)
 
 
@@ -65,23 +65,27 @@ def _slot(start, end, item_start, s, pairs_per_item):
 
 
 @gluon.jit
-def _copy_q(dst, q_row, stride_qh, h0, HEADS: gl.constexpr, col0, ROWS: gl.constexpr, WARPS: gl.constexpr):
-    """cp.async dst [BLOCK_H, C] <- q[t, h0 + r, col0 : col0 + C]; heads past HEADS are filled with zeros."""
+def _copy_q(dst, q_tok, h0, HEADS: gl.constexpr, col0: gl.constexpr, ROW: gl.constexpr, ROWS: gl.constexpr,
+            WARPS: gl.constexpr):
+    """cp.async dst [BLOCK_H, C] <- q[t, h0 + r, col0 : col0 + C] (q contiguous, ROW elements a head: q_tok is
+    token t's first head);
+    heads past HEADS are filled with zeros. The row stride is a compile-time constant, so each thread's
+    offsets fold into its copies' immediates: with a runtime stride the producer held ~40 registers of them
+    through its loop and spilled (its whole register file is 56)."""
     C: gl.constexpr = dst.shape[1]
     TPC: gl.constexpr = C // 8 if C // 8 < 32 else 32
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [WARPS, 1], [1, 0])
     c = col0 + gl.arange(0, C, layout=gl.SliceLayout(0, layout))
     for g in gl.static_range(dst.shape[0] // ROWS):
-        h = h0 + g * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        cp.async_copy_global_to_shared(dst.slice(g * ROWS, ROWS, dim=0),
-                                       q_row + h.to(gl.int64)[:, None] * stride_qh + c[None, :],
-                                       mask=(h < HEADS)[:, None])
+        r = g * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        cp.async_copy_global_to_shared(dst.slice(g * ROWS, ROWS, dim=0), q_tok + (h0 + r)[:, None] * ROW + c[None, :],
+                                       mask=(h0 + r < HEADS)[:, None])
 
 
 @gluon.jit
-def _produce(q_ptr, kv_ptr, idx_ptr, n_idx, units, pairs_per_item, stride_qt, stride_qh, stride_kv, stride_it, q_l,
-             q_r, q_rope, kv_l, kv_r, kv_rope, q_full, q_empty, full_l, full_r, empty_l, empty_r, HEADS: gl.constexpr,
-             HB: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr,
+def _produce(q_ptr, kv_ptr, idx_ptr, n_idx, units, pairs_per_item, stride_kv, stride_it, q_l, q_r, q_rope, kv_l,
+             kv_r, kv_rope, q_full, q_empty, full_l, full_r, empty_l, empty_r, HEADS: gl.constexpr, HB: gl.constexpr,
+             BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, D_R: gl.constexpr,
              ROW_GROUP: gl.constexpr, WARPS: gl.constexpr):
     """The producer: at a segment's first pair its q, once the consumers are done with the last one's; every
     pair's KV tiles in the paired kernel's order (slot 0's left, slot 1's right, slot 0's right, slot 1's left),
@@ -91,10 +95,10 @@ def _produce(q_ptr, kv_ptr, idx_ptr, n_idx, units, pairs_per_item, stride_qt, st
         t, h0, pair, s, first, last = _unit(start, end, u, pairs_per_item, first_item, HB, BLOCK_H)
         if first:
             mbarrier.wait(q_empty, (s & 1) ^ 1)  # a fresh barrier counts as having completed the phase before
-            q_row = q_ptr + t * stride_qt
-            _copy_q(q_l.index(0), q_row, stride_qh, h0, HEADS, 0, ROW_GROUP, WARPS)
-            _copy_q(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF, ROW_GROUP, WARPS)
-            _copy_q(q_rope.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF, BLOCK_H, WARPS)
+            q_tok = q_ptr + t * (HEADS * (2 * HALF + D_R))
+            _copy_q(q_l.index(0), q_tok, h0, HEADS, 0, 2 * HALF + D_R, ROW_GROUP, WARPS)
+            _copy_q(q_r.index(0), q_tok, h0, HEADS, HALF, 2 * HALF + D_R, ROW_GROUP, WARPS)
+            _copy_q(q_rope.index(0), q_tok, h0, HEADS, 2 * HALF, 2 * HALF + D_R, BLOCK_H, WARPS)
             cp.mbarrier_arrive(q_full, increment_count=False)
         idx_row = idx_ptr + t * stride_it
         ph = (u & 1) ^ 1
@@ -117,15 +121,12 @@ def _produce(q_ptr, kv_ptr, idx_ptr, n_idx, units, pairs_per_item, stride_qt, st
 
 
 @gluon.jit
-def _finish(o, m, den, den_smem, sync, phase, mine: gl.constexpr, slot, out_row, stride_oh, col0, h0,
-            HEADS: gl.constexpr, lse_row, ws_ptr, ml_ptr, WRITE_LSE: gl.constexpr, D_V: gl.constexpr,
-            o_l: gl.constexpr):
-    """Both warpgroups' row sums added through shared memory; then this warpgroup's half of out (and the lse),
-    or, for a cut item, of the partial: o unnormalised in fp32, the max (base 2) and the row sum."""
-    den_smem.slice(mine * den.shape[0], den.shape[0]).store(den)
-    _signal(sync.index(L0 + mine))
-    mbarrier.wait(sync.index(L0 + 1 - mine), phase)
-    den = den + den_smem.slice((1 - mine) * den.shape[0], den.shape[0]).load(den.type.layout)
+def _finish(o, m, den, slot, out_row, stride_oh, col0, h0, HEADS: gl.constexpr, lse_row, ws_ptr, ml_ptr,
+            WRITE_LSE: gl.constexpr, D_V: gl.constexpr, o_l: gl.constexpr):
+    """This warpgroup's half of out (and the lse) from its O and both warpgroups' row sums (den); or, for a cut
+    item, of the partial: O unnormalised in fp32, the max (base 2) and the row sum. No barrier: each
+    warpgroup has the other's row sum from the pair's max handover (sparse_mla_gluon_pair.py's _finish
+    exchanges them at the end; here, at every item's end, that wait took the two warpgroups out of step)."""
     r = gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, o_l))
     co = col0 + gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_l))
     rl = gl.arange(0, o.shape[0], layout=den.type.layout)
@@ -174,12 +175,14 @@ def _even_tiles(idx_ptr, n_idx, units, pairs_per_item, stride_it, scale_log2, q_
         den = den * alpha + gl.sum(p, axis=1)
         o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
         m_smem.store(m0)
+        den_smem.slice(0, BLOCK_H).store(den)  # with m0: warpgroup 1 rescales it to m1 for its own total
         _signal(sync.index(M0))
         o_tok = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_OPERAND), kv_l.index(z), o, is_async=True)
         o = warpgroup_mma_wait(0, deps=(o_tok, ))
         _signal(empty_l.index(0))  # slot 0's left half: its QK^T and this PV are done
         mbarrier.wait(sync.index(M1), ph)
         m1 = m_smem.load(gl.SliceLayout(1, S_LAYOUT))  # max(m0, tile 2j + 1's): where the pair ends
+        den_odd = den_smem.slice(BLOCK_H, BLOCK_H).load(gl.SliceLayout(1, S_LAYOUT))  # warpgroup 1's, at m1
         beta = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0_safe - gl.where(m1 == float("-inf"), 0.0, m1)))
         kv_rope.index(z).store((p * beta[:, None]).to(gl.bfloat16))  # slot 0's rope columns: read by S0 only
         fence_async_shared()
@@ -204,9 +207,8 @@ def _even_tiles(idx_ptr, n_idx, units, pairs_per_item, stride_it, scale_log2, q_
             _signal(empty_l.index(1))
         if last:
             item_start = (first_item + s) * pairs_per_item
-            _finish(o, m, den, den_smem, sync, s & 1, 0, _slot(start, end, item_start, s, pairs_per_item),
-                    out_ptr + t * stride_ot, stride_oh, 0, h0, HEADS, lse_ptr + t * stride_lt, ws_ptr, ml_ptr, False,
-                    D_V, O_LAYOUT)
+            _finish(o, m, den + den_odd, _slot(start, end, item_start, s, pairs_per_item), out_ptr + t * stride_ot,
+                    stride_oh, 0, h0, HEADS, lse_ptr + t * stride_lt, ws_ptr, ml_ptr, False, D_V, O_LAYOUT)
             zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)  # the next segment's start (o is free)
 
 
@@ -233,7 +235,9 @@ def _odd_tiles(idx_ptr, n_idx, units, pairs_per_item, stride_it, scale_log2, q_l
             _signal(q_empty)  # this segment's QK^Ts are done: q may be refilled
         x = _masked(sc, idx_ptr + t * stride_it, n_idx, (2 * pair + 1) * BLOCK_N, scale_log2, S_LAYOUT)
         mbarrier.wait(sync.index(M0), ph)
-        m1 = gl.maximum(m_smem.load(gl.SliceLayout(1, S_LAYOUT)), gl.max(x, axis=1))
+        m0 = m_smem.load(gl.SliceLayout(1, S_LAYOUT))
+        den_even = den_smem.slice(0, BLOCK_H).load(gl.SliceLayout(1, S_LAYOUT))  # warpgroup 0's, at m0
+        m1 = gl.maximum(m0, gl.max(x, axis=1))
         gl.thread_barrier()  # every thread has read m0 before any writes m1 over it
         m1_safe = gl.where(m1 == float("-inf"), 0.0, m1)
         alpha = gl.exp2(m - m1_safe)
@@ -241,7 +245,9 @@ def _odd_tiles(idx_ptr, n_idx, units, pairs_per_item, stride_it, scale_log2, q_l
         den = den * alpha + gl.sum(p, axis=1)
         o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
         m = m1
+        den_even = den_even * gl.exp2(m0 - m1_safe)  # warpgroup 0's rescale (its beta); 0 while m0 is -inf
         m_smem.store(m1)
+        den_smem.slice(BLOCK_H, BLOCK_H).store(den)
         _signal(sync.index(M1))
         p_bf = p.to(gl.bfloat16)
         o_tok = warpgroup_mma(gl.convert_layout(p_bf, P_OPERAND), kv_r.index(1 + z), o, is_async=True)
@@ -257,15 +263,14 @@ def _odd_tiles(idx_ptr, n_idx, units, pairs_per_item, stride_it, scale_log2, q_l
         _signal(empty_r.index(0))  # slot 0's right half and P0
         if last:
             item_start = (first_item + s) * pairs_per_item
-            _finish(o, m, den, den_smem, sync, s & 1, 1, _slot(start, end, item_start, s, pairs_per_item),
-                    out_ptr + t * stride_ot, stride_oh, HALF, h0, HEADS, lse_ptr + t * stride_lt, ws_ptr, ml_ptr, True,
-                    D_V, O_LAYOUT)
+            _finish(o, m, den + den_even, _slot(start, end, item_start, s, pairs_per_item), out_ptr + t * stride_ot,
+                    stride_oh, HALF, h0, HEADS, lse_ptr + t * stride_lt, ws_ptr, ml_ptr, True, D_V, O_LAYOUT)
             zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)  # the next segment's start (o is free)
 
 
 @gluon.jit
 def _sparse_mla_fwd_stream(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, ws_ptr, ml_ptr, scale_log2, n_idx, units,
-                           pairs_per_item, stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
+                           pairs_per_item, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
                            HEADS: gl.constexpr, HB: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                            HALF: gl.constexpr, D_R: gl.constexpr, D_V: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                            PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr):
@@ -312,9 +317,9 @@ def _sparse_mla_fwd_stream(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, ws_ptr, ml_
                        kv_rope, p1_smem, m_smem, den_smem, q_full, q_empty, full_l, full_r, empty_l, empty_r, sync,
                        out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, ws_ptr, ml_ptr, HEADS, HB, BLOCK_H,
                        BLOCK_N, HALF, D_V)),
-         (_produce, (q_ptr, kv_ptr, idx_ptr, n_idx, units, pairs_per_item, stride_qt, stride_qh, stride_kv, stride_it,
+         (_produce, (q_ptr, kv_ptr, idx_ptr, n_idx, units, pairs_per_item, stride_kv, stride_it,
                      q_l, q_r, q_rope, kv_l, kv_r, kv_rope, q_full, q_empty, full_l, full_r, empty_l, empty_r, HEADS,
-                     HB, BLOCK_H, BLOCK_N, HALF, ROW_GROUP, PRODUCER_WARPS))],
+                     HB, BLOCK_H, BLOCK_N, HALF, D_R, ROW_GROUP, PRODUCER_WARPS))],
         [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -355,8 +360,7 @@ def sparse_mla_forward_stream(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tens
     programs = min(programs or sm_count(q.device), units)
     ws, ml = sk.workspace(programs, BLOCK_H, d_v, q.device)
     _sparse_mla_fwd_stream[(programs, )](
-        q, kv, idx, out, lse, ws, ml, sm_scale * 1.4426950408889634, n_idx, units, pairs, q.stride(0), q.stride(1),
-        kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0), HEADS=heads, HB=hb,
-        **constexprs(**schedule), num_warps=4)
+        q, kv, idx, out, lse, ws, ml, sm_scale * 1.4426950408889634, n_idx, units, pairs, kv.stride(0), idx.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), HEADS=heads, HB=hb, **constexprs(**schedule), num_warps=4)
     sk.combine_partials(ws, ml, out, lse, items, pairs, programs, BLOCK_H)
     return out, lse
