@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from kernels import sparse_mla_stream_k as sk
-from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, supports
+from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, forward_outputs
 from kernels.sparse_mla_gluon_pair import (HALF, M0, M1, N_SYNC, O_LAYOUT, P_OPERAND, S0, S1, S_LAYOUT,
                                            SCHEDULE, _copy_rows, _fresh, _masked, _qk_part, _signal)
 
@@ -139,7 +139,8 @@ def _finish(o, m, den, slot, out_row, stride_oh, col0, h0, HEADS: gl.constexpr, 
             gl.store(ml_row + o.shape[0] + rl, den)
     else:
         den_safe = gl.where(den > 0, den, 1.0)
-        out = o / gl.convert_layout(den_safe, gl.SliceLayout(1, o_l))[:, None]
+        # by the reciprocal: 128 precise divisions a thread were ~380 instructions of the loop's body
+        out = o * gl.convert_layout(1.0 / den_safe, gl.SliceLayout(1, o_l))[:, None]
         gl.store(out_row + (h0 + r)[:, None] * stride_oh + co[None, :], out.to(gl.bfloat16),
                  mask=(h0 + r < HEADS)[:, None])
         if WRITE_LSE:
@@ -332,35 +333,23 @@ def constexprs(**change) -> dict:
     return base | change
 
 
-def sm_count(device: torch.device) -> int:
-    """The programs a launch runs: one an SM (the kernel's shared memory admits one)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def sparse_mla_forward_stream(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
                               d_v: int = 512, programs: int | None = None,
                               **schedule) -> tuple[torch.Tensor, torch.Tensor]:
     """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there). programs: how many
     to launch (default: one an SM)."""
-    if not supports(q, kv, d_v):
-        raise ValueError(f"the Gluon Stream-K sparse MLA forward needs bf16 q and kv on an sm_90 GPU with 512 + 64 "
-                         f"columns; got q {q.dtype} {tuple(q.shape)} on {q.device}, d_v={d_v}")
-    q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
-    T, heads, _ = q.shape
-    out = torch.empty((T, heads, d_v), device=q.device, dtype=q.dtype)
-    lse = torch.empty((T, heads), device=q.device, dtype=torch.float32)
-    if T == 0:
+    q, kv, idx, out, lse, trivial = forward_outputs(q, kv, idx, d_v, "Gluon Stream-K sparse MLA forward")
+    if trivial:
         return out, lse
+    T, heads, _ = q.shape
     n_idx = idx.shape[1]
-    if n_idx == 0:  # no slot: the consumers would wait for a first tile that never comes
-        return out.zero_(), lse.fill_(float("-inf"))
     hb = triton.cdiv(heads, BLOCK_H)
     items, pairs = T * hb, triton.cdiv(triton.cdiv(n_idx, BLOCK_N), 2)
     units = items * pairs
-    programs = min(programs or sm_count(q.device), units)
-    ws, ml = sk.workspace(programs, BLOCK_H, d_v, q.device)
+    programs = min(programs or sk.sm_count(q.device), units)
+    ws, ml = sk.workspace(2 * programs, BLOCK_H, d_v, q.device)
     _sparse_mla_fwd_stream[(programs, )](
         q, kv, idx, out, lse, ws, ml, sm_scale * 1.4426950408889634, n_idx, units, pairs, kv.stride(0), idx.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), HEADS=heads, HB=hb, **constexprs(**schedule), num_warps=4)
-    sk.combine_partials(ws, ml, out, lse, items, pairs, programs, BLOCK_H)
+    sk.combine_partials(ws, ml, out, lse, sk.cut_items(items, pairs, programs), BLOCK_H)
     return out, lse

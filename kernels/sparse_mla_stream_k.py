@@ -25,6 +25,13 @@ LOG2E = 1.4426950408889634
 COMBINE_COLS = 128  # value columns a merge program takes: [64, 128] fp32, 32 KB of registers for 4 warps
 
 
+@functools.lru_cache(maxsize=8)
+def sm_count(device: torch.device) -> int:
+    """The SMs of device: a launch's programs a wave where each holds a whole SM (the Gluon forwards' shared
+    memory admits one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def program_units(g: int, units: int, programs: int) -> tuple[int, int]:
     """Program g's units [start, end): the same split the kernel computes (it rounds the same way)."""
     return g * units // programs, (g + 1) * units // programs
@@ -55,11 +62,36 @@ def cut_items(items: int, pairs: int, programs: int) -> tuple[tuple[int, tuple[i
     return tuple((item, tuple(slots)) for item, slots in sorted(parts.items()))
 
 
+def tail_split(items: int, pairs: int, sms: int) -> tuple[int, int]:
+    """(whole, split) for a launch of a program per item, one program an SM: the first `whole` items fill
+    whole waves, a program each; each of the rest (the last wave's) is cut into `split` pieces of about
+    pairs / split key-tile pairs, a program each, as many as fit beside each other on the SMs. split is 1
+    (nothing cut) where the last wave is full or too full to cut (more than half the SMs)."""
+    if items < 0 or pairs < 1 or sms < 1:
+        raise ValueError(f"need items >= 0, pairs >= 1, sms >= 1; got {items}, {pairs}, {sms}")
+    rest = items % sms
+    split = min(pairs, sms // rest) if rest else 1
+    return (items - rest, split) if split > 1 else (items, 1)
+
+
+def tail_piece(k: int, pairs: int, split: int) -> tuple[int, int]:
+    """Piece k % split's pairs [p0, p1) of its item: what the kernel computes for tail program k."""
+    c = k % split
+    return c * pairs // split, (c + 1) * pairs // split
+
+
 @functools.lru_cache(maxsize=64)
-def _cut_table(items: int, pairs: int, programs: int, device: str) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                 torch.Tensor]:
-    """cut_items as three int32 tensors on device: the cut items, offsets into the slots (CSR), the slots."""
-    cut = cut_items(items, pairs, programs)
+def tail_cut_items(items: int, pairs: int, sms: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """tail_split's cut items with their workspace slots (tail program k writes slot k)."""
+    whole, split = tail_split(items, pairs, sms)
+    return tuple((whole + r, tuple(range(r * split, (r + 1) * split))) for r in range((items - whole) if split > 1
+                                                                                      else 0))
+
+
+@functools.lru_cache(maxsize=64)
+def _cut_table(cut: tuple[tuple[int, tuple[int, ...]], ...], device: str) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                    torch.Tensor]:
+    """A cut list as three int32 tensors on device: the cut items, offsets into the slots (CSR), the slots."""
     offsets = [0]
     for _, slots in cut:
         offsets.append(offsets[-1] + len(slots))
@@ -102,19 +134,20 @@ def _combine(ws_ptr, ml_ptr, cut_ptr, off_ptr, slot_ptr, out_ptr, lse_ptr, strid
         tl.store(lse_ptr + t * stride_lt + heads, lse, mask=heads < HEADS)
 
 
-def workspace(programs: int, block_h: int, d_v: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The partials' slots: ws [2 programs, block_h, d_v] fp32 (unnormalised outputs), ml [2 programs, 2,
-    block_h] fp32 (the running max in base 2, then the row sum). Only cut items' slots are written and read."""
-    return (torch.empty(2 * programs, block_h, d_v, device=device, dtype=torch.float32),
-            torch.empty(2 * programs, 2, block_h, device=device, dtype=torch.float32))
+def workspace(slots: int, block_h: int, d_v: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partials' slots: ws [slots, block_h, d_v] fp32 (unnormalised outputs), ml [slots, 2, block_h] fp32
+    (the running max in base 2, then the row sum). Only cut items' slots are written and read."""
+    return (torch.empty(max(slots, 1), block_h, d_v, device=device, dtype=torch.float32),
+            torch.empty(max(slots, 1), 2, block_h, device=device, dtype=torch.float32))
 
 
-def combine_partials(ws: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, items: int,
-                     pairs: int, programs: int, block_h: int) -> None:
-    """Writes out and lse of every item cut_items names from the partials in ws and ml (in place)."""
-    cut, offsets, slots = _cut_table(items, pairs, programs, str(out.device))
-    if cut.numel() == 0:
+def combine_partials(ws: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                     cut: tuple[tuple[int, tuple[int, ...]], ...], block_h: int) -> None:
+    """Writes out and lse of every cut item (cut_items' or tail_cut_items' list) from its partials in ws and ml
+    (in place)."""
+    if not cut:
         return
+    cut, offsets, slots = _cut_table(cut, str(out.device))
     T, heads, d_v = out.shape
     _combine[(cut.numel(), d_v // COMBINE_COLS)](
         ws, ml, cut, offsets, slots, out, lse, out.stride(0), out.stride(1), lse.stride(0), HEADS=heads,

@@ -75,7 +75,7 @@ def test_merged_partials_match_the_whole_attention(device, heads):
     scale = 0.07
     hb = -(-heads // block_h)
     items, pairs = T * hb, -(-K // (2 * BLOCK_N))
-    ws, ml = sk.workspace(programs, block_h, d_v, "cpu")
+    ws, ml = sk.workspace(2 * programs, block_h, d_v, "cpu")
     out = torch.full((T, heads, d_v), float("nan")).to(torch.bfloat16)
     lse = torch.full((T, heads), float("nan"))
     cut = dict(sk.cut_items(items, pairs, programs))
@@ -94,7 +94,7 @@ def test_merged_partials_match_the_whole_attention(device, heads):
             ws[slot, :n], ml[slot, 0, :n], ml[slot, 1, :n] = o, m, den
     dev = torch.device(device)
     out, lse = out.to(dev), lse.to(dev)
-    sk.combine_partials(ws.to(dev), ml.to(dev), out, lse, items, pairs, programs, block_h)
+    sk.combine_partials(ws.to(dev), ml.to(dev), out, lse, sk.cut_items(items, pairs, programs), block_h)
     ref_out, ref_lse = sm.reference_sparse_mla(q, kv, idx, scale, d_v=d_v)
     torch.testing.assert_close(out.float().cpu(), ref_out.float(), atol=2e-2, rtol=2e-2)
     fin = torch.isfinite(ref_lse)
