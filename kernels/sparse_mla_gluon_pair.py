@@ -265,7 +265,9 @@ def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, 
             slot, ws_ptr, ml_ptr, D_V)
 
 
-@gluon.jit
+# whole and split are never specialised: split == 1 as a constant broke the lowering (an LLVM assertion in
+# ConvertTritonGPUToLLVM, Triton 3.6)
+@gluon.jit(do_not_specialize=["whole", "split"])
 def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, ws_ptr, ml_ptr, scale_log2, n_idx, whole, split,
                          stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
                          HEADS: gl.constexpr, HB: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
