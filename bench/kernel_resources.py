@@ -138,8 +138,7 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
     from kernels import sparse_mla_bwd_gluon as gluon_dq
     from kernels import sparse_mla_gluon as gluon_fwd
     from kernels import sparse_mla_gluon_pair as gluon_pair
-    from kernels import sparse_mla_gluon_stream as gluon_stream
-    from kernels import sparse_mla_stream_k as stream_k
+    from kernels import sparse_mla_tail as tail
     from kernels._tuning import KernelConfig
     from kernels.sparse_mla import CONFIGS as FWD_CONFIGS
     from kernels.sparse_mla import _sparse_mla_fwd_kernel
@@ -172,14 +171,10 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
          {**fwd_args, "ws_ptr": Ptr("fp32"), "ml_ptr": Ptr("fp32"), "whole": 4092, "split": 16},
          {"HEADS": H, "HB": 1, **gluon_pair.constexprs()},
          [(KernelConfig.make(num_warps=4, num_stages=1), {})]),
-        ("sparse_mla_fwd_gluon_stream", gluon_stream._sparse_mla_fwd_stream,
-         {**{k: v for k, v in fwd_args.items() if k not in ("stride_qt", "stride_qh")}, "ws_ptr": Ptr("fp32"),
-          "ml_ptr": Ptr("fp32"), "units": 4096 * K // 128, "pairs_per_item": K // 128},
-         {"HEADS": H, "HB": 1, **gluon_stream.constexprs()}, [(KernelConfig.make(num_warps=4, num_stages=1), {})]),
-        ("sparse_mla_fwd_stream_k_combine", stream_k._combine,
+        ("sparse_mla_fwd_tail_combine", tail._combine,
          {"ws_ptr": Ptr("fp32"), "ml_ptr": Ptr("fp32"), "cut_ptr": Ptr("i32"), "off_ptr": Ptr("i32"),
           "slot_ptr": Ptr("i32"), "out_ptr": Ptr("bf16"), "lse_ptr": Ptr("fp32"), "stride_ot": H * DV, "stride_oh": DV,
-          "stride_lt": H}, {"HEADS": H, "HB": 1, "BLOCK_H": 64, "D_V": DV, "COLS": stream_k.COMBINE_COLS},
+          "stride_lt": H}, {"HEADS": H, "HB": 1, "BLOCK_H": 64, "D_V": DV, "COLS": tail.COMBINE_COLS},
          [(KernelConfig.make(num_warps=4, num_stages=1), {})]),
         ("sparse_mla_bwd_atomic", sparse_mla_bwd_rows_kernel, rows_args,
          {**dims, "WITH_DKV": True, "STORE_DSP": False}, [(c, {}) for c in BWD_CONFIGS]),

@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels import sparse_mla_stream_k as sk
+from kernels import sparse_mla_tail as tail
 from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, forward_outputs, rows_to_shared
 
 HALF = D_V // 2  # value columns a warpgroup owns; also the left half of a KV row
@@ -130,7 +130,7 @@ def _finish(o, m, den, m_smem, den_smem, sync, mine: gl.constexpr, out_row, stri
             lse_row, WRITE_LSE: gl.constexpr, o_l: gl.constexpr, slot, ws_ptr, ml_ptr, D_V: gl.constexpr):
     """Both warpgroups' row sums added through shared memory; this warpgroup's half of out (and the lse), or
     for a piece of a cut item (slot >= 0), of its partial: o unnormalised in fp32, the max (base 2), the row
-    sum (kernels/sparse_mla_stream_k.py merges them)."""
+    sum (kernels/sparse_mla_tail.py merges them)."""
     den_smem.slice(mine * den.shape[0], den.shape[0]).store(den)
     _signal(sync.index(L0 + mine))
     mbarrier.wait(sync.index(L0 + 1 - mine), 0)
@@ -274,7 +274,7 @@ def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, ws_ptr, ml_pt
                          HALF: gl.constexpr, D_R: gl.constexpr, D_V: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr):
     # programs [0, whole): an item (token, 64 heads) each, whole; after them, each of the last wave's items in
-    # `split` pieces of its key-tile pairs, a program each, writing partials to slot k (sparse_mla_stream_k)
+    # `split` pieces of its key-tile pairs, a program each, writing partials to slot k (sparse_mla_tail)
     pid = gl.program_id(0)
     all_pairs = gl.cdiv(gl.cdiv(n_idx, BLOCK_N), 2)
     k = gl.maximum(pid - whole, 0)
@@ -349,20 +349,20 @@ def sparse_mla_forward_pair(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor
                             d_v: int = 512, sms: int | None = None, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
     """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there). A program per
     (token, 64 heads), but the items of a last wave that would leave most SMs idle are cut into pieces
-    (sparse_mla_stream_k.tail_split over sms, default: this GPU's SMs) whose partials are merged after."""
+    (sparse_mla_tail.tail_split over sms, default: this GPU's SMs) whose partials are merged after."""
     q, kv, idx, out, lse, trivial = forward_outputs(q, kv, idx, d_v, "paired Gluon sparse MLA forward")
     if trivial:
         return out, lse
     T, heads, _ = q.shape
     hb, n_idx = triton.cdiv(heads, BLOCK_H), idx.shape[1]
     items, pairs = T * hb, triton.cdiv(triton.cdiv(n_idx, BLOCK_N), 2)
-    sms = sms or sk.sm_count(q.device)
-    whole, split = sk.tail_split(items, pairs, sms)
+    sms = sms or tail.sm_count(q.device)
+    whole, split = tail.tail_split(items, pairs, sms)
     pieces = (items - whole) * split if split > 1 else 0
-    ws, ml = sk.workspace(pieces, BLOCK_H, d_v, q.device)
+    ws, ml = tail.workspace(pieces, BLOCK_H, d_v, q.device)
     _sparse_mla_fwd_pair[(whole + pieces, )](
         q, kv, idx, out, lse, ws, ml, sm_scale * 1.4426950408889634, n_idx, whole, split, q.stride(0), q.stride(1),
         kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0), HEADS=heads, HB=hb,
         **constexprs(**schedule), num_warps=4)
-    sk.combine_partials(ws, ml, out, lse, sk.tail_cut_items(items, pairs, sms), BLOCK_H)
+    tail.combine_partials(ws, ml, out, lse, tail.tail_cut_items(items, pairs, sms), BLOCK_H)
     return out, lse

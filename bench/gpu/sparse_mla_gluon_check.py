@@ -23,11 +23,10 @@ from kernels.sparse_mla import (default_sm_scale, reference_sparse_mla, sparse_m
                                 sparse_mla_forward)
 from kernels.sparse_mla_gluon import sparse_mla_forward_gluon  # noqa: E402
 from kernels.sparse_mla_gluon_pair import sparse_mla_forward_pair  # noqa: E402
-from kernels.sparse_mla_gluon_stream import sparse_mla_forward_stream  # noqa: E402
 
-# a schedule's "kernel": sparse_mla_gluon.py's ("gluon", the default), sparse_mla_gluon_pair.py's ("pair") or
-# sparse_mla_gluon_stream.py's ("stream")
-KERNELS = {"gluon": sparse_mla_forward_gluon, "pair": sparse_mla_forward_pair, "stream": sparse_mla_forward_stream}
+# a schedule's "kernel": sparse_mla_gluon.py's ("gluon", the default) or sparse_mla_gluon_pair.py's ("pair"); the
+# paired kernel also takes "sms" (its tail cut for that many SMs; 1: no cut, a program per item)
+KERNELS = {"gluon": sparse_mla_forward_gluon, "pair": sparse_mla_forward_pair}
 
 
 def _forward(q, kv, idx, scale, schedule):

@@ -1,17 +1,17 @@
-"""Stream-K for the sparse MLA forward: every SM gets the same number of key tiles, and the items cut between two
-SMs are merged after by a small kernel (Osama et al. 2023, "Stream-K: Work-centric Parallel Decomposition for
-Dense Matrix-Matrix Multiplication on the GPU", applied to attention's key loop as flash-decoding splits it).
+"""The sparse MLA forward's last wave: its items cut into pieces of key-tile pairs, a program each, and the pieces'
+partials merged after (flash-decoding's split of the key loop, for the tail only).
 
-Why: the forward holds one program an SM (its shared memory is full), a program per (token, 64 heads). At 4096
-tokens on 132 SMs that is 31 full waves and a 32nd of 4 programs: 3% of the run with 128 SMs idle. Here work is
-counted in units of one key-tile pair (128 keys) of one item (a token's block of 64 heads), U = items x pairs of
-them, and program g of G (one a SM) takes units [g U // G, (g + 1) U // G) in item order: at most two of its
-items are cut (its first and its last), each written as a partial (the unnormalised output in fp32, the running
-max in base 2 and the row sum) to a workspace slot, 2 g for a first segment and 2 g + 1 for a last one;
-`combine_partials` merges each cut item's partials into out and lse.
+Why: the Gluon forwards hold one program an SM (their shared memory is full), a program per item (a token's block
+of 64 heads). At 4096 tokens on 132 SMs that is 31 full waves and a 32nd of 4 programs, which holds the run for a
+whole program's time with 128 SMs idle: on the H200 4092 tokens took 2.919 ms against 3.022 for 4096
+(bench/results/sparse_mla_gluon_gpu.json run 7). `tail_split` keeps a program per item for the full waves and cuts
+each of the last wave's items into `split` pieces of about pairs / split key-tile pairs (128 keys a pair), as many
+as fit on the SMs beside each other; piece k writes a partial (its output unnormalised in fp32, the running max in
+base 2 and the row sum) to workspace slot k, and `combine_partials` merges each cut item's partials into out and
+lse. A persistent kernel with the work split evenly over the SMs (Stream-K) was tried first and dropped: an item's
+finish inside its loop over pairs cost it 15-20% (runs 7-9).
 
-This module is plain Triton and Python (the schedule, the merge); the Gluon kernel that follows the schedule is
-kernels/sparse_mla_gluon_stream.py.
+This module is plain Triton and Python; kernels/sparse_mla_gluon_pair.py cuts its tail with it.
 """
 from __future__ import annotations
 
@@ -27,39 +27,9 @@ COMBINE_COLS = 128  # value columns a merge program takes: [64, 128] fp32, 32 KB
 
 @functools.lru_cache(maxsize=8)
 def sm_count(device: torch.device) -> int:
-    """The SMs of device: a launch's programs a wave where each holds a whole SM (the Gluon forwards' shared
-    memory admits one)."""
+    """The SMs of device: a wave of programs where each holds a whole SM (the Gluon forwards' shared memory
+    admits one)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def program_units(g: int, units: int, programs: int) -> tuple[int, int]:
-    """Program g's units [start, end): the same split the kernel computes (it rounds the same way)."""
-    return g * units // programs, (g + 1) * units // programs
-
-
-def segments(g: int, units: int, pairs: int, programs: int) -> list[tuple[int, int, int, int]]:
-    """Program g's segments in the order it runs them, as (item, first pair, end pair, slot): the kernel's
-    _run and _segment, written out in Python. slot is the partial's workspace slot, -1 for a whole item."""
-    start, end = program_units(g, units, programs)
-    out = []
-    for s, item in enumerate(range(start // pairs, (end - 1) // pairs + 1) if end > start else ()):
-        p0, p1 = max(start - item * pairs, 0), min(end - item * pairs, pairs)
-        out.append((item, p0, p1, 2 * g + min(s, 1) if p0 > 0 or p1 < pairs else -1))
-    return out
-
-
-@functools.lru_cache(maxsize=64)
-def cut_items(items: int, pairs: int, programs: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """The items split between programs, each with the workspace slots its partials are in (in key order).
-    Only a program's first segment (slot 2 g) and its last (2 g + 1) can be cut."""
-    if items < 0 or pairs < 1 or programs < 1:
-        raise ValueError(f"need items >= 0, pairs >= 1, programs >= 1; got {items}, {pairs}, {programs}")
-    parts: dict[int, list[int]] = {}
-    for g in range(programs):
-        for item, _, _, slot in segments(g, items * pairs, pairs, programs):
-            if slot >= 0:
-                parts.setdefault(item, []).append(slot)
-    return tuple((item, tuple(slots)) for item, slots in sorted(parts.items()))
 
 
 def tail_split(items: int, pairs: int, sms: int) -> tuple[int, int]:
@@ -143,8 +113,7 @@ def workspace(slots: int, block_h: int, d_v: int, device) -> tuple[torch.Tensor,
 
 def combine_partials(ws: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                      cut: tuple[tuple[int, tuple[int, ...]], ...], block_h: int) -> None:
-    """Writes out and lse of every cut item (cut_items' or tail_cut_items' list) from its partials in ws and ml
-    (in place)."""
+    """Writes out and lse of every cut item (tail_cut_items' list) from its partials in ws and ml (in place)."""
     if not cut:
         return
     cut, offsets, slots = _cut_table(cut, str(out.device))
