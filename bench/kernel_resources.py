@@ -138,7 +138,6 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
     from kernels import sparse_mla_bwd_gluon as gluon_dq
     from kernels import sparse_mla_gluon as gluon_fwd
     from kernels import sparse_mla_gluon_pair as gluon_pair
-    from kernels import sparse_mla_tail as tail
     from kernels._tuning import KernelConfig
     from kernels.sparse_mla import CONFIGS as FWD_CONFIGS
     from kernels.sparse_mla import _sparse_mla_fwd_kernel
@@ -167,14 +166,7 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
          {**dims, "WS": False}, [(c, {}) for c in FWD_CONFIGS if not dict(c.params).get("WS")]),
         ("sparse_mla_fwd_gluon", gluon_fwd._sparse_mla_fwd_gluon, fwd_args, {"HEADS": H, **gluon_fwd.constexprs()},
          [(KernelConfig.make(num_warps=8, num_stages=1), {})]),
-        ("sparse_mla_fwd_gluon_pair", gluon_pair._sparse_mla_fwd_pair,
-         {**fwd_args, "ws_ptr": Ptr("fp32"), "ml_ptr": Ptr("fp32"), "whole": 4092, "split": 16},
-         {"HEADS": H, "HB": 1, **gluon_pair.constexprs()},
-         [(KernelConfig.make(num_warps=4, num_stages=1), {})]),
-        ("sparse_mla_fwd_tail_combine", tail._combine,
-         {"ws_ptr": Ptr("fp32"), "ml_ptr": Ptr("fp32"), "cut_ptr": Ptr("i32"), "off_ptr": Ptr("i32"),
-          "slot_ptr": Ptr("i32"), "out_ptr": Ptr("bf16"), "lse_ptr": Ptr("fp32"), "stride_ot": H * DV, "stride_oh": DV,
-          "stride_lt": H}, {"HEADS": H, "HB": 1, "BLOCK_H": 64, "D_V": DV, "COLS": tail.COMBINE_COLS},
+        ("sparse_mla_fwd_gluon_pair", gluon_pair._sparse_mla_fwd_pair, fwd_args, {"HEADS": H, **gluon_pair.constexprs()},
          [(KernelConfig.make(num_warps=4, num_stages=1), {})]),
         ("sparse_mla_bwd_atomic", sparse_mla_bwd_rows_kernel, rows_args,
          {**dims, "WITH_DKV": True, "STORE_DSP": False}, [(c, {}) for c in BWD_CONFIGS]),

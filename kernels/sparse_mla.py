@@ -83,7 +83,7 @@ def _bucket(n: int) -> int:
 
 # "gluon": kernels/sparse_mla_gluon.py (bf16, 512 + 64 columns, sm_90 only; 1.51x the Triton kernel on an
 # H100); "pair": kernels/sparse_mla_gluon_pair.py (the same shapes and machines, the two consumer warpgroups on
-# alternate tiles, the last wave's items cut into pieces); "triton": the kernel above (any power-of-two split, any CUDA GPU, the interpreter on CPU).
+# alternate tiles); "triton": the kernel above (any power-of-two split, any CUDA GPU, the interpreter on CPU).
 FWD_IMPLS = ("gluon", "pair", "triton")
 GLUON_FWD_IMPLS = ("gluon", "pair")  # what gluon_runs gates
 # The Gluon kernel a default launch takes where gluon_runs: the paired one, at every context. 4096 tokens x top-2048:

@@ -214,10 +214,10 @@ def supports(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
             and q.shape[-1] == D_V + D_R and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
-def forward_outputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, d_v: int, name: str):
-    """What every Gluon forward launch starts from: the inputs checked (one-line error naming the kernel) and
-    made contiguous, out and lse allocated, and whether the launch is trivial (no token; no slot: out 0, lse
-    -inf, and no kernel, whose consumers would wait for a first tile that never comes)."""
+def launch_forward(kernel, cx: dict, num_warps: int, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
+                   sm_scale: float, d_v: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mla.sparse_mla_forward's outputs from one of the Gluon forward kernels (this module's, or
+    sparse_mla_gluon_pair.py's: the same arguments) launched with constants cx, a program per (token, 64 heads)."""
     if not supports(q, kv, d_v):
         raise ValueError(f"the {name} needs bf16 q and kv on an sm_90 GPU with 512 + 64 columns; got q "
                          f"{q.dtype} {tuple(q.shape)} on {q.device}, d_v={d_v}")
@@ -225,19 +225,10 @@ def forward_outputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, d_v: i
     T, heads, _ = q.shape
     out = torch.empty((T, heads, d_v), device=q.device, dtype=q.dtype)
     lse = torch.empty((T, heads), device=q.device, dtype=torch.float32)
-    if T and idx.shape[1] == 0:
-        out.zero_(), lse.fill_(float("-inf"))
-    return q, kv, idx, out, lse, T == 0 or idx.shape[1] == 0
-
-
-def launch_forward(kernel, cx: dict, num_warps: int, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
-                   sm_scale: float, d_v: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """sparse_mla.sparse_mla_forward's outputs from this module's kernel launched with constants cx, a program
-    per (token, 64 heads)."""
-    q, kv, idx, out, lse, trivial = forward_outputs(q, kv, idx, d_v, name)
-    if trivial:
+    if T == 0:
         return out, lse
-    T, heads, _ = q.shape
+    if idx.shape[1] == 0:  # no slot: the consumers would wait for a first tile that never comes
+        return out.zero_(), lse.fill_(float("-inf"))
     kernel[(T, triton.cdiv(heads, BLOCK_H))](
         q, kv, idx, out, lse, sm_scale * 1.4426950408889634, idx.shape[1], q.stride(0), q.stride(1),
         kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0), HEADS=heads, **cx,

@@ -37,15 +37,13 @@ so that a wave starts on the rows the one before read last (run 6, H200: 2.98-3.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels import sparse_mla_tail as tail
-from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, forward_outputs, rows_to_shared
+from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, launch_forward, rows_to_shared
 
 HALF = D_V // 2  # value columns a warpgroup owns; also the left half of a KV row
 # the register split (setmaxnreg): WG1's CONSUMER_REGS and the producer's PRODUCER_REGS are asked for, WG0 (the
@@ -127,32 +125,21 @@ def _masked(s, idx_row, n_idx, j0, scale_log2, s_l: gl.constexpr):
 
 @gluon.jit
 def _finish(o, m, den, m_smem, den_smem, sync, mine: gl.constexpr, out_row, stride_oh, col0, h0, HEADS: gl.constexpr,
-            lse_row, WRITE_LSE: gl.constexpr, o_l: gl.constexpr, slot, ws_ptr, ml_ptr, D_V: gl.constexpr):
-    """Both warpgroups' row sums added through shared memory; this warpgroup's half of out (and the lse), or
-    for a piece of a cut item (slot >= 0), of its partial: o unnormalised in fp32, the max (base 2), the row
-    sum (kernels/sparse_mla_tail.py merges them)."""
+            lse_row, WRITE_LSE: gl.constexpr, o_l: gl.constexpr):
+    """Both warpgroups' row sums added through shared memory; this warpgroup's half of out (and the lse)."""
     den_smem.slice(mine * den.shape[0], den.shape[0]).store(den)
     _signal(sync.index(L0 + mine))
     mbarrier.wait(sync.index(L0 + 1 - mine), 0)
     den = den + den_smem.slice((1 - mine) * den.shape[0], den.shape[0]).load(den.type.layout)
-    r = gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, o_l))
+    den_safe = gl.where(den > 0, den, 1.0)
+    out = o / gl.convert_layout(den_safe, gl.SliceLayout(1, o_l))[:, None]
+    ho = h0 + gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, o_l))
     co = col0 + gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_l))
-    rl = gl.arange(0, o.shape[0], layout=den.type.layout)
-    if slot >= 0:
-        ws_row = ws_ptr + slot.to(gl.int64) * o.shape[0] * D_V
-        gl.store(ws_row + r[:, None] * D_V + co[None, :], o, mask=(h0 + r < HEADS)[:, None])
-        if WRITE_LSE:
-            ml_row = ml_ptr + slot.to(gl.int64) * 2 * o.shape[0]
-            gl.store(ml_row + rl, m)
-            gl.store(ml_row + o.shape[0] + rl, den)
-    else:
-        den_safe = gl.where(den > 0, den, 1.0)
-        out = o * gl.convert_layout(1.0 / den_safe, gl.SliceLayout(1, o_l))[:, None]
-        gl.store(out_row + (h0 + r)[:, None] * stride_oh + co[None, :], out.to(gl.bfloat16),
-                 mask=(h0 + r < HEADS)[:, None])
-        if WRITE_LSE:
-            lse = gl.where(den > 0, (m + gl.log2(den_safe)) / 1.4426950408889634, float("-inf"))
-            gl.store(lse_row + h0 + rl, lse, mask=h0 + rl < HEADS)
+    gl.store(out_row + ho[:, None] * stride_oh + co[None, :], out.to(gl.bfloat16), mask=(ho < HEADS)[:, None])
+    if WRITE_LSE:
+        lse = gl.where(den > 0, (m + gl.log2(den_safe)) / 1.4426950408889634, float("-inf"))
+        hl = h0 + gl.arange(0, o.shape[0], layout=den.type.layout)
+        gl.store(lse_row + hl, lse, mask=hl < HEADS)
 
 
 # a consumer warpgroup's wgmma accumulators: S of a 64 x 64 tile, its half of O ([64, 256])
@@ -171,9 +158,8 @@ def _fresh(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
 
 @gluon.jit
 def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem, den_smem,
-                full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, slot, ws_ptr, ml_ptr,
-                HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr,
-                D_V: gl.constexpr):
+                full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS: gl.constexpr,
+                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
     """Warpgroup 0 (the default partition): tiles 2j, O's columns 0-255."""
     zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
     s_tok = _qk_part(q_l.index(0), kv_l.index(0), full_l.index(0), 0, zero_s, False)
@@ -218,15 +204,13 @@ def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
         else:
             o = warpgroup_mma_wait(0, deps=(o_tok, ))
             _signal(empty_l.index(1))
-    _finish(o, m, den, m_smem, den_smem, sync, 0, out_row, stride_oh, 0, h0, HEADS, lse_row, False, O_LAYOUT, slot,
-            ws_ptr, ml_ptr, D_V)
+    _finish(o, m, den, m_smem, den_smem, sync, 0, out_row, stride_oh, 0, h0, HEADS, lse_row, False, O_LAYOUT)
 
 
 @gluon.jit
 def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem, den_smem,
-               full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, slot, ws_ptr, ml_ptr,
-               HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr,
-               D_V: gl.constexpr):
+               full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS: gl.constexpr,
+               BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
     """Warpgroup 1 (a worker partition): tiles 2j + 1, O's columns 256-511, and the lse."""
     zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
     for j in range(pairs):
@@ -261,30 +245,16 @@ def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, 
         _signal(empty_r.index(1))  # slot 1's right half: this QK^T and the first PV are done
         o = warpgroup_mma_wait(0, deps=(o_tok, ))
         _signal(empty_r.index(0))  # slot 0's right half and P0
-    _finish(o, m, den, m_smem, den_smem, sync, 1, out_row, stride_oh, HALF, h0, HEADS, lse_row, True, O_LAYOUT,
-            slot, ws_ptr, ml_ptr, D_V)
+    _finish(o, m, den, m_smem, den_smem, sync, 1, out_row, stride_oh, HALF, h0, HEADS, lse_row, True, O_LAYOUT)
 
 
-# whole and split are never specialised: split == 1 as a constant broke the lowering (an LLVM assertion in
-# ConvertTritonGPUToLLVM, Triton 3.6)
-@gluon.jit(do_not_specialize=["whole", "split"])
-def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, ws_ptr, ml_ptr, scale_log2, n_idx, whole, split,
-                         stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
-                         HEADS: gl.constexpr, HB: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                         HALF: gl.constexpr, D_R: gl.constexpr, D_V: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+@gluon.jit
+def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n_idx, stride_qt, stride_qh, stride_kv,
+                         stride_it, stride_ot, stride_oh, stride_lt, HEADS: gl.constexpr, BLOCK_H: gl.constexpr,
+                         BLOCK_N: gl.constexpr, HALF: gl.constexpr, D_R: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr):
-    # programs [0, whole): an item (token, 64 heads) each, whole; after them, each of the last wave's items in
-    # `split` pieces of its key-tile pairs, a program each, writing partials to slot k (sparse_mla_tail)
-    pid = gl.program_id(0)
-    all_pairs = gl.cdiv(gl.cdiv(n_idx, BLOCK_N), 2)
-    k = gl.maximum(pid - whole, 0)
-    tail = pid >= whole
-    item = gl.where(tail, whole + k // split, pid)
-    p0 = gl.where(tail, (k % split) * all_pairs // split, 0)
-    p1 = gl.where(tail, (k % split + 1) * all_pairs // split, all_pairs)
-    slot = gl.where(tail & (split > 1), k, -1)
-    t = (item // HB).to(gl.int64)
-    h0 = (item % HB) * BLOCK_H
+    t = gl.program_id(0).to(gl.int64)
+    h0 = gl.program_id(1) * BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     half_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], gl.bfloat16)
     rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_R], gl.bfloat16)
@@ -319,26 +289,25 @@ def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, ws_ptr, ml_pt
     rows_to_shared(q_rope.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF, 4)
     fence_async_shared()
     gl.thread_barrier()
-    idx_row = idx_ptr + t * stride_it + p0 * 2 * BLOCK_N  # the piece's first key
-    n_idx = gl.minimum(n_idx - p0 * 2 * BLOCK_N, (p1 - p0) * 2 * BLOCK_N)  # its keys
-    pairs = p1 - p0  # an odd last tile is paired with one of -1 slots
+    idx_row = idx_ptr + t * stride_it
+    pairs = gl.cdiv(gl.cdiv(n_idx, BLOCK_N), 2)  # an odd last tile is paired with one of -1 slots
     out_row = out_ptr + t * stride_ot
     lse_row = lse_ptr + t * stride_lt
     gl.warp_specialize(  # the constexprs inline: a tuple held in a variable turns them into tensors
         [(_even_tiles, (idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem,
-                        den_smem, full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, slot,
-                        ws_ptr, ml_ptr, HEADS, BLOCK_H, BLOCK_N, HALF, D_V)),
+                        den_smem, full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS,
+                        BLOCK_H, BLOCK_N, HALF)),
          (_odd_tiles, (idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem,
-                       den_smem, full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, slot,
-                       ws_ptr, ml_ptr, HEADS, BLOCK_H, BLOCK_N, HALF, D_V)),
+                       den_smem, full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS,
+                       BLOCK_H, BLOCK_N, HALF)),
          (_gather_pairs, (kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope, full_l, full_r, empty_l,
                           empty_r, BLOCK_N, HALF, ROW_GROUP, PRODUCER_WARPS))],
         [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def constexprs(**change) -> dict:
-    """The kernel's compile-time constants besides HEADS and HB (what a launch and bench/kernel_resources pass)."""
-    base = dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, HALF=HALF, D_R=D_R, D_V=D_V, **SCHEDULE)
+    """The kernel's compile-time constants besides HEADS (what a launch and bench/kernel_resources pass)."""
+    base = dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, HALF=HALF, D_R=D_R, **SCHEDULE)
     unknown = set(change) - set(base)
     if unknown:
         raise ValueError(f"unknown Gluon paired sparse MLA constants {sorted(unknown)}; known: {sorted(base)}")
@@ -346,23 +315,7 @@ def constexprs(**change) -> dict:
 
 
 def sparse_mla_forward_pair(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
-                            d_v: int = 512, sms: int | None = None, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
-    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there). A program per
-    (token, 64 heads), but the items of a last wave that would leave most SMs idle are cut into pieces
-    (sparse_mla_tail.tail_split over sms, default: this GPU's SMs) whose partials are merged after."""
-    q, kv, idx, out, lse, trivial = forward_outputs(q, kv, idx, d_v, "paired Gluon sparse MLA forward")
-    if trivial:
-        return out, lse
-    T, heads, _ = q.shape
-    hb, n_idx = triton.cdiv(heads, BLOCK_H), idx.shape[1]
-    items, pairs = T * hb, triton.cdiv(triton.cdiv(n_idx, BLOCK_N), 2)
-    sms = sms or tail.sm_count(q.device)
-    whole, split = tail.tail_split(items, pairs, sms)
-    pieces = (items - whole) * split if split > 1 else 0
-    ws, ml = tail.workspace(pieces, BLOCK_H, d_v, q.device)
-    _sparse_mla_fwd_pair[(whole + pieces, )](
-        q, kv, idx, out, lse, ws, ml, sm_scale * 1.4426950408889634, n_idx, whole, split, q.stride(0), q.stride(1),
-        kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0), HEADS=heads, HB=hb,
-        **constexprs(**schedule), num_warps=4)
-    tail.combine_partials(ws, ml, out, lse, tail.tail_cut_items(items, pairs, sms), BLOCK_H)
-    return out, lse
+                            d_v: int = 512, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there)."""
+    return launch_forward(_sparse_mla_fwd_pair, constexprs(**schedule), 4, q, kv, idx, sm_scale, d_v,
+                          "paired Gluon sparse MLA forward")

@@ -68,18 +68,18 @@ def test_the_gluon_forward_specialises_its_warps_and_fits_in_shared_memory():
     assert res["wgmma"] > 0 and res["cp_async"] > 0 and res["mma_sync"] == 0
 
 
-def test_the_paired_gluon_forward_fits_without_spilling_in_its_loops():
-    """kernels/sparse_mla_gluon_pair.py: q + two KV slots + P1 in 227 KB (P0 in slot 0's rope columns), and at
-    its register split (warpgroup 0 232, warpgroup 1 216, the producer 56) at most a few values parked in local
-    memory (the partial's slot and workspace pointers, read once at the end: 2 stores in warpgroup 0)."""
+def test_the_paired_gluon_forward_fits_without_spilling():
+    """kernels/sparse_mla_gluon_pair.py: q + two KV slots + P1 in 227 KB (P0 in slot 0's rope columns), no
+    spill at its register split (warpgroup 0 232, warpgroup 1 216, the producer 56), and its wgmmas left
+    asynchronous by ptxas (a loop around its loop serialised them all: C7514, 20% slower; session 26)."""
     case = next(c for c in kr._sparse_mla_bwd_cases() if c[0] == "sparse_mla_fwd_gluon_pair")
     _, fn, args, constexprs, configs = case
     cfg, _ = configs[0]
     res = kr.compile_sm90(fn, args, constexprs, cfg.num_warps, cfg.num_stages)
     assert 224 * 1024 <= res["shared_bytes"] <= 232448, res
     # S of a tile (36 k-steps) in warpgroup 0's prologue and loop and in warpgroup 1's loop, 4 PVs of 4 k-steps
-    assert res["wgmma"] == 3 * 36 + 4 * 4 and res["cp_async"] > 0 and not res["wgmma_serialized"], res
-    assert all(p["spill_stores"] <= 4 for p in res["partitions"]), res["partitions"]
+    assert res["wgmma"] == 3 * 36 + 4 * 4 and res["cp_async"] > 0 and res["spill_stack_bytes"] == 0, res
+    assert not res["wgmma_serialized"] and len([p for p in res["partitions"] if p["wgmma"]]) == 2, res
 
 
 def test_the_gluon_dq_pass_fits_without_spilling_its_consumers():
@@ -103,11 +103,3 @@ def test_the_gluon_dkv_pass_fits_two_rings_beside_its_columns_without_spilling()
         # 16-byte reductions only, with their L2 policy (inline `red`), none through tl.atomic_add
         assert res["wgmma"] > 0 and res["red_v4_f32"] > 0 and res["atom_v4_f32"] == res["atom_f32"] == 0, res
         assert res["spill_stack_bytes"] == 0 and res["shared_bytes"] <= 232448, res
-
-
-def test_the_combine_of_cut_items_compiles():
-    case = next(c for c in kr._sparse_mla_bwd_cases() if c[0] == "sparse_mla_fwd_tail_combine")
-    _, fn, args, constexprs, configs = case
-    cfg, _ = configs[0]
-    res = kr.compile_sm90(fn, args, constexprs, cfg.num_warps, cfg.num_stages)
-    assert res["spill_stack_bytes"] == 0 and res["wgmma"] == 0, res

@@ -24,8 +24,7 @@ from kernels.sparse_mla import (default_sm_scale, reference_sparse_mla, sparse_m
 from kernels.sparse_mla_gluon import sparse_mla_forward_gluon  # noqa: E402
 from kernels.sparse_mla_gluon_pair import sparse_mla_forward_pair  # noqa: E402
 
-# a schedule's "kernel": sparse_mla_gluon.py's ("gluon", the default) or sparse_mla_gluon_pair.py's ("pair"); the
-# paired kernel also takes "sms" (its tail cut for that many SMs; 1: no cut, a program per item)
+# a schedule's "kernel": sparse_mla_gluon.py's ("gluon", the default) or sparse_mla_gluon_pair.py's ("pair")
 KERNELS = {"gluon": sparse_mla_forward_gluon, "pair": sparse_mla_forward_pair}
 
 
