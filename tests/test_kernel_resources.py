@@ -71,7 +71,8 @@ def test_the_gluon_forward_specialises_its_warps_and_fits_in_shared_memory():
 def test_the_paired_gluon_forward_fits_without_spilling():
     """kernels/sparse_mla_gluon_pair.py: q + two KV slots + P1 in 227 KB (P0 in slot 0's rope columns), no
     spill at its register split (warpgroup 0 232, warpgroup 1 216, the producer 56), and its wgmmas left
-    asynchronous by ptxas (a loop around its loop serialised them all: C7514, 20% slower; session 26)."""
+    asynchronous by ptxas (session 26's persistent variant, a loop over items around the loop over tiles, had
+    them all serialised: C7514, 20% slower)."""
     case = next(c for c in kr._sparse_mla_bwd_cases() if c[0] == "sparse_mla_fwd_gluon_pair")
     _, fn, args, constexprs, configs = case
     cfg, _ = configs[0]
