@@ -15,6 +15,7 @@ if shutil.which("bwrap") is None:
 
 from harbor.models.task.task import Task
 from harbor.models.trial.paths import TrialPaths
+from harbor.verifier.verifier import Verifier
 
 from agentrl.harbor.environment import TIMEOUT_EXIT_CODE, LocalSandboxEnvironment
 from agentrl.harbor.jobs import trial_outcome
@@ -71,6 +72,27 @@ async def test_exec_files_and_users_as_harbor_uses_them(tmp_path):
     assert not any((tmp_path / "boxes").rglob("disk.img"))  # the sandbox is gone
     with pytest.raises(RuntimeError, match="not started"):
         await env.exec("true")
+
+
+async def test_harbor_verifier_scores_a_workdir_the_agent_locked(tmp_path):
+    # The sandbox's root cannot enter a folder without its owner's x bit: Harbor's verifier, which
+    # runs in the workdir, failed with 125 (`env -C /app`) where root on Docker runs it and scores.
+    task = Task(DEFAULT_TASKS_DIR / "write-name")
+    env = make_env(tmp_path, "write-name")
+    await env.start(force_build=False)
+    try:
+        await env.exec("echo 'Ada Lovelace' > name.txt && chmod 444 .")
+        assert (await env.exec("true")).return_code == 125  # the agent's own commands: its modes stand
+        verifier = Verifier(task=task, trial_paths=env.trial_paths, environment=env)
+        assert (await verifier.verify()).rewards == {"reward": 1.0}
+        assert (await env.exec("stat -c %a /app", cwd="/")).stdout.strip() == "544"  # only the search bit
+        await env.exec("chmod 755 . && rm name.txt && chmod 000 .")
+        assert (await verifier.verify()).rewards == {"reward": 0.0}  # scored, not an error
+        await env.exec("chmod 000 /app", cwd="/")
+        await env.empty_dirs(["/logs/verifier"])  # how the shared-step and separate verifiers start
+        assert (await env.exec("stat -c %a /app", cwd="/")).stdout.strip() == "100"
+    finally:
+        await env.stop(delete=True)
 
 
 def test_compose_tasks_are_refused(tmp_path):

@@ -14,6 +14,9 @@ network unless the task's policy is public). What follows from that backend, and
 - network: "no-network" and "public" (slirp4netns, no route to the host) are enforced from the
   start; allowlists and switching policy after start are not offered, so Harbor refuses such
   tasks before starting them.
+- the verifier gets into the task's workdir as root on Docker would: when Harbor starts verifying
+  (see _VERIFICATION_STARTS), a workdir, or a folder above it, that the agent took its owner's
+  search bit from gets that bit back (agentrl/sandbox/workdir.py); the agent's commands never do.
 - memory is a per-process limit; CPUs are not enforced (both as agentrl's local backend does).
 - files move as tar archives (modes, links and empty folders kept); downloads are extracted with
   Harbor's own safe tar filter on the host.
@@ -28,17 +31,26 @@ import shlex
 import shutil
 import tarfile
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from harbor.environments.base import BaseEnvironment, ExecResult, SandboxBuildFailedError, transfer_tar_filter
+from harbor.environments.base import (
+    BaseEnvironment,
+    EnvironmentPath,
+    ExecResult,
+    SandboxBuildFailedError,
+    transfer_tar_filter,
+)
 from harbor.environments.capabilities import EnvironmentCapabilities, EnvironmentResourceCapabilities
 from harbor.environments.options import EnvironmentOptions
-from harbor.models.task.config import NetworkMode
+from harbor.models.task.config import NetworkMode, TaskOS
 from harbor.models.trial.paths import EnvironmentPaths
+from harbor.utils.scripts import quote_shell_arg
 
 from agentrl.config.schema import SandboxConfig
 from agentrl.sandbox.base import SandboxError, SandboxSpec
+from agentrl.sandbox.workdir import enter_workdir_command
 
 ENVIRONMENT_TYPE = "agentrl-local"
 IMPORT_PATH = "agentrl.harbor.environment:LocalSandboxEnvironment"
@@ -53,6 +65,14 @@ ROOT_USERS = (None, "root", 0, "0")
 _TRANSFER = "/tmp/.agentrl-harbor-{}.tar"
 _UNSAFE_ID = re.compile(r"[^A-Za-z0-9_.-]")
 _REQUIRED_TOOLS = ("bwrap", "nsenter", "setpriv", "prlimit", "unshare", "tar")
+# How Harbor (0.26.0) starts verifying, the only sign of that phase an environment gets: every
+# Verifier.verify() first runs `rm -f -- <reward.txt> <reward.json>` (_remove_reward_files, as root,
+# in the workdir), and the shared-step and separate verifiers empty /logs/verifier before it
+# (empty_dirs). Either one would fail with 125 in a workdir the agent locked (see
+# agentrl/sandbox/workdir.py), as would test.sh after them.
+_PATHS = EnvironmentPaths.for_os(TaskOS.LINUX)
+_VERIFICATION_STARTS = "rm -f -- " + " ".join(quote_shell_arg(p, TaskOS.LINUX)
+                                              for p in (_PATHS.reward_text_path, _PATHS.reward_json_path))
 
 
 class LocalSandboxOptions(EnvironmentOptions):
@@ -157,11 +177,29 @@ class LocalSandboxEnvironment(BaseEnvironment):
         if who not in ROOT_USERS:
             raise RuntimeError(f"user={who!r}: the agentrl local sandbox runs every command as its own root "
                                "(there are no other users in it)")
+        cwd = cwd or self._workdir()
+        if command == _VERIFICATION_STARTS:
+            await self._let_verifier_in(cwd)
         res = await self._sandbox().exec(
-            command, cwd=cwd or self.task_env_config.workdir, env=self._merge_env(env),
+            command, cwd=cwd, env=self._merge_env(env),
             timeout_s=float(timeout_sec) if timeout_sec else NO_TIMEOUT_S, max_output_bytes=EXEC_OUTPUT_CAP_BYTES,
         )
         return ExecResult(stdout=res.output, stderr="", return_code=TIMEOUT_EXIT_CODE if res.timed_out else res.exit_code)
+
+    async def empty_dirs(self, dirs: Sequence[EnvironmentPath], *, chmod: bool = True) -> ExecResult | None:
+        if str(EnvironmentPaths.for_os(self.os).verifier_dir) in map(str, dirs):  # a verifier starts
+            await self._let_verifier_in(self._workdir())
+        return await super().empty_dirs(dirs, chmod=chmod)
+
+    def _workdir(self) -> str:
+        """Where a command without a cwd runs: the task's workdir, else the Dockerfile's WORKDIR."""
+        return self.task_env_config.workdir or self._sandbox().workdir
+
+    async def _let_verifier_in(self, workdir: str) -> None:
+        """Give `workdir` and the folders above it their owner's search bit back where the sandbox's
+        root cannot enter them (root on Docker would); folders it can enter keep the agent's modes."""
+        if workdir != "/":
+            await self._sandbox().exec(enter_workdir_command(workdir), cwd="/", timeout_s=60.0)
 
     async def _run_checked(self, command: str, what: str) -> None:
         res = await self._sandbox().exec(command, cwd="/", timeout_s=600.0, max_output_bytes=64 << 10)

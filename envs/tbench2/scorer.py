@@ -7,7 +7,7 @@ The policy is an adversary: whatever lets it forge a pass, it will find. So, in 
    symlink elsewhere, a directory where the file goes, chmod/chattr locks, a mount on top) and
    made again, owned by the verifier (root); the task's working directory is made again if the
    agent removed it, and made enterable if it took its owner's search permission (see
-   _ENTER_WORKDIR);
+   agentrl/sandbox/workdir.py);
 3. only now tests/ is uploaded to /tests, and `bash /tests/test.sh` runs in the task's working
    directory under the verifier timeout, with the image's environment plus `[verifier.env]`
    (nothing the agent exported reaches it) and /bin/bash itself rather than the first `bash` on
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentrl.sandbox.base import Sandbox, SandboxError, SandboxProvider
+from agentrl.sandbox.workdir import ENTER_WORKDIR as _ENTER_WORKDIR  # why: agentrl/sandbox/workdir.py
 from envs.tbench2.carry import pack_outputs, unpack_outputs
 from envs.tbench2.loader import VERIFIER_SANDBOXES, TaskSpec
 
@@ -50,16 +51,6 @@ VERIFIER_ERROR = "infra_error:verifier"
 VERIFIER_TIMEOUT = "infra_error:verifier_timeout"
 _MAX_REWARD_FILE_BYTES = 64 * 1024
 _SETUP_TIMEOUT_S = 60.0
-# The working directory, and every folder above it, gets its owner's search bit back when the
-# verifier cannot enter it. An agent's `chmod 444 /app` (or `chmod 600 .`) is its own failed
-# attempt, but the local sandbox's root has neither CAP_DAC_OVERRIDE nor CAP_DAC_READ_SEARCH:
-# the exec's `env -C` failed with 125 before test.sh ran, and the episode, whose verdict is the
-# tests' to give, was an infra error (its whole group left untrained). A folder the verifier can
-# enter is left as it is (on Daytona root enters every folder), so the tests see the agent's modes.
-_ENTER_WORKDIR = (
-    'p=; set -f; IFS=/; for c in $1; do [ -n "$c" ] || continue; p="$p/$c"; '
-    '[ -d "$p" ] && ! (cd "$p") 2>/dev/null && chmod u+x "$p" 2>/dev/null; done; unset IFS; set +f; '
-)
 # Step 2: undo a mount on top (lazily, a few times: mounts stack), a link or a file where a folder
 # goes (removed first, so nothing below follows it elsewhere), an immutable flag, modes that keep
 # even their owner out (the local sandbox's root has no CAP_DAC_OVERRIDE); then fresh folders
