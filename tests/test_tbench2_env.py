@@ -132,6 +132,10 @@ async def test_a_workdir_the_agent_locked_is_scored_not_an_infra_error(env):
     await env.step(Action(command="chmod 000 /app"))
     verdict = await env.score()
     assert (verdict.status, verdict.reward) == ("scored", 0.0), verdict.text
+    await env.reset("write-name")
+    await env.step(Action(command="cd / && rm -rf /app && echo x > /app"))  # a file where the workdir goes
+    verdict = await env.score()
+    assert (verdict.status, verdict.reward) == ("scored", 0.0), verdict.text
 
 
 async def test_agent_timeout_ends_the_episode(env):
