@@ -16,7 +16,8 @@ network unless the task's policy is public). What follows from that backend, and
   tasks before starting them.
 - the verifier gets into the task's workdir as root on Docker would: when Harbor starts verifying
   (see _VERIFICATION_STARTS), a workdir, or a folder above it, that the agent took its owner's
-  search bit from gets that bit back (agentrl/sandbox/workdir.py); the agent's commands never do.
+  search bit from gets that bit back, and a file the agent put where it goes is replaced by the
+  folder (agentrl/sandbox/workdir.py); the agent's commands never do.
 - memory is a per-process limit; CPUs are not enforced (both as agentrl's local backend does).
 - files move as tar archives (modes, links and empty folders kept); downloads are extracted with
   Harbor's own safe tar filter on the host.

@@ -5,9 +5,9 @@ root has neither CAP_DAC_OVERRIDE nor CAP_DAC_READ_SEARCH (local_box.py drops th
 set): an exec whose cwd is that folder fails in `env -C` with 125 before its command runs, where
 root on Docker enters it anyway. A verifier's test.sh, whose verdict is the tests' to give, then
 never runs. ENTER_WORKDIR gives the working directory, and every folder above it, its owner's
-search bit back only where the sandbox cannot enter it (and makes the path again where the agent put
-a file in its way); a folder it can enter keeps the agent's modes (on Daytona root enters every folder, so nothing changes there). Run it before verifying
-only, never before an agent's own commands.
+search bit back only where the sandbox cannot enter it (and makes the path again where the agent
+put a file in its way); a folder it can enter keeps the agent's modes (on Daytona root enters every
+folder, so nothing changes there). Run it before verifying only, never before an agent's own commands.
 
 Used by envs/tbench2/scorer.py (inside its reset script) and agentrl/harbor/environment.py.
 """

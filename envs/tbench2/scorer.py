@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentrl.sandbox.base import Sandbox, SandboxError, SandboxProvider
-from agentrl.sandbox.workdir import ENTER_WORKDIR as _ENTER_WORKDIR  # why: agentrl/sandbox/workdir.py
+from agentrl.sandbox.workdir import ENTER_WORKDIR as _ENTER_WORKDIR  # the verifier's way into a locked workdir
 from envs.tbench2.carry import pack_outputs, unpack_outputs
 from envs.tbench2.loader import VERIFIER_SANDBOXES, TaskSpec
 
