@@ -273,6 +273,9 @@ def _bench_sparse_mla_one(torch, dev, sh, timer, S) -> dict:
         sparse_mla_flops,
         sparse_mla_forward,
     )
+    from kernels.sparse_mla_gluon import sparse_mla_forward_gluon
+    from kernels.sparse_mla_gluon_pair import sparse_mla_forward_pair
+    by_impl = {"gluon": sparse_mla_forward_gluon, "pair": sparse_mla_forward_pair}
 
     T, Hh, dv, dr, K = sh.mla_tokens, sh.mla_heads, sh.mla_dv, sh.mla_dr, sh.topk
     shape = {"tokens": T, "context": S, "heads": Hh, "d_qk": dv + dr, "d_v": dv, "topk": K}
@@ -299,10 +302,20 @@ def _bench_sparse_mla_one(torch, dev, sh, timer, S) -> dict:
         others[impl] = {"ms": round(o_ms, 4), "tflops": round(sparse_mla_flops(T, Hh, K, dv, dr) / o_ms / 1e9, 1),
                         "speedup_over_default": round(ms / o_ms, 3), "max_abs_err_out": o_err,
                         "correct": o_err < 3e-2 and float((o_lse[:n] - ref_lse).abs().max()) < 1e-2}
+    whole = {}  # the default Gluon kernel with its ragged last wave left whole (kernels/sparse_mla_tail.py)
+    if default in GLUON_FWD_IMPLS:
+        from kernels.sparse_mla_tail import plan_tail, sm_count
+        launch = by_impl[default]
+        w_ms = timer(lambda: launch(q, kv, idx, scale, dv, tail=False))
+        plan = plan_tail(T, -(-Hh // 64), -(-K // 128), sm_count(q.device))
+        whole = {"whole_last_wave_ms": round(w_ms, 4), "tail_cut_speedup": round(w_ms / ms, 3),
+                 "tail_plan": None if plan is None else {"main_tokens": plan.main_tokens, "pieces": plan.pieces,
+                                                          "piece_pairs": plan.piece_pairs,
+                                                          "predicted_gain": plan.predicted_gain}}
     ref_ms = timer(lambda: reference_sparse_mla(q, kv, idx, scale, d_v=dv, chunk_tokens=256), min_iters=1,
                    max_iters=2)
     return make_entry("sparse_mla_fwd", shape, ms, flops=sparse_mla_flops(T, Hh, K, dv, dr), reference_ms=ref_ms,
-                     impl=default, other_impls=others, triton_ms=round(triton_ms, 4),
+                     impl=default, other_impls=others, **whole, triton_ms=round(triton_ms, 4),
                      speedup_over_triton=round(triton_ms / ms, 3),
                      correct=err_out < 3e-2 and err_lse < 1e-2, max_abs_err_out=err_out, max_abs_err_lse=err_lse,
                      flop_formula="2 * tokens * heads * topk * (d_qk + d_v)",

@@ -33,6 +33,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from kernels.sparse_mla_tail import forward_in_waves, sm_count
+
 BLOCK_H = 64  # heads a program: one wgmma M
 BLOCK_N = 64  # keys a tile
 STAGES = 2  # KV slots: q (72 KB) + 2 x 72 KB + P (8 KB) = 224 KB of the 227 KB an SM has
@@ -189,7 +191,7 @@ def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, 
     out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_l))[:, None]
     ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
     co = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_l))
-    gl.store(out_ptr + t * stride_ot + ho[:, None] * stride_oh + co[None, :], out.to(dtype),
+    gl.store(out_ptr + t * stride_ot + ho[:, None] * stride_oh + co[None, :], out.to(out_ptr.dtype.element_ty),
              mask=(ho < HEADS)[:, None])
     lse = gl.where(denom > 0, (m + gl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
     hl = h0 + gl.arange(0, BLOCK_H, layout=m.type.layout)
@@ -215,9 +217,10 @@ def supports(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
 
 
 def launch_forward(kernel, cx: dict, num_warps: int, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
-                   sm_scale: float, d_v: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+                   sm_scale: float, d_v: int, name: str, tail: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """sparse_mla.sparse_mla_forward's outputs from one of the Gluon forward kernels (this module's, or
-    sparse_mla_gluon_pair.py's: the same arguments) launched with constants cx, a program per (token, 64 heads)."""
+    sparse_mla_gluon_pair.py's: the same arguments) launched with constants cx, a program per (token, 64 heads);
+    with tail, a ragged last wave cut into pieces over the key slots (sparse_mla_tail.py)."""
     if not supports(q, kv, d_v):
         raise ValueError(f"the {name} needs bf16 q and kv on an sm_90 GPU with 512 + 64 columns; got q "
                          f"{q.dtype} {tuple(q.shape)} on {q.device}, d_v={d_v}")
@@ -229,15 +232,20 @@ def launch_forward(kernel, cx: dict, num_warps: int, q: torch.Tensor, kv: torch.
         return out, lse
     if idx.shape[1] == 0:  # no slot: the consumers would wait for a first tile that never comes
         return out.zero_(), lse.fill_(float("-inf"))
-    kernel[(T, triton.cdiv(heads, BLOCK_H))](
-        q, kv, idx, out, lse, sm_scale * 1.4426950408889634, idx.shape[1], q.stride(0), q.stride(1),
-        kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0), HEADS=heads, **cx,
-        num_warps=num_warps)
+    head_blocks = triton.cdiv(heads, BLOCK_H)
+
+    def launch(q_rows, idx_rows, out_rows, lse_rows):  # out_rows bf16, or fp32 for a tail's partials
+        kernel[(q_rows.shape[0], head_blocks)](
+            q_rows, kv, idx_rows, out_rows, lse_rows, sm_scale * 1.4426950408889634, idx_rows.shape[1],
+            q_rows.stride(0), q_rows.stride(1), kv.stride(0), idx_rows.stride(0), out_rows.stride(0),
+            out_rows.stride(1), lse_rows.stride(0), HEADS=heads, **cx, num_warps=num_warps)
+
+    forward_in_waves(launch, q, idx, out, lse, head_blocks, sm_count(q.device), plan=tail)
     return out, lse
 
 
 def sparse_mla_forward_gluon(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
-                             d_v: int = 512, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
-    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there)."""
+                             d_v: int = 512, tail: bool = True, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there; tail: launch_forward's)."""
     return launch_forward(_sparse_mla_fwd_gluon, constexprs(**schedule), 8, q, kv, idx, sm_scale, d_v,
-                          "Gluon sparse MLA forward")
+                          "Gluon sparse MLA forward", tail)

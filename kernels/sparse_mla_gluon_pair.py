@@ -135,7 +135,8 @@ def _finish(o, m, den, m_smem, den_smem, sync, mine: gl.constexpr, out_row, stri
     out = o / gl.convert_layout(den_safe, gl.SliceLayout(1, o_l))[:, None]
     ho = h0 + gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, o_l))
     co = col0 + gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_l))
-    gl.store(out_row + ho[:, None] * stride_oh + co[None, :], out.to(gl.bfloat16), mask=(ho < HEADS)[:, None])
+    gl.store(out_row + ho[:, None] * stride_oh + co[None, :], out.to(out_row.dtype.element_ty),
+             mask=(ho < HEADS)[:, None])  # bf16, or fp32 for sparse_mla_tail.py's partials
     if WRITE_LSE:
         lse = gl.where(den > 0, (m + gl.log2(den_safe)) / 1.4426950408889634, float("-inf"))
         hl = h0 + gl.arange(0, o.shape[0], layout=den.type.layout)
@@ -315,7 +316,7 @@ def constexprs(**change) -> dict:
 
 
 def sparse_mla_forward_pair(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
-                            d_v: int = 512, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
-    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there)."""
+                            d_v: int = 512, tail: bool = True, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there; tail: launch_forward's)."""
     return launch_forward(_sparse_mla_fwd_pair, constexprs(**schedule), 4, q, kv, idx, sm_scale, d_v,
-                          "paired Gluon sparse MLA forward")
+                          "paired Gluon sparse MLA forward", tail)
