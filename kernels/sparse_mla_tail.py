@@ -15,6 +15,7 @@ slower (run 10), so here the kernel is left as it is and launched twice:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -54,6 +55,7 @@ def launch_cost(tokens: int, head_blocks: int, pairs: int, sms: int) -> float:
     return _waves(tokens * head_blocks, sms) * (pairs + PROGRAM_OVERHEAD_PAIRS)
 
 
+@functools.lru_cache(maxsize=1024)  # called per layer and step; the search is ~MAX_TAIL_WAVES x pairs candidates
 def plan_tail(tokens: int, head_blocks: int, pairs: int, sms: int) -> TailPlan | None:
     """The cheapest cut by the model, or None where one launch is as good (no ragged last wave, or the tail too
     long to spread). tokens x head_blocks programs of `pairs` pairs each, one program an SM at a time."""

@@ -112,6 +112,17 @@ async def test_verifier_failures_are_not_rewards(env):
     await env.step(Action(command="echo hello > /app/hello.txt"))
     verdict = await env.score()
     assert verdict.status == "infra_error:verifier" and verdict.reward is None
+    assert "exit 0) wrote no /logs/verifier/reward.json" in verdict.text
+    # a test.sh that never started says so (here the sandbox cannot enter the workdir the verifier asks for)
+    await env.reset("write-name")
+    real_exec = env._sandbox.exec
+
+    async def exec_in_a_missing_workdir(cmd, **kw):
+        return await real_exec(cmd, **(kw | {"cwd": "/no-such-dir"} if "exec /bin/bash" in cmd else kw))
+
+    env._sandbox.exec = exec_in_a_missing_workdir
+    verdict = await env.score()
+    assert verdict.status == "infra_error:verifier" and "tests/test.sh never started" in verdict.text, verdict.text
     await env.reset("verifier-hangs")
     start = time.monotonic()
     verdict = await env.score()

@@ -67,8 +67,12 @@ _RESET_SCRIPT = (
     + f"rm -rf {TESTS_DIR} {VERIFIER_DIR} && mkdir -p -m 755 {VERIFIER_DIR} {TESTS_DIR} \"$1\" && "
     f"chmod 755 {VERIFIER_DIR} {TESTS_DIR}"
 )
-# Step 3: /bin/bash when the image has one (a `bash` planted earlier on PATH is not it).
-_RUN_TESTS = f"if [ -x /bin/bash ]; then exec /bin/bash {TESTS_DIR}/test.sh; fi; exec bash {TESTS_DIR}/test.sh"
+# Step 3: /bin/bash when the image has one (a `bash` planted earlier on PATH is not it). The marker tells a
+# test.sh that wrote no verdict from one that never started (the exec could not enter the workdir, say): the
+# message then says which, where both once read "test.sh (exit 125) wrote no reward" (the verdict is the same).
+_STARTED = f"{VERIFIER_DIR}/.agentrl-test-sh-started"
+_RUN_TESTS = (f": > {_STARTED}; if [ -x /bin/bash ]; then exec /bin/bash {TESTS_DIR}/test.sh; fi; "
+              f"exec bash {TESTS_DIR}/test.sh")
 
 
 @dataclass
@@ -189,11 +193,19 @@ async def _verify(sandbox: Sandbox, task: TaskSpec, timeout: float, max_output_b
         )
     verdict = await sandbox.exec(
         f"for f in reward.json reward.txt; do if [ -f {VERIFIER_DIR}/$f ]; then echo $f; "
-        f"head -c {_MAX_REWARD_FILE_BYTES} {VERIFIER_DIR}/$f; exit 0; fi; done; exit 3",
+        f"head -c {_MAX_REWARD_FILE_BYTES} {VERIFIER_DIR}/$f; exit 0; fi; done; [ -e {_STARTED} ] && exit 3; exit 4",
         cwd="/",
         timeout_s=_SETUP_TIMEOUT_S,
         max_output_bytes=_MAX_REWARD_FILE_BYTES + 64,
     )
+    if verdict.exit_code == 4:
+        return ScoreResult(
+            VERIFIER_ERROR,
+            None,
+            f"tests/test.sh never started (the command running it exited {run.exit_code}): "
+            f"{run.output.strip()[-300:]}",
+            run.output,
+        )
     if verdict.exit_code == 3:
         return ScoreResult(
             VERIFIER_ERROR,
