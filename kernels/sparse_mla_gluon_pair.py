@@ -44,6 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, launch_forward, rows_to_shared
+from kernels.sparse_mla_tail import TailPlan
 
 HALF = D_V // 2  # value columns a warpgroup owns; also the left half of a KV row
 # the register split (setmaxnreg): WG1's CONSUMER_REGS and the producer's PRODUCER_REGS are asked for, WG0 (the
@@ -316,7 +317,8 @@ def constexprs(**change) -> dict:
 
 
 def sparse_mla_forward_pair(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
-                            d_v: int = 512, tail: bool = True, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
+                            d_v: int = 512, tail: bool | TailPlan = True,
+                            **schedule) -> tuple[torch.Tensor, torch.Tensor]:
     """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there; tail: launch_forward's)."""
     return launch_forward(_sparse_mla_fwd_pair, constexprs(**schedule), 4, q, kv, idx, sm_scale, d_v,
                           "paired Gluon sparse MLA forward", tail)
