@@ -95,6 +95,23 @@ async def test_harbor_verifier_scores_a_workdir_the_agent_locked(tmp_path):
         await env.stop(delete=True)
 
 
+async def test_nothing_the_agent_left_running_changes_harbors_verdict(tmp_path):
+    # The policy's side: a detached loop that rewrites the reward file while the tests run. It
+    # scored 1.0 for a task not done before the verifier ended the agent's processes.
+    task = Task(DEFAULT_TASKS_DIR / "write-name")
+    env = make_env(tmp_path, "write-name")
+    await env.start(force_build=False)
+    try:
+        await env.exec("(setsid sh -c 'while :; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; "
+                       "done' > /dev/null 2>&1 &)")
+        assert (await env.exec("sleep 0.2; cat /logs/verifier/reward.txt", cwd="/")).stdout.strip() == "1"
+        verifier = Verifier(task=task, trial_paths=env.trial_paths, environment=env)
+        assert (await verifier.verify()).rewards == {"reward": 0.0}
+        assert (await env.exec("cat /logs/verifier/reward.txt", cwd="/")).stdout.strip() == "0"  # the loop is gone
+    finally:
+        await env.stop(delete=True)
+
+
 def test_compose_tasks_are_refused(tmp_path):
     task = tmp_path / "t"
     shutil.copytree(DEFAULT_TASKS_DIR / "write-name", task)

@@ -18,6 +18,12 @@ network unless the task's policy is public). What follows from that backend, and
   (see _VERIFICATION_STARTS), a workdir, or a folder above it, that the agent took its owner's
   search bit from gets that bit back, and a file the agent put where it goes is replaced by the
   folder (agentrl/sandbox/workdir.py); the agent's commands never do.
+- every process the agent left running (setsid daemons, tmux servers, a loop rewriting the reward
+  file) is ended when Harbor starts verifying, as agentrl's own scorer does (envs/tbench2/scorer.py):
+  on Docker they outlive the agent phase, so a background `echo 1 > /logs/verifier/reward.txt`
+  loop scored 1.0 here too. What differs from Docker: a service the agent was asked to leave
+  running is gone when the tests look for it (agentrl's scorer scores the same), and in a
+  multi-step trial each step's agent starts without the earlier steps' processes.
 - memory is a per-process limit; CPUs are not enforced (both as agentrl's local backend does).
 - files move as tar archives (modes, links and empty folders kept); downloads are extracted with
   Harbor's own safe tar filter on the host.
@@ -179,7 +185,8 @@ class LocalSandboxEnvironment(BaseEnvironment):
             raise RuntimeError(f"user={who!r}: the agentrl local sandbox runs every command as its own root "
                                "(there are no other users in it)")
         cwd = cwd or self._workdir()
-        if command == _VERIFICATION_STARTS:
+        if command == _VERIFICATION_STARTS:  # nothing the agent left running may write or change the verdict
+            await self._sandbox().kill_all()
             await self._let_verifier_in(cwd)
         res = await self._sandbox().exec(
             command, cwd=cwd, env=self._merge_env(env),
