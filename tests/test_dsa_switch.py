@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,15 +17,11 @@ from glm_fixtures import tiny_config
 HERE = Path(__file__).resolve().parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def megatron_single_rank():
-    """One-rank gloo group and Megatron parallel state; CPU builds need cuda allocations redirected."""
+def megatron_single_rank(tmp_path_factory):
+    """One-rank gloo group and Megatron parallel state; CPU builds need cuda allocations redirected.
+    The group meets through a file, not a port: a port found free and then bound by another process
+    (a demo running beside the suite) failed this fixture with EADDRINUSE."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -36,7 +31,8 @@ def megatron_single_rank():
         mp.setattr(torch.cuda, "current_device", lambda: "cpu")
     own_pg = not dist.is_initialized()
     if own_pg:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                init_method=f"file://{tmp_path_factory.mktemp('pg') / 'store'}", rank=0, world_size=1)
     own_mp = not parallel_state.model_parallel_is_initialized()
     if own_mp:
         parallel_state.initialize_model_parallel()
