@@ -99,6 +99,9 @@ def forward_in_waves(launch: Launch, q: torch.Tensor, idx: torch.Tensor, out: to
         launch(q, idx, out, lse)
         return None
     main, n = plan.main_tokens, plan.pieces
+    if main >= T:
+        raise ValueError(f"a tail plan with main_tokens={main} leaves no tail of {T} tokens: give fewer main tokens "
+                         "or plan=False")
     if main:
         launch(q[:main], idx[:main], out[:main], lse[:main])
     tail = T - main

@@ -46,6 +46,9 @@ def test_a_few_tokens_are_spread_over_the_idle_sms():
 def test_bad_plan_inputs_are_named():
     with pytest.raises(ValueError, match="must be >= 1"):
         tail.plan_tail(10, 1, 0, 132)
+    with pytest.raises(ValueError, match="leaves no tail"):
+        tail.forward_in_waves(lambda *a: None, torch.zeros(4, 16, 48), torch.zeros(4, 8, dtype=torch.int32),
+                              torch.zeros(4, 16, 32), torch.zeros(4, 16), 1, 8, plan=tail.TailPlan(4, 2, 1, 0.0))
     with pytest.raises(ValueError, match="pieces >= 2"):
         tail.TailPlan(main_tokens=0, pieces=1, piece_pairs=4, predicted_gain=0.1)
 
