@@ -23,6 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
+# Whether the Gluon forwards cut a ragged last wave when their caller does not say (tail=None). Off until the cut has
+# run on a GPU: written in session 27 and checked on CPU (the merge and the plan under the interpreter, with the Triton
+# kernel as the launch; the fp32-partials builds of both Gluon kernels compiled for sm_90 by bench.kernel_resources:
+# no spills, no serialised wgmma), but that session got no GPU machine. bench.kernels' sparse MLA entry and
+# bench/gpu/sparse_mla_gluon_check.py time and check the cut beside the whole launch; turn this on from their numbers.
+CUT_BY_DEFAULT = False
 PAIR_KEYS = 128  # a piece holds whole pairs of 64-key tiles (the paired kernel's step; the in-order kernel takes two)
 # A program's fixed cost in pair-times: q's 72 KB into shared memory, the first gather's latency before any MMA, the
 # finish. Estimated: a 64K-context program of 16 pairs runs about 97 us (3.022 ms / 31.03 waves, H200), so a pair

@@ -25,7 +25,8 @@ from kernels.sparse_mla_gluon import sparse_mla_forward_gluon  # noqa: E402
 from kernels.sparse_mla_gluon_pair import sparse_mla_forward_pair  # noqa: E402
 
 # a schedule's "kernel": sparse_mla_gluon.py's ("gluon", the default) or sparse_mla_gluon_pair.py's ("pair"); its
-# "tail": false leaves a ragged last wave whole (sparse_mla_tail.py)
+# "tail": true cuts a ragged last wave into pieces, false leaves it whole; without it sparse_mla_tail.CUT_BY_DEFAULT
+# decides
 KERNELS = {"gluon": sparse_mla_forward_gluon, "pair": sparse_mla_forward_pair}
 
 
@@ -54,7 +55,8 @@ SCHEDULES = [{}, {"BLOCK_N": 32, "STAGES": 4}, {"PRODUCER_REGS": 56, "ROW_GROUP"
              {"kernel": "pair", "CONSUMER_REGS": 208}, {"kernel": "pair", "ROW_GROUP": 16}]
 
 
-# T < 132 SMs: every token in pieces (sparse_mla_tail.py), except top-1; 140 tokens: a whole wave and 8 tokens in pieces
+# with the tail cut (sparse_mla_tail.py): T < 132 SMs puts every token in pieces (except at top-1), 140 tokens a whole
+# wave and 8 tokens in pieces
 CASES = [(140, 64, 4096, 2048, True), (64, 64, 4096, 2048, True), (40, 48, 3000, 300, True), (33, 128, 9000, 2048, False), (16, 64, 512, 64, False),
          (16, 64, 512, 1, False)]
 

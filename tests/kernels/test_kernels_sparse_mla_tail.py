@@ -106,3 +106,26 @@ def test_merging_pieces_is_the_softmax_over_all_of_them(device):
     torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="do not match"):
         tail.merge_pieces(p_out.to(device), p_lse.to(device), n + 1, out, lse)
+
+
+def test_the_kernels_bench_checks_and_times_the_cut_beside_the_whole_launch(device, monkeypatch):
+    # bench/kernel_cases.py's sparse MLA entry, its launches over the Triton kernel on 4 "SMs"
+    from bench.kernel_cases import _tail_cut_beside
+    T, S, heads, d_v, d_r, K, scale = 10, 300, 16, 32, 16, 256, 0.1
+    q = torch.randn(T, heads, d_v + d_r).to(device=device, dtype=torch.bfloat16)
+    kv = torch.randn(S, d_v + d_r).to(device=device, dtype=torch.bfloat16)
+    idx = torch.randint(0, S, (T, K), dtype=torch.int32).to(device)
+    monkeypatch.setattr(tail, "sm_count", lambda dev: 4)
+    cuts, tail_mod = [], tail  # the launchers' keyword is `tail` too
+
+    def launch(q, kv, idx, scale, d_v, tail=None):
+        out = torch.empty(q.shape[0], q.shape[1], d_v, device=q.device, dtype=q.dtype)
+        lse = torch.empty(q.shape[0], q.shape[1], device=q.device)
+        cuts.append(tail_mod.forward_in_waves(_triton_launch(kv, scale, d_v), q, idx, out, lse, 1, 4, plan=tail))
+        return out, lse
+
+    row = _tail_cut_beside(launch, q, kv, idx, scale, d_v, default_ms=1.0, timer=lambda fn: (fn(), 2.0)[1])
+    assert row["tail_cut_correct"] and cuts[0] is not None  # the cut itself, checked on the last tokens
+    assert row["tail_plan"]["main_tokens"] == cuts[0].main_tokens == 8
+    assert not row["tail_cut_by_default"] and (row["tail_cut_ms"], row["whole_last_wave_ms"]) == (2.0, 1.0)
+    assert row["tail_cut_speedup"] == 0.5
