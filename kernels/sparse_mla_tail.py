@@ -4,7 +4,7 @@ Why: the Gluon forward kernels (sparse_mla_gluon.py, sparse_mla_gluon_pair.py) h
 shared memory) and one program per (token, 64 heads), all about equally long. 4096 tokens on 132 SMs are 31 full
 waves and a 32nd of 4 programs, during which 128 SMs idle: on the H200 the paired kernel took 3.022 ms for 4096
 tokens and 2.919 ms for 4092 (bench/results/sparse_mla_gluon_gpu.json run 7), 3.4% more time for 0.1% more work.
-Cutting the tail inside the kernel (a program's item and pair range read from its id) made the kernel itself 13%
+Cutting the tail inside the kernel (a program's item and pair range read from its id) made the kernel itself 13-17%
 slower (run 10), so here the kernel is left as it is and launched twice:
 - the main launch over the first tokens, whole waves of whole programs;
 - a launch over the tail tokens with each token's key slots cut into `pieces` equal runs of whole 128-key pairs
@@ -12,6 +12,7 @@ slower (run 10), so here the kernel is left as it is and launched twice:
 - `_merge_pieces`: out = sum_i exp(lse_i - lse) out_i with lse = logsumexp_i lse_i (each piece's out is normalised
   by its own row sum, so the weights are its share of the total), a piece with no valid key (lse -inf) weighing 0.
 `plan_tail` picks the cut from a cost model in units of one pair's time; it cuts only where the model says it pays.
+Not yet run on a GPU, so off unless asked for (CUT_BY_DEFAULT below).
 """
 from __future__ import annotations
 
