@@ -325,7 +325,9 @@ def _tail_cut_beside(launch, q, kv, idx, scale, dv, default_ms, timer) -> dict:
     from kernels.sparse_mla import reference_sparse_mla
     cut_default = sparse_mla_tail.CUT_BY_DEFAULT
     T, heads, K = q.shape[0], q.shape[1], idx.shape[1]
-    plan = sparse_mla_tail.plan_tail(T, -(-heads // 64), -(-K // 128), sparse_mla_tail.sm_count(q.device))
+    from kernels.sparse_mla_gluon import BLOCK_H
+    plan = sparse_mla_tail.plan_tail(T, -(-heads // BLOCK_H), -(-K // sparse_mla_tail.PAIR_KEYS),
+                                     sparse_mla_tail.sm_count(q.device))
     cut_out, cut_lse = launch(q, kv, idx, scale, dv, tail=True)
     last = slice(max(0, T - 8), T)  # where a cut lands: the last tokens
     ref_out, ref_lse = reference_sparse_mla(q[last], kv, idx[last], scale, d_v=dv, chunk_tokens=8)

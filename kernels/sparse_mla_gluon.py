@@ -34,7 +34,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from kernels import sparse_mla_tail
-from kernels.sparse_mla_tail import TailPlan, forward_in_waves, sm_count
 
 BLOCK_H = 64  # heads a program: one wgmma M
 BLOCK_N = 64  # keys a tile
@@ -218,7 +217,7 @@ def supports(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
 
 
 def launch_forward(kernel, cx: dict, num_warps: int, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
-                   sm_scale: float, d_v: int, name: str, tail: bool | TailPlan | None = None
+                   sm_scale: float, d_v: int, name: str, tail: bool | sparse_mla_tail.TailPlan | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """sparse_mla.sparse_mla_forward's outputs from one of the Gluon forward kernels (this module's, or
     sparse_mla_gluon_pair.py's: the same arguments) launched with constants cx, a program per (token, 64 heads);
@@ -243,13 +242,13 @@ def launch_forward(kernel, cx: dict, num_warps: int, q: torch.Tensor, kv: torch.
             q_rows.stride(0), q_rows.stride(1), kv.stride(0), idx_rows.stride(0), out_rows.stride(0),
             out_rows.stride(1), lse_rows.stride(0), HEADS=heads, **cx, num_warps=num_warps)
 
-    forward_in_waves(launch, q, idx, out, lse, head_blocks, sm_count(q.device),
-                     plan=sparse_mla_tail.CUT_BY_DEFAULT if tail is None else tail)
+    sparse_mla_tail.forward_in_waves(launch, q, idx, out, lse, head_blocks, sparse_mla_tail.sm_count(q.device),
+                                     plan=sparse_mla_tail.CUT_BY_DEFAULT if tail is None else tail)
     return out, lse
 
 
 def sparse_mla_forward_gluon(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
-                             d_v: int = 512, tail: bool | TailPlan | None = None,
+                             d_v: int = 512, tail: bool | sparse_mla_tail.TailPlan | None = None,
                              **schedule) -> tuple[torch.Tensor, torch.Tensor]:
     """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there; tail: launch_forward's)."""
     return launch_forward(_sparse_mla_fwd_gluon, constexprs(**schedule), 8, q, kv, idx, sm_scale, d_v,

@@ -113,11 +113,11 @@ def pieces(dev, counts=(2, 4, 8, 16)) -> list[dict]:
     """Calibrates sparse_mla_tail.py's cost model on the benchmark's 64K shape (4096 tokens: 31 waves of 132 and 4
     tokens): the paired kernel with the 4 tail tokens cut into each piece count, then the tail alone (its 4 tokens
     whole, and cut), the merge alone, and one whole wave of 132 tokens, ms each."""
-    from kernels.sparse_mla_tail import TailPlan, merge_pieces, sm_count
+    from kernels.sparse_mla_tail import PAIR_KEYS, TailPlan, merge_pieces, sm_count
     T, heads, K, S = 4096, 64, 2048, 65536
     q, kv, idx = _case(T, heads, S, K, False, dev, seed=1)
     idx = idx.sort(dim=1).values
-    scale, pairs, sms = default_sm_scale(), K // 128, sm_count(dev)
+    scale, pairs, sms = default_sm_scale(), K // PAIR_KEYS, sm_count(dev)
     main = T - T % sms
     bench = lambda fn: round(triton.testing.do_bench(fn, warmup=50, rep=400), 4)  # noqa: E731
     rows = [{"part": "whole launch", "ms": bench(lambda: sparse_mla_forward_pair(q, kv, idx, scale, tail=False))},
