@@ -34,11 +34,15 @@ from kernels.sparse_mla_gluon import BLOCK_H, D_R, D_V, gather_tiles, kv_ring, r
 # producer registers 40, 56, 72 or 88 (the consumers get 208 there and spill 40 bytes), 2 producer warps,
 # 16- or 32-row copies all within 2.52-2.64 ms (noise); 64-key tiles in 1 slot 2.83; q at a constant
 # address 3.74-3.82
-SCHEDULE = dict(BLOCK_N=32, STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=56, ROW_GROUP=32, OPAQUE_Q=True)
+# SCRATCH_EVICT: the L2 eviction policy of the dS / P scratch stores (2 x 1 GB at 4096 tokens, read back by the
+# dkv pass long after L2 has turned over); IO_EVICT: of q / dO's loads and dq's stores, once a program each
+# ("": the default; "evict_first" asks L2 to drop those lines before the gathered KV rows)
+SCHEDULE = dict(BLOCK_N=32, STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=56, ROW_GROUP=32, OPAQUE_Q=True,
+                SCRATCH_EVICT="", IO_EVICT="")
 
 
 @gluon.jit
-def tile_to_global(smem, row, k0, n_idx, n_heads, WARPS: gl.constexpr):
+def tile_to_global(smem, row, k0, n_idx, n_heads, WARPS: gl.constexpr, EVICT: gl.constexpr = ""):
     """A [heads, keys] bf16 tile from shared memory into the [heads, topk] scratch rows at key k0, 16 bytes
     a thread with one address each, by the WARPS warps of the calling partition. From the wgmma layout each
     thread would store 8 scattered values through 8 64-bit addresses (32 registers the consumers do not have)."""
@@ -47,7 +51,7 @@ def tile_to_global(smem, row, k0, n_idx, n_heads, WARPS: gl.constexpr):
     h = gl.arange(0, smem.shape[0], layout=gl.SliceLayout(1, layout))
     k = k0 + gl.arange(0, smem.shape[1], layout=gl.SliceLayout(0, layout))
     gl.store(row + h[:, None] * n_idx + k[None, :], smem.load(layout),
-             mask=(h < n_heads)[:, None] & (k < n_idx)[None, :])
+             mask=(h < n_heads)[:, None] & (k < n_idx)[None, :], eviction_policy=EVICT)
 
 
 @gluon.jit
@@ -65,7 +69,7 @@ def row_stats(lse_row, delta_row, n_heads, BLOCK_H: gl.constexpr, s_l: gl.conste
 def _dq_consumer(idx_row, n_idx, n_heads, lse_row, delta_row, ds_row, p_row, scale, scale_log2, q_nope, q_rope,
                  do_s, kv_nope, kv_rope, ds_smem, p_smem, full, empty, BLOCK_H: gl.constexpr,
                  BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr,
-                 OPAQUE_Q: gl.constexpr):
+                 OPAQUE_Q: gl.constexpr, SCRATCH_EVICT: gl.constexpr):
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_N // 2, 16])
     dn_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
@@ -92,8 +96,8 @@ def _dq_consumer(idx_row, n_idx, n_heads, lse_row, delta_row, ds_row, p_row, sca
         gl.thread_barrier()  # both warpgroups' halves of dS and P in place before either reads all of it
         n_tok = warpgroup_mma(ds_smem, kv_nope.index(slot), dq_n, is_async=True)
         r_tok = warpgroup_mma(ds_smem, kv_rope.index(slot), dq_r, is_async=True)
-        tile_to_global(ds_smem, ds_row, i * BLOCK_N, n_idx, n_heads, 8)  # while the wgmmas run (they only read)
-        tile_to_global(p_smem, p_row, i * BLOCK_N, n_idx, n_heads, 8)
+        tile_to_global(ds_smem, ds_row, i * BLOCK_N, n_idx, n_heads, 8, SCRATCH_EVICT)  # while the wgmmas run
+        tile_to_global(p_smem, p_row, i * BLOCK_N, n_idx, n_heads, 8, SCRATCH_EVICT)
         dq_n, dq_r = warpgroup_mma_wait(0, deps=(n_tok, r_tok))
         gl.thread_barrier()  # every warp is done with the slot, dS and P
         mbarrier.arrive(empty.index(slot), count=1)
@@ -105,7 +109,8 @@ def dq_pass_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, d
                    n_idx, stride_qt, stride_qh, stride_kv, stride_it, stride_dot, stride_doh, stride_lt, stride_dqt,
                    stride_dqh, stride_st, HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                    D_V: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                   PRODUCER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr, OPAQUE_Q: gl.constexpr):
+                   PRODUCER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr, OPAQUE_Q: gl.constexpr,
+                   SCRATCH_EVICT: gl.constexpr, IO_EVICT: gl.constexpr):
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -118,9 +123,9 @@ def dq_pass_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, d
     kv_nope, kv_rope, full, empty = kv_ring(dtype, BLOCK_N, D_V, D_R, STAGES, PRODUCER_WARPS)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], t_sl)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], t_sl)
-    rows_to_shared(q_nope.index(0), q_ptr + t * stride_qt, stride_qh, h0, HEADS, 0, 8)  # heads past HEADS: 0
-    rows_to_shared(q_rope.index(0), q_ptr + t * stride_qt, stride_qh, h0, HEADS, D_V, 8)
-    rows_to_shared(do_s.index(0), do_ptr + t * stride_dot, stride_doh, h0, HEADS, 0, 8)
+    rows_to_shared(q_nope.index(0), q_ptr + t * stride_qt, stride_qh, h0, HEADS, 0, 8, IO_EVICT)  # heads past HEADS: 0
+    rows_to_shared(q_rope.index(0), q_ptr + t * stride_qt, stride_qh, h0, HEADS, D_V, 8, IO_EVICT)
+    rows_to_shared(do_s.index(0), do_ptr + t * stride_dot, stride_doh, h0, HEADS, 0, 8, IO_EVICT)
     fence_async_shared()
     gl.thread_barrier()
     idx_row = idx_ptr + t * stride_it
@@ -129,7 +134,7 @@ def dq_pass_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, d
         [(_dq_consumer, (idx_row, n_idx, HEADS - h0, lse_row, delta_ptr + t * stride_lt + h0,
                          ds_ptr + t * stride_st + h0 * n_idx, p_ptr + t * stride_st + h0 * n_idx, scale, scale_log2,
                          q_nope, q_rope, do_s, kv_nope, kv_rope, ds_smem, p_smem, full, empty, BLOCK_H, BLOCK_N,
-                         D_V, D_R, STAGES, OPAQUE_Q)),
+                         D_V, D_R, STAGES, OPAQUE_Q, SCRATCH_EVICT)),
          (gather_tiles, (kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty, BLOCK_N, D_V, D_R, STAGES,
                          ROW_GROUP, PRODUCER_WARPS))],
         [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -140,9 +145,9 @@ def dq_pass_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, d
     hr = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, dr_l))
     dq_row = dq_ptr + t * stride_dqt
     gl.store(dq_row + hn[:, None] * stride_dqh + gl.arange(0, D_V, layout=gl.SliceLayout(0, dn_l))[None, :],
-             dq_n.to(dtype), mask=(hn < HEADS)[:, None])
+             dq_n.to(dtype), mask=(hn < HEADS)[:, None], eviction_policy=IO_EVICT)
     gl.store(dq_row + hr[:, None] * stride_dqh + D_V + gl.arange(0, D_R, layout=gl.SliceLayout(0, dr_l))[None, :],
-             dq_r.to(dtype), mask=(hr < HEADS)[:, None])
+             dq_r.to(dtype), mask=(hr < HEADS)[:, None], eviction_policy=IO_EVICT)
 
 
 def constexprs(heads: int, **change) -> dict:

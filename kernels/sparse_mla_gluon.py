@@ -130,13 +130,15 @@ def _consumer(idx_row, n_idx, scale_log2, q_nope, q_rope, kv_nope, kv_rope, p_sm
 
 
 @gluon.jit
-def rows_to_shared(smem, base, stride_row, r0, n_rows, col0, WARPS: gl.constexpr):
+def rows_to_shared(smem, base, stride_row, r0, n_rows, col0, WARPS: gl.constexpr, EVICT: gl.constexpr = ""):
     """smem [R, C] = rows r0 .. r0 + R of a row-major block at base (rows n_rows and past as zeros),
-    columns col0 .. col0 + C; by the WARPS warps of the default partition, outside the specialised region."""
+    columns col0 .. col0 + C; by the WARPS warps of the default partition, outside the specialised region
+    (EVICT: the loads' L2 eviction policy, "" for the default)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
     r = r0 + gl.arange(0, smem.shape[0], layout=gl.SliceLayout(1, layout))
     c = col0 + gl.arange(0, smem.shape[1], layout=gl.SliceLayout(0, layout))
-    smem.store(gl.load(base + r[:, None] * stride_row + c[None, :], mask=(r < n_rows)[:, None], other=0.0))
+    smem.store(gl.load(base + r[:, None] * stride_row + c[None, :], mask=(r < n_rows)[:, None], other=0.0,
+                       eviction_policy=EVICT))
 
 
 @gluon.jit

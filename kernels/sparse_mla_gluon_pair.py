@@ -51,7 +51,10 @@ HALF = D_V // 2  # value columns a warpgroup owns; also the left half of a KV ro
 # default partition) gets what is left of 64K / 384 threads: 504 - CONSUMER_REGS - PRODUCER_REGS
 # 216 / 56 (warpgroup 0: 232) and 208 / 56 (240) compile without spills (bench/kernel_resources); 216 / 72 (216)
 # spills 96 bytes in warpgroup 0's loop
-SCHEDULE = dict(PRODUCER_WARPS=4, PRODUCER_REGS=56, CONSUMER_REGS=216, ROW_GROUP=32)
+# IO_EVICT: the L2 eviction policy of q's loads and out's stores, which each program makes once ("": the default;
+# "evict_first" asks L2 to drop those lines before the gathered KV rows). Triton 3.6 drops an eviction policy
+# given to cp.async, so the gathers themselves cannot carry one.
+SCHEDULE = dict(PRODUCER_WARPS=4, PRODUCER_REGS=56, CONSUMER_REGS=216, ROW_GROUP=32, IO_EVICT="")
 # the exchange barriers between the consumer warpgroups (each completes once a pair, or once at the end)
 M0, M1, S0, S1, L0, L1 = (gl.constexpr(i) for i in range(6))
 N_SYNC = gl.constexpr(6)
@@ -126,7 +129,7 @@ def _masked(s, idx_row, n_idx, j0, scale_log2, s_l: gl.constexpr):
 
 @gluon.jit
 def _finish(o, m, den, m_smem, den_smem, sync, mine: gl.constexpr, out_row, stride_oh, col0, h0, HEADS: gl.constexpr,
-            lse_row, WRITE_LSE: gl.constexpr, o_l: gl.constexpr):
+            lse_row, WRITE_LSE: gl.constexpr, o_l: gl.constexpr, EVICT: gl.constexpr):
     """Both warpgroups' row sums added through shared memory; this warpgroup's half of out (and the lse)."""
     den_smem.slice(mine * den.shape[0], den.shape[0]).store(den)
     _signal(sync.index(L0 + mine))
@@ -137,7 +140,7 @@ def _finish(o, m, den, m_smem, den_smem, sync, mine: gl.constexpr, out_row, stri
     ho = h0 + gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, o_l))
     co = col0 + gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_l))
     gl.store(out_row + ho[:, None] * stride_oh + co[None, :], out.to(out_row.dtype.element_ty),
-             mask=(ho < HEADS)[:, None])  # bf16, or fp32 for sparse_mla_tail.py's partials
+             mask=(ho < HEADS)[:, None], eviction_policy=EVICT)  # bf16, or fp32 for sparse_mla_tail.py's partials
     if WRITE_LSE:
         lse = gl.where(den > 0, (m + gl.log2(den_safe)) / 1.4426950408889634, float("-inf"))
         hl = h0 + gl.arange(0, o.shape[0], layout=den.type.layout)
@@ -161,7 +164,7 @@ def _fresh(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
 @gluon.jit
 def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem, den_smem,
                 full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS: gl.constexpr,
-                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
+                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, IO_EVICT: gl.constexpr):
     """Warpgroup 0 (the default partition): tiles 2j, O's columns 0-255."""
     zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
     s_tok = _qk_part(q_l.index(0), kv_l.index(0), full_l.index(0), 0, zero_s, False)
@@ -206,13 +209,13 @@ def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
         else:
             o = warpgroup_mma_wait(0, deps=(o_tok, ))
             _signal(empty_l.index(1))
-    _finish(o, m, den, m_smem, den_smem, sync, 0, out_row, stride_oh, 0, h0, HEADS, lse_row, False, O_LAYOUT)
+    _finish(o, m, den, m_smem, den_smem, sync, 0, out_row, stride_oh, 0, h0, HEADS, lse_row, False, O_LAYOUT, IO_EVICT)
 
 
 @gluon.jit
 def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem, den_smem,
                full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS: gl.constexpr,
-               BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
+               BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, IO_EVICT: gl.constexpr):
     """Warpgroup 1 (a worker partition): tiles 2j + 1, O's columns 256-511, and the lse."""
     zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
     for j in range(pairs):
@@ -247,14 +250,15 @@ def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, 
         _signal(empty_r.index(1))  # slot 1's right half: this QK^T and the first PV are done
         o = warpgroup_mma_wait(0, deps=(o_tok, ))
         _signal(empty_r.index(0))  # slot 0's right half and P0
-    _finish(o, m, den, m_smem, den_smem, sync, 1, out_row, stride_oh, HALF, h0, HEADS, lse_row, True, O_LAYOUT)
+    _finish(o, m, den, m_smem, den_smem, sync, 1, out_row, stride_oh, HALF, h0, HEADS, lse_row, True, O_LAYOUT, IO_EVICT)
 
 
 @gluon.jit
 def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n_idx, stride_qt, stride_qh, stride_kv,
                          stride_it, stride_ot, stride_oh, stride_lt, HEADS: gl.constexpr, BLOCK_H: gl.constexpr,
                          BLOCK_N: gl.constexpr, HALF: gl.constexpr, D_R: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr):
+                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr,
+                         IO_EVICT: gl.constexpr):
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -286,9 +290,9 @@ def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n
     for b in gl.static_range(N_SYNC):
         mbarrier.init(sync.index(b), count=1)
     q_row = q_ptr + t * stride_qt
-    rows_to_shared(q_l.index(0), q_row, stride_qh, h0, HEADS, 0, 4)  # once; heads past HEADS as zeros
-    rows_to_shared(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF, 4)
-    rows_to_shared(q_rope.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF, 4)
+    rows_to_shared(q_l.index(0), q_row, stride_qh, h0, HEADS, 0, 4, IO_EVICT)  # once; heads past HEADS as zeros
+    rows_to_shared(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF, 4, IO_EVICT)
+    rows_to_shared(q_rope.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF, 4, IO_EVICT)
     fence_async_shared()
     gl.thread_barrier()
     idx_row = idx_ptr + t * stride_it
@@ -298,10 +302,10 @@ def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n
     gl.warp_specialize(  # the constexprs inline: a tuple held in a variable turns them into tensors
         [(_even_tiles, (idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem,
                         den_smem, full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS,
-                        BLOCK_H, BLOCK_N, HALF)),
+                        BLOCK_H, BLOCK_N, HALF, IO_EVICT)),
          (_odd_tiles, (idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem,
                        den_smem, full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS,
-                       BLOCK_H, BLOCK_N, HALF)),
+                       BLOCK_H, BLOCK_N, HALF, IO_EVICT)),
          (_gather_pairs, (kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope, full_l, full_r, empty_l,
                           empty_r, BLOCK_N, HALF, ROW_GROUP, PRODUCER_WARPS))],
         [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

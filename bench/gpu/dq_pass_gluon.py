@@ -20,9 +20,11 @@ from bench.gpu.probe_cli import run_probe, schedule_row  # noqa: E402
 from kernels.sparse_mla_bwd_gluon import constexprs, dq_pass, dq_pass_kernel  # noqa: E402
 
 # the default; 16-row copies; 88 producer registers (the consumers get 208 and spill 40 bytes); 40 and 72; a
-# 2-warp producer; q and dO at a constant index (312 bytes spilled); 64-key tiles in one slot (80 bytes spilled)
+# 2-warp producer; q and dO at a constant index (312 bytes spilled); 64-key tiles in one slot (80 bytes spilled);
+# the dS / P scratch stores and then also q / dO / dq with an L2 evict-first policy
 SCHEDULES = [{}, {"ROW_GROUP": 16}, {"PRODUCER_REGS": 88}, {"PRODUCER_REGS": 40}, {"PRODUCER_REGS": 72},
-             {"PRODUCER_WARPS": 2}, {"PRODUCER_REGS": 88, "OPAQUE_Q": False}, {"BLOCK_N": 64, "STAGES": 1}]
+             {"PRODUCER_WARPS": 2}, {"PRODUCER_REGS": 88, "OPAQUE_Q": False}, {"BLOCK_N": 64, "STAGES": 1},
+             {"SCRATCH_EVICT": "evict_first"}, {"SCRATCH_EVICT": "evict_first", "IO_EVICT": "evict_first"}]
 
 
 def compile_only() -> int:

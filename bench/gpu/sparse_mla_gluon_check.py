@@ -84,7 +84,7 @@ def check(dev, schedule, cases) -> list[dict]:
     return rows
 
 
-def timed(dev, schedules, tokens=(4096, )) -> list[dict]:
+def timed(dev, schedules, tokens=(4096, ), rounds=1) -> list[dict]:
     rows = []
     heads, K = 64, 2048
     for T, S in [(T, S) for S in (65536, 8192) for T in tokens]:
@@ -98,11 +98,11 @@ def timed(dev, schedules, tokens=(4096, )) -> list[dict]:
         base = {"tokens": T, "heads": heads, "context": S, "topk": K}
         rows.append({**base, "kernel": "triton", "ms": round(t_ms, 3), "tflops": round(flops / t_ms / 1e9, 1)})
         print(json.dumps(rows[-1]), flush=True)
-        for sch in schedules:
+        for rnd, sch in [(r, sch) for r in range(rounds) for sch in schedules]:  # interleaved: drift hits each alike
             got = _forward(q, kv, idx, scale, sch)
             ms = triton.testing.do_bench(lambda sch=sch: _forward(q, kv, idx, scale, sch),
                                          warmup=50, rep=400)
-            rows.append({**base, "kernel": "gluon", "schedule": sch, "ms": round(ms, 3),
+            rows.append({**base, "kernel": "gluon", "schedule": sch, "round": rnd, "ms": round(ms, 3),
                          "tflops": round(flops / ms / 1e9, 1), "speedup_over_triton": round(t_ms / ms, 3),
                          "max_abs_diff_vs_triton": float((got[0].float() - want[0].float()).abs().max())})
             print(json.dumps(rows[-1]), flush=True)
@@ -148,6 +148,8 @@ def main() -> int:
     ap.add_argument("--schedules", type=json.loads, default=SCHEDULES, help="JSON list of schedule dicts")
     ap.add_argument("--tokens", default="4096", help="comma-separated token counts to time (132 SMs: 4092 is 31 "
                     "full waves of one program an SM, 4096 adds a 32nd of 4)")
+    ap.add_argument("--rounds", type=int, default=1, help="times each schedule is timed, the schedules interleaved "
+                    "(differences of ~1%% need a few rounds to tell from drift)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     result = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
@@ -164,7 +166,7 @@ def main() -> int:
         if "pieces" in parts:
             result["pieces"] = pieces(dev)
         if "time" in parts and ok:
-            result["time"] = timed(dev, ok, [int(t) for t in a.tokens.split(",")])
+            result["time"] = timed(dev, ok, [int(t) for t in a.tokens.split(",")], a.rounds)
     finally:
         a.out.write_text(json.dumps(result, indent=1))
     return 0
