@@ -275,7 +275,8 @@ def _bench_sparse_mla_one(torch, dev, sh, timer, S) -> dict:
     )
     from kernels.sparse_mla_gluon import sparse_mla_forward_gluon
     from kernels.sparse_mla_gluon_pair import sparse_mla_forward_pair
-    by_impl = {"gluon": sparse_mla_forward_gluon, "pair": sparse_mla_forward_pair}
+    from kernels.sparse_mla_gluon_persist import sparse_mla_forward_persist
+    by_impl = {"gluon": sparse_mla_forward_gluon, "pair": sparse_mla_forward_pair, "persist": sparse_mla_forward_persist}
 
     T, Hh, dv, dr, K = sh.mla_tokens, sh.mla_heads, sh.mla_dv, sh.mla_dr, sh.topk
     shape = {"tokens": T, "context": S, "heads": Hh, "d_qk": dv + dr, "d_v": dv, "topk": K}

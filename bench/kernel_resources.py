@@ -102,21 +102,31 @@ def _wgmma_serialized(ptx: str) -> bool:
 def _partitions(cubin: bytes) -> list[dict[str, int]]:
     """A warp-specialised kernel's partitions as the SASS shows them: the code after each register
     reallocation (setmaxnreg), with its register count and its spill stores and wgmmas, in SASS order
-    (a total spill count does not say whether the producer or a consumer spills)."""
+    (a total spill count does not say whether the producer or a consumer spills), and `loop_spill_ops`: the
+    local-memory stores and loads inside its innermost loops, the ones that run every tile (a spill around a
+    loop runs once a program)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         sass = subprocess.run([str(_nv_tool("cuobjdump")), "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
-    parts = [{"registers": 0, "spill_stores": 0, "wgmma": 0}]
-    for line in sass.splitlines():
-        found = re.search(r"USETMAXREG\.\w+\.CTAPOOL\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)", line)
+    code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;\n]*);", sass)]
+    loops = [(int(b.group(1), 16), addr) for addr, text in code
+             if (b := re.search(r"\bBRA\b[^;]*?(0x[0-9a-f]+)", text)) and int(b.group(1), 16) < addr]
+    innermost = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+    parts = [{"registers": 0, "spill_stores": 0, "wgmma": 0, "loop_spill_ops": 0}]
+    for addr, text in code:
+        found = re.search(r"USETMAXREG\.\w+\.CTAPOOL\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)", text)
         if found:
-            parts.append({"registers": int(found.group(1), 16), "spill_stores": 0, "wgmma": 0})
-        elif re.search(r"\bSTL(\.\w+)*\s", line):
+            parts.append({"registers": int(found.group(1), 16), "spill_stores": 0, "wgmma": 0, "loop_spill_ops": 0})
+            continue
+        local = re.search(r"\b(STL|LDL)(\.\w+)*\s", text)
+        if local and local.group(1) == "STL":
             parts[-1]["spill_stores"] += 1
-        elif "HGMMA" in line:
+        elif "HGMMA" in text:
             parts[-1]["wgmma"] += 1
+        if local and any(lo <= addr <= hi for lo, hi in innermost):
+            parts[-1]["loop_spill_ops"] += 1
     return [p for p in parts if p["spill_stores"] or p["wgmma"]]
 
 
@@ -138,6 +148,7 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
     from kernels import sparse_mla_bwd_gluon as gluon_dq
     from kernels import sparse_mla_gluon as gluon_fwd
     from kernels import sparse_mla_gluon_pair as gluon_pair
+    from kernels import sparse_mla_gluon_persist as gluon_persist
     from kernels._tuning import KernelConfig
     from kernels.sparse_mla import CONFIGS as FWD_CONFIGS
     from kernels.sparse_mla import _sparse_mla_fwd_kernel
@@ -169,6 +180,8 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
         ("sparse_mla_fwd_gluon_pair", gluon_pair._sparse_mla_fwd_pair, fwd_args, {"HEADS": H, **gluon_pair.constexprs()},
          [(KernelConfig.make(num_warps=4, num_stages=1), {})]),
         # the same kernels writing fp32 partials, as sparse_mla_tail.py launches them over a ragged last wave
+        ("sparse_mla_fwd_gluon_persist", gluon_persist._sparse_mla_fwd_persist, {**fwd_args, "n_tokens": 4096},
+         {"HEADS": H, **gluon_persist.constexprs()}, [(KernelConfig.make(num_warps=4, num_stages=1), {})]),
         ("sparse_mla_fwd_gluon_partials", gluon_fwd._sparse_mla_fwd_gluon, {**fwd_args, "out_ptr": Ptr("fp32")},
          {"HEADS": H, **gluon_fwd.constexprs()}, [(KernelConfig.make(num_warps=8, num_stages=1), {})]),
         ("sparse_mla_fwd_gluon_pair_partials", gluon_pair._sparse_mla_fwd_pair, {**fwd_args, "out_ptr": Ptr("fp32")},

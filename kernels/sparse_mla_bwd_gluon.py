@@ -42,7 +42,7 @@ SCHEDULE = dict(BLOCK_N=32, STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=56, ROW_GR
 
 
 @gluon.jit
-def tile_to_global(smem, row, k0, n_idx, n_heads, WARPS: gl.constexpr, EVICT: gl.constexpr = ""):
+def tile_to_global(smem, row, k0, n_idx, n_heads, WARPS: gl.constexpr, EVICT: gl.constexpr):
     """A [heads, keys] bf16 tile from shared memory into the [heads, topk] scratch rows at key k0, 16 bytes
     a thread with one address each, by the WARPS warps of the calling partition. From the wgmma layout each
     thread would store 8 scattered values through 8 64-bit addresses (32 registers the consumers do not have)."""

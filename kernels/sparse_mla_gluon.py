@@ -130,7 +130,7 @@ def _consumer(idx_row, n_idx, scale_log2, q_nope, q_rope, kv_nope, kv_rope, p_sm
 
 
 @gluon.jit
-def rows_to_shared(smem, base, stride_row, r0, n_rows, col0, WARPS: gl.constexpr, EVICT: gl.constexpr = ""):
+def rows_to_shared(smem, base, stride_row, r0, n_rows, col0, WARPS: gl.constexpr, EVICT: gl.constexpr):
     """smem [R, C] = rows r0 .. r0 + R of a row-major block at base (rows n_rows and past as zeros),
     columns col0 .. col0 + C; by the WARPS warps of the default partition, outside the specialised region
     (EVICT: the loads' L2 eviction policy, "" for the default)."""
@@ -175,8 +175,8 @@ def _sparse_mla_fwd_gluon(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, 
     kv_nope, kv_rope, full, empty = kv_ring(dtype, BLOCK_N, D_V, D_R, STAGES, PRODUCER_WARPS)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_sl)
 
-    rows_to_shared(q_nope, q_ptr + t * stride_qt, stride_qh, h0, HEADS, 0, 8)  # once; heads past HEADS: zeros
-    rows_to_shared(q_rope, q_ptr + t * stride_qt, stride_qh, h0, HEADS, D_V, 8)
+    rows_to_shared(q_nope, q_ptr + t * stride_qt, stride_qh, h0, HEADS, 0, 8, "")  # once; heads past HEADS: zeros
+    rows_to_shared(q_rope, q_ptr + t * stride_qt, stride_qh, h0, HEADS, D_V, 8, "")
     fence_async_shared()
     gl.thread_barrier()
 
@@ -219,12 +219,14 @@ def supports(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
 
 
 def launch_forward(kernel, cx: dict, num_warps: int, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
-                   sm_scale: float, d_v: int, name: str, tail: bool | sparse_mla_tail.TailPlan | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   sm_scale: float, d_v: int, name: str, tail: bool | sparse_mla_tail.TailPlan | None = None,
+                   persistent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """sparse_mla.sparse_mla_forward's outputs from one of the Gluon forward kernels (this module's, or
     sparse_mla_gluon_pair.py's: the same arguments) launched with constants cx, a program per (token, 64 heads);
     with tail=True, a ragged last wave cut into pieces over the key slots where plan_tail says (sparse_mla_tail.py),
-    or as a given TailPlan says (the probe's calibration); None: sparse_mla_tail.CUT_BY_DEFAULT."""
+    or as a given TailPlan says (the probe's calibration); None: sparse_mla_tail.CUT_BY_DEFAULT. persistent: the
+    kernel takes the token count last and loops over tokens pid, pid + grid, ... (sparse_mla_gluon_persist.py), so
+    the grid is one program an SM per head block."""
     if not supports(q, kv, d_v):
         raise ValueError(f"the {name} needs bf16 q and kv on an sm_90 GPU with 512 + 64 columns; got q "
                          f"{q.dtype} {tuple(q.shape)} on {q.device}, d_v={d_v}")
@@ -237,14 +239,18 @@ def launch_forward(kernel, cx: dict, num_warps: int, q: torch.Tensor, kv: torch.
     if idx.shape[1] == 0:  # no slot: the consumers would wait for a first tile that never comes
         return out.zero_(), lse.fill_(float("-inf"))
     head_blocks = triton.cdiv(heads, BLOCK_H)
+    sms = sparse_mla_tail.sm_count(q.device)
 
     def launch(q_rows, idx_rows, out_rows, lse_rows):  # out_rows bf16, or fp32 for a tail's partials
-        kernel[(q_rows.shape[0], head_blocks)](
+        rows = q_rows.shape[0]
+        grid = (min(rows, max(1, sms // head_blocks)) if persistent else rows, head_blocks)
+        kernel[grid](
             q_rows, kv, idx_rows, out_rows, lse_rows, sm_scale * 1.4426950408889634, idx_rows.shape[1],
             q_rows.stride(0), q_rows.stride(1), kv.stride(0), idx_rows.stride(0), out_rows.stride(0),
-            out_rows.stride(1), lse_rows.stride(0), HEADS=heads, **cx, num_warps=num_warps)
+            out_rows.stride(1), lse_rows.stride(0), *((rows, ) if persistent else ()), HEADS=heads, **cx,
+            num_warps=num_warps)
 
-    sparse_mla_tail.forward_in_waves(launch, q, idx, out, lse, head_blocks, sparse_mla_tail.sm_count(q.device),
+    sparse_mla_tail.forward_in_waves(launch, q, idx, out, lse, head_blocks, sms,
                                      plan=sparse_mla_tail.CUT_BY_DEFAULT if tail is None else tail)
     return out, lse
 

@@ -129,11 +129,12 @@ def _masked(s, idx_row, n_idx, j0, scale_log2, s_l: gl.constexpr):
 
 @gluon.jit
 def _finish(o, m, den, m_smem, den_smem, sync, mine: gl.constexpr, out_row, stride_oh, col0, h0, HEADS: gl.constexpr,
-            lse_row, WRITE_LSE: gl.constexpr, o_l: gl.constexpr, EVICT: gl.constexpr):
-    """Both warpgroups' row sums added through shared memory; this warpgroup's half of out (and the lse)."""
+            lse_row, WRITE_LSE: gl.constexpr, o_l: gl.constexpr, EVICT: gl.constexpr, phase):
+    """Both warpgroups' row sums added through shared memory; this warpgroup's half of out (and the lse).
+    phase: the exchange barriers' (once a token: a persistent program's tokens alternate it)."""
     den_smem.slice(mine * den.shape[0], den.shape[0]).store(den)
     _signal(sync.index(L0 + mine))
-    mbarrier.wait(sync.index(L0 + 1 - mine), 0)
+    mbarrier.wait(sync.index(L0 + 1 - mine), phase)
     den = den + den_smem.slice((1 - mine) * den.shape[0], den.shape[0]).load(den.type.layout)
     den_safe = gl.where(den > 0, den, 1.0)
     out = o / gl.convert_layout(den_safe, gl.SliceLayout(1, o_l))[:, None]
@@ -209,7 +210,7 @@ def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
         else:
             o = warpgroup_mma_wait(0, deps=(o_tok, ))
             _signal(empty_l.index(1))
-    _finish(o, m, den, m_smem, den_smem, sync, 0, out_row, stride_oh, 0, h0, HEADS, lse_row, False, O_LAYOUT, IO_EVICT)
+    _finish(o, m, den, m_smem, den_smem, sync, 0, out_row, stride_oh, 0, h0, HEADS, lse_row, False, O_LAYOUT, IO_EVICT, 0)
 
 
 @gluon.jit
@@ -250,7 +251,7 @@ def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, 
         _signal(empty_r.index(1))  # slot 1's right half: this QK^T and the first PV are done
         o = warpgroup_mma_wait(0, deps=(o_tok, ))
         _signal(empty_r.index(0))  # slot 0's right half and P0
-    _finish(o, m, den, m_smem, den_smem, sync, 1, out_row, stride_oh, HALF, h0, HEADS, lse_row, True, O_LAYOUT, IO_EVICT)
+    _finish(o, m, den, m_smem, den_smem, sync, 1, out_row, stride_oh, HALF, h0, HEADS, lse_row, True, O_LAYOUT, IO_EVICT, 0)
 
 
 @gluon.jit

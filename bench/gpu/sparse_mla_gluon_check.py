@@ -23,11 +23,13 @@ from kernels.sparse_mla import (default_sm_scale, reference_sparse_mla, sparse_m
                                 sparse_mla_forward)
 from kernels.sparse_mla_gluon import sparse_mla_forward_gluon  # noqa: E402
 from kernels.sparse_mla_gluon_pair import sparse_mla_forward_pair  # noqa: E402
+from kernels.sparse_mla_gluon_persist import sparse_mla_forward_persist  # noqa: E402
 
-# a schedule's "kernel": sparse_mla_gluon.py's ("gluon", the default) or sparse_mla_gluon_pair.py's ("pair"); its
+# a schedule's "kernel": sparse_mla_gluon.py's ("gluon", the default), sparse_mla_gluon_pair.py's ("pair") or
+# sparse_mla_gluon_persist.py's ("persist"); its
 # "tail": true cuts a ragged last wave into pieces, false leaves it whole; without it sparse_mla_tail.CUT_BY_DEFAULT
 # decides
-KERNELS = {"gluon": sparse_mla_forward_gluon, "pair": sparse_mla_forward_pair}
+KERNELS = {"gluon": sparse_mla_forward_gluon, "pair": sparse_mla_forward_pair, "persist": sparse_mla_forward_persist}
 
 
 def _forward(q, kv, idx, scale, schedule):
@@ -57,8 +59,9 @@ SCHEDULES = [{}, {"BLOCK_N": 32, "STAGES": 4}, {"PRODUCER_REGS": 56, "ROW_GROUP"
 
 # with the tail cut (sparse_mla_tail.py): T < 132 SMs puts every token in pieces (except at top-1), 140 tokens a whole
 # wave and 8 tokens in pieces
+# (T, heads, S, K, holes); the last two give a persistent kernel's programs several tokens each (one program an SM)
 CASES = [(140, 64, 4096, 2048, True), (64, 64, 4096, 2048, True), (40, 48, 3000, 300, True), (33, 128, 9000, 2048, False), (16, 64, 512, 64, False),
-         (16, 64, 512, 1, False)]
+         (16, 64, 512, 1, False), (600, 64, 4096, 300, True), (300, 128, 9000, 2048, False)]
 
 
 def check(dev, schedule, cases) -> list[dict]:
