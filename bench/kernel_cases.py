@@ -273,10 +273,6 @@ def _bench_sparse_mla_one(torch, dev, sh, timer, S) -> dict:
         sparse_mla_flops,
         sparse_mla_forward,
     )
-    from kernels.sparse_mla_gluon import sparse_mla_forward_gluon
-    from kernels.sparse_mla_gluon_pair import sparse_mla_forward_pair
-    from kernels.sparse_mla_gluon_persist import sparse_mla_forward_persist
-    by_impl = {"gluon": sparse_mla_forward_gluon, "pair": sparse_mla_forward_pair, "persist": sparse_mla_forward_persist}
 
     T, Hh, dv, dr, K = sh.mla_tokens, sh.mla_heads, sh.mla_dv, sh.mla_dr, sh.topk
     shape = {"tokens": T, "context": S, "heads": Hh, "d_qk": dv + dr, "d_v": dv, "topk": K}
@@ -303,13 +299,10 @@ def _bench_sparse_mla_one(torch, dev, sh, timer, S) -> dict:
         others[impl] = {"ms": round(o_ms, 4), "tflops": round(sparse_mla_flops(T, Hh, K, dv, dr) / o_ms / 1e9, 1),
                         "speedup_over_default": round(ms / o_ms, 3), "max_abs_err_out": o_err,
                         "correct": o_err < 3e-2 and float((o_lse[:n] - ref_lse).abs().max()) < 1e-2}
-    tail_cut = {}  # the default Gluon kernel with the other choice of cutting its ragged last wave (sparse_mla_tail.py)
-    if default in GLUON_FWD_IMPLS:
-        tail_cut = _tail_cut_beside(by_impl[default], q, kv, idx, scale, dv, ms, timer)
     ref_ms = timer(lambda: reference_sparse_mla(q, kv, idx, scale, d_v=dv, chunk_tokens=256), min_iters=1,
                    max_iters=2)
     return make_entry("sparse_mla_fwd", shape, ms, flops=sparse_mla_flops(T, Hh, K, dv, dr), reference_ms=ref_ms,
-                     impl=default, other_impls=others, **tail_cut, triton_ms=round(triton_ms, 4),
+                     impl=default, other_impls=others, triton_ms=round(triton_ms, 4),
                      speedup_over_triton=round(triton_ms / ms, 3),
                      correct=err_out < 3e-2 and err_lse < 1e-2, max_abs_err_out=err_out, max_abs_err_lse=err_lse,
                      flop_formula="2 * tokens * heads * topk * (d_qk + d_v)",
@@ -319,30 +312,6 @@ def _bench_sparse_mla_one(torch, dev, sh, timer, S) -> dict:
 
 # (entry name, impl): the default first (DEFAULT_BWD_IMPL), then the others on the same inputs,
 # each with its speedup over the first
-def _tail_cut_beside(launch, q, kv, idx, scale, dv, default_ms, timer) -> dict:
-    """The forward's last wave cut (or left whole) the other way from sparse_mla_tail.CUT_BY_DEFAULT, timed beside
-    the default's default_ms, and its tail tokens checked against the fp32 definition."""
-    from kernels import sparse_mla_tail
-    from kernels.sparse_mla import reference_sparse_mla
-    cut_default = sparse_mla_tail.CUT_BY_DEFAULT
-    T, heads, K = q.shape[0], q.shape[1], idx.shape[1]
-    from kernels.sparse_mla_gluon import BLOCK_H
-    plan = sparse_mla_tail.plan_tail(T, -(-heads // BLOCK_H), -(-K // sparse_mla_tail.PAIR_KEYS),
-                                     sparse_mla_tail.sm_count(q.device))
-    cut_out, cut_lse = launch(q, kv, idx, scale, dv, tail=True)
-    last = slice(max(0, T - 8), T)  # where a cut lands: the last tokens
-    ref_out, ref_lse = reference_sparse_mla(q[last], kv, idx[last], scale, d_v=dv, chunk_tokens=8)
-    err = float((cut_out[last].float() - ref_out.float()).abs().max())
-    other_ms = timer(lambda: launch(q, kv, idx, scale, dv, tail=not cut_default))
-    cut_ms, whole_ms = (default_ms, other_ms) if cut_default else (other_ms, default_ms)
-    return {"tail_cut_by_default": cut_default, "tail_cut_ms": round(cut_ms, 4), "whole_last_wave_ms": round(whole_ms, 4),
-            "tail_cut_speedup": round(whole_ms / cut_ms, 3), "tail_cut_max_abs_err_out": err,
-            "tail_cut_correct": err < 3e-2 and float((cut_lse[last] - ref_lse).abs().max()) < 1e-2,
-            "tail_plan": None if plan is None else {"main_tokens": plan.main_tokens, "pieces": plan.pieces,
-                                                     "piece_pairs": plan.piece_pairs,
-                                                     "predicted_gain": plan.predicted_gain}}
-
-
 BWD_VARIANTS = (("sparse_mla_bwd", "split"), ("sparse_mla_bwd_atomic", "atomic"),
                 ("sparse_mla_bwd_keymajor", "keymajor"))
 

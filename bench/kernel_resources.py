@@ -179,13 +179,8 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
          [(KernelConfig.make(num_warps=8, num_stages=1), {})]),
         ("sparse_mla_fwd_gluon_pair", gluon_pair._sparse_mla_fwd_pair, fwd_args, {"HEADS": H, **gluon_pair.constexprs()},
          [(KernelConfig.make(num_warps=4, num_stages=1), {})]),
-        # the same kernels writing fp32 partials, as sparse_mla_tail.py launches them over a ragged last wave
         ("sparse_mla_fwd_gluon_persist", gluon_persist._sparse_mla_fwd_persist, {**fwd_args, "n_tokens": 4096},
          {"HEADS": H, **gluon_persist.constexprs()}, [(KernelConfig.make(num_warps=4, num_stages=1), {})]),
-        ("sparse_mla_fwd_gluon_partials", gluon_fwd._sparse_mla_fwd_gluon, {**fwd_args, "out_ptr": Ptr("fp32")},
-         {"HEADS": H, **gluon_fwd.constexprs()}, [(KernelConfig.make(num_warps=8, num_stages=1), {})]),
-        ("sparse_mla_fwd_gluon_pair_partials", gluon_pair._sparse_mla_fwd_pair, {**fwd_args, "out_ptr": Ptr("fp32")},
-         {"HEADS": H, **gluon_pair.constexprs()}, [(KernelConfig.make(num_warps=4, num_stages=1), {})]),
         ("sparse_mla_bwd_atomic", sparse_mla_bwd_rows_kernel, rows_args,
          {**dims, "WITH_DKV": True, "STORE_DSP": False}, [(c, {}) for c in BWD_CONFIGS]),
         ("sparse_mla_bwd_split_dq", sparse_mla_bwd_rows_kernel, rows_args,

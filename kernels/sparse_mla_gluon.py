@@ -33,8 +33,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels import sparse_mla_tail
-
 BLOCK_H = 64  # heads a program: one wgmma M
 BLOCK_N = 64  # keys a tile
 STAGES = 2  # KV slots: q (72 KB) + 2 x 72 KB + P (8 KB) = 224 KB of the 227 KB an SM has
@@ -218,15 +216,17 @@ def supports(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
             and q.shape[-1] == D_V + D_R and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device (the programs of a wave, one an SM)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def launch_forward(kernel, cx: dict, num_warps: int, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
-                   sm_scale: float, d_v: int, name: str, tail: bool | sparse_mla_tail.TailPlan | None = None,
-                   persistent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   sm_scale: float, d_v: int, name: str, persistent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """sparse_mla.sparse_mla_forward's outputs from one of the Gluon forward kernels (this module's, or
-    sparse_mla_gluon_pair.py's: the same arguments) launched with constants cx, a program per (token, 64 heads);
-    with tail=True, a ragged last wave cut into pieces over the key slots where plan_tail says (sparse_mla_tail.py),
-    or as a given TailPlan says (the probe's calibration); None: sparse_mla_tail.CUT_BY_DEFAULT. persistent: the
-    kernel takes the token count last and loops over tokens pid, pid + grid, ... (sparse_mla_gluon_persist.py), so
-    the grid is one program an SM per head block."""
+    sparse_mla_gluon_pair.py's: the same arguments) launched with constants cx, a program per (token, 64 heads).
+    persistent: the kernel takes the token count last and loops over tokens pid, pid + grid, ...
+    (sparse_mla_gluon_persist.py), so the grid is one program an SM per head block."""
     if not supports(q, kv, d_v):
         raise ValueError(f"the {name} needs bf16 q and kv on an sm_90 GPU with 512 + 64 columns; got q "
                          f"{q.dtype} {tuple(q.shape)} on {q.device}, d_v={d_v}")
@@ -239,25 +239,15 @@ def launch_forward(kernel, cx: dict, num_warps: int, q: torch.Tensor, kv: torch.
     if idx.shape[1] == 0:  # no slot: the consumers would wait for a first tile that never comes
         return out.zero_(), lse.fill_(float("-inf"))
     head_blocks = triton.cdiv(heads, BLOCK_H)
-    sms = sparse_mla_tail.sm_count(q.device)
-
-    def launch(q_rows, idx_rows, out_rows, lse_rows):  # out_rows bf16, or fp32 for a tail's partials
-        rows = q_rows.shape[0]
-        grid = (min(rows, max(1, sms // head_blocks)) if persistent else rows, head_blocks)
-        kernel[grid](
-            q_rows, kv, idx_rows, out_rows, lse_rows, sm_scale * 1.4426950408889634, idx_rows.shape[1],
-            q_rows.stride(0), q_rows.stride(1), kv.stride(0), idx_rows.stride(0), out_rows.stride(0),
-            out_rows.stride(1), lse_rows.stride(0), *((rows, ) if persistent else ()), HEADS=heads, **cx,
-            num_warps=num_warps)
-
-    sparse_mla_tail.forward_in_waves(launch, q, idx, out, lse, head_blocks, sms,
-                                     plan=sparse_mla_tail.CUT_BY_DEFAULT if tail is None else tail)
+    grid = (min(T, max(1, sm_count(q.device) // head_blocks)) if persistent else T, head_blocks)
+    kernel[grid](q, kv, idx, out, lse, sm_scale * 1.4426950408889634, idx.shape[1], q.stride(0), q.stride(1),
+                 kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+                 *((T, ) if persistent else ()), HEADS=heads, **cx, num_warps=num_warps)
     return out, lse
 
 
 def sparse_mla_forward_gluon(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
-                             d_v: int = 512, tail: bool | sparse_mla_tail.TailPlan | None = None,
-                             **schedule) -> tuple[torch.Tensor, torch.Tensor]:
-    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there; tail: launch_forward's)."""
+                             d_v: int = 512, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there)."""
     return launch_forward(_sparse_mla_fwd_gluon, constexprs(**schedule), 8, q, kv, idx, sm_scale, d_v,
-                          "Gluon sparse MLA forward", tail)
+                          "Gluon sparse MLA forward")

@@ -44,7 +44,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, launch_forward, rows_to_shared
-from kernels.sparse_mla_tail import TailPlan
 
 HALF = D_V // 2  # value columns a warpgroup owns; also the left half of a KV row
 # the register split (setmaxnreg): WG1's CONSUMER_REGS and the producer's PRODUCER_REGS are asked for, WG0 (the
@@ -141,7 +140,7 @@ def _finish(o, m, den, m_smem, den_smem, sync, mine: gl.constexpr, out_row, stri
     ho = h0 + gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, o_l))
     co = col0 + gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_l))
     gl.store(out_row + ho[:, None] * stride_oh + co[None, :], out.to(out_row.dtype.element_ty),
-             mask=(ho < HEADS)[:, None], eviction_policy=EVICT)  # bf16, or fp32 for sparse_mla_tail.py's partials
+             mask=(ho < HEADS)[:, None], eviction_policy=EVICT)
     if WRITE_LSE:
         lse = gl.where(den > 0, (m + gl.log2(den_safe)) / 1.4426950408889634, float("-inf"))
         hl = h0 + gl.arange(0, o.shape[0], layout=den.type.layout)
@@ -322,8 +321,7 @@ def constexprs(**change) -> dict:
 
 
 def sparse_mla_forward_pair(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
-                            d_v: int = 512, tail: bool | TailPlan | None = None,
-                            **schedule) -> tuple[torch.Tensor, torch.Tensor]:
-    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there; tail: launch_forward's)."""
+                            d_v: int = 512, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there)."""
     return launch_forward(_sparse_mla_fwd_pair, constexprs(**schedule), 4, q, kv, idx, sm_scale, d_v,
-                          "paired Gluon sparse MLA forward", tail)
+                          "paired Gluon sparse MLA forward")

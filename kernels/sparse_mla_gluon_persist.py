@@ -22,7 +22,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, launch_forward
 from kernels.sparse_mla_gluon_pair import (HALF, M0, M1, N_SYNC, O_LAYOUT, P_OPERAND, S0, S1, S_LAYOUT, SCHEDULE,
                                            _copy_rows, _finish, _fresh, _masked, _qk_part, _signal)
-from kernels.sparse_mla_tail import TailPlan
 
 # the token loop's state takes registers: with the paired kernel's split (warpgroup 1: 216, producer: 56,
 # warpgroup 0: 232) warpgroup 0 spills in its loop and the producer 10 values a pair (bench/kernel_resources'
@@ -271,8 +270,7 @@ def constexprs(**change) -> dict:
 
 
 def sparse_mla_forward_persist(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_scale: float,
-                               d_v: int = 512, tail: bool | TailPlan | None = None,
-                               **schedule) -> tuple[torch.Tensor, torch.Tensor]:
-    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there; tail: launch_forward's)."""
+                               d_v: int = 512, **schedule) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mla.sparse_mla_forward's outputs from this kernel (inputs as checked there)."""
     return launch_forward(_sparse_mla_fwd_persist, constexprs(**schedule), 4, q, kv, idx, sm_scale, d_v,
-                          "persistent Gluon sparse MLA forward", tail, persistent=True)
+                          "persistent Gluon sparse MLA forward", persistent=True)

@@ -102,22 +102,6 @@ def test_the_persistent_gluon_forward_keeps_its_loops_free_of_spills():
     assert sum(p["loop_spill_ops"] for p in tight["partitions"] if p["wgmma"]) > 0, tight
 
 
-def test_both_gluon_forwards_build_for_fp32_partials_as_they_build_for_bf16_out():
-    """kernels/sparse_mla_tail.py launches the unchanged kernels over a ragged last wave with an fp32 out (the
-    pieces' partials): those builds must fit as the bf16 ones do (no spill, the same registers and wgmmas in each
-    partition, no serialised wgmma), or the cut would slow the pieces it is there to speed up."""
-    cases = {c[0]: c for c in kr._sparse_mla_bwd_cases()}
-    for name in ("sparse_mla_fwd_gluon", "sparse_mla_fwd_gluon_pair"):
-        built = {}
-        for key in (name, name + "_partials"):
-            _, fn, args, constexprs, configs = cases[key]
-            cfg, _ = configs[0]
-            built[key] = kr.compile_sm90(fn, args, constexprs, cfg.num_warps, cfg.num_stages)
-        bf16, fp32 = built[name], built[name + "_partials"]
-        assert fp32["spill_stack_bytes"] == 0 and not fp32["wgmma_serialized"], fp32
-        assert fp32["partitions"] == bf16["partitions"] and fp32["wgmma"] == bf16["wgmma"], (bf16, fp32)
-
-
 def test_the_gluon_dq_pass_fits_without_spilling_its_consumers():
     case = next(c for c in kr._sparse_mla_bwd_cases() if c[0] == "sparse_mla_bwd_split_dq_gluon")
     _, fn, args, constexprs, configs = case

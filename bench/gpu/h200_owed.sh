@@ -2,7 +2,7 @@
 # [K2] what is owed on an H200 (the issue's goals are for one H200), in one device call: exits at once on
 # any other card so that a call that gets an H100 costs only the machine's start. Writes under $OUT:
 # kernels_indexer.json (indexer family: the top-k's share of the copy rate), kernels_mla.json (sparse MLA
-# forward, the default with the other Gluon kernel and the last-wave cut (kernels/sparse_mla_tail.py) timed beside it at 64K and 8K, and every backward impl), dq_pass_gluon.json and dkv_pass_gluon.json (the Gluon dq and dkv passes'
+# forward, the default with the other Gluon kernels timed beside it at 64K and 8K, and every backward impl), dq_pass_gluon.json and dkv_pass_gluon.json (the Gluon dq and dkv passes'
 # schedules against the Triton passes; on the H200 the dkv pass's best band count may differ).
 # Merge the bench.kernels parts into the record with `python -m bench.kernels_merge --into
 # bench/results/kernels.json kernels_mla.json kernels_indexer.json --note '...'` (it refuses a part from another card).

@@ -26,9 +26,7 @@ from kernels.sparse_mla_gluon_pair import sparse_mla_forward_pair  # noqa: E402
 from kernels.sparse_mla_gluon_persist import sparse_mla_forward_persist  # noqa: E402
 
 # a schedule's "kernel": sparse_mla_gluon.py's ("gluon", the default), sparse_mla_gluon_pair.py's ("pair") or
-# sparse_mla_gluon_persist.py's ("persist"); its
-# "tail": true cuts a ragged last wave into pieces, false leaves it whole; without it sparse_mla_tail.CUT_BY_DEFAULT
-# decides
+# sparse_mla_gluon_persist.py's ("persist"); its other keys: that kernel's constants
 KERNELS = {"gluon": sparse_mla_forward_gluon, "pair": sparse_mla_forward_pair, "persist": sparse_mla_forward_persist}
 
 
@@ -57,9 +55,8 @@ SCHEDULES = [{}, {"BLOCK_N": 32, "STAGES": 4}, {"PRODUCER_REGS": 56, "ROW_GROUP"
              {"kernel": "pair", "CONSUMER_REGS": 208}, {"kernel": "pair", "ROW_GROUP": 16}]
 
 
-# with the tail cut (sparse_mla_tail.py): T < 132 SMs puts every token in pieces (except at top-1), 140 tokens a whole
-# wave and 8 tokens in pieces
-# (T, heads, S, K, holes); the last two give a persistent kernel's programs several tokens each (one program an SM)
+# (T, heads, S, K, holes); 140 tokens and the last two give a persistent kernel's programs several tokens each (one
+# program an SM on 132 SMs)
 CASES = [(140, 64, 4096, 2048, True), (64, 64, 4096, 2048, True), (40, 48, 3000, 300, True), (33, 128, 9000, 2048, False), (16, 64, 512, 64, False),
          (16, 64, 512, 1, False), (600, 64, 4096, 300, True), (300, 128, 9000, 2048, False)]
 
@@ -112,42 +109,10 @@ def timed(dev, schedules, tokens=(4096, ), rounds=1) -> list[dict]:
     return rows
 
 
-def pieces(dev, counts=(2, 4, 8, 16)) -> list[dict]:
-    """Calibrates sparse_mla_tail.py's cost model on the benchmark's 64K shape (4096 tokens: 31 waves of 132 and 4
-    tokens): the paired kernel with the 4 tail tokens cut into each piece count, then the tail alone (its 4 tokens
-    whole, and cut), the merge alone, and one whole wave of 132 tokens, ms each."""
-    from kernels.sparse_mla_tail import PAIR_KEYS, TailPlan, merge_pieces, sm_count
-    T, heads, K, S = 4096, 64, 2048, 65536
-    q, kv, idx = _case(T, heads, S, K, False, dev, seed=1)
-    idx = idx.sort(dim=1).values
-    scale, pairs, sms = default_sm_scale(), K // PAIR_KEYS, sm_count(dev)
-    main = T - T % sms
-    bench = lambda fn: round(triton.testing.do_bench(fn, warmup=50, rep=400), 4)  # noqa: E731
-    rows = [{"part": "whole launch", "ms": bench(lambda: sparse_mla_forward_pair(q, kv, idx, scale, tail=False))},
-            {"part": f"one wave ({sms} tokens)", "ms": bench(lambda: sparse_mla_forward_pair(
-                q[:sms], kv, idx[:sms], scale, tail=False))},
-            {"part": f"tail alone ({T - main} tokens, whole)", "ms": bench(lambda: sparse_mla_forward_pair(
-                q[main:], kv, idx[main:], scale, tail=False))}]
-    for n in counts:
-        cut = TailPlan(main, n, pairs // n, 0.0)
-        alone = TailPlan(0, n, pairs // n, 0.0)
-        rows.append({"part": f"{n} pieces", "ms": bench(lambda cut=cut: sparse_mla_forward_pair(
-            q, kv, idx, scale, tail=cut)), "tail_alone_ms": bench(lambda alone=alone: sparse_mla_forward_pair(
-                q[main:], kv, idx[main:], scale, tail=alone))})
-        p_out = torch.randn((T - main) * n, heads, 512, device=dev)
-        p_lse = torch.randn((T - main) * n, heads, device=dev)
-        out = torch.empty(T - main, heads, 512, device=dev, dtype=torch.bfloat16)
-        lse = torch.empty(T - main, heads, device=dev)
-        rows[-1]["merge_alone_ms"] = bench(lambda: merge_pieces(p_out, p_lse, n, out, lse))
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--parts", default="check,time", help="comma-separated: check, time, pieces (the tail cut's "
-                    "calibration)")
+    ap.add_argument("--parts", default="check,time", help="comma-separated: check, time")
     ap.add_argument("--schedules", type=json.loads, default=SCHEDULES, help="JSON list of schedule dicts")
     ap.add_argument("--tokens", default="4096", help="comma-separated token counts to time (132 SMs: 4092 is 31 "
                     "full waves of one program an SM, 4096 adds a 32nd of 4)")
@@ -166,8 +131,6 @@ def main() -> int:
             result["check"] = [row for i, sch in enumerate(a.schedules)
                                for row in check(dev, sch, CASES if i in firsts.values() else [CASES[0], CASES[5]])]
             ok = [sch for sch in a.schedules if all(r["ok"] for r in result["check"] if r["schedule"] == sch)]
-        if "pieces" in parts:
-            result["pieces"] = pieces(dev)
         if "time" in parts and ok:
             result["time"] = timed(dev, ok, [int(t) for t in a.tokens.split(",")], a.rounds)
     finally:
