@@ -113,7 +113,8 @@ async def test_verifier_failures_are_not_rewards(env):
     verdict = await env.score()
     assert verdict.status == "infra_error:verifier" and verdict.reward is None
     assert "exit 0) wrote no /logs/verifier/reward.json" in verdict.text
-    # a test.sh that never started says so (here the sandbox cannot enter the workdir the verifier asks for)
+    # a test.sh that never started says so (here the sandbox cannot enter the workdir the verifier asks for); in
+    # a fresh sandbox of the task the tests run, so what differs is the agent's sandbox: scored 0
     await env.reset("write-name")
     real_exec = env._sandbox.exec
 
@@ -122,7 +123,8 @@ async def test_verifier_failures_are_not_rewards(env):
 
     env._sandbox.exec = exec_in_a_missing_workdir
     verdict = await env.score()
-    assert verdict.status == "infra_error:verifier" and "tests/test.sh never started" in verdict.text, verdict.text
+    assert (verdict.status, verdict.reward) == ("scored", 0.0), verdict.text
+    assert "tests/test.sh never started" in verdict.text and "in a fresh sandbox of the task it runs" in verdict.text
     await env.reset("verifier-hangs")
     start = time.monotonic()
     verdict = await env.score()
@@ -147,6 +149,53 @@ async def test_a_workdir_the_agent_locked_is_scored_not_an_infra_error(env):
     await env.step(Action(command="cd / && rm -rf /app && echo x > /app"))  # a file where the workdir goes
     verdict = await env.score()
     assert (verdict.status, verdict.reward) == ("scored", 0.0), verdict.text
+
+
+async def test_an_agent_that_breaks_its_sandbox_scores_zero_not_an_infra_error(env, provider):
+    # Without search permission on / the local sandbox's root (no CAP_DAC_OVERRIDE) cannot load a program, so
+    # the verifier cannot start: as an infra error the group was retried, then dropped, and breaking the machine
+    # never cost the policy anything. A fresh sandbox of the task runs the tests, so the agent is to blame.
+    await env.reset("write-name")
+    await env.step(Action(command="echo 'Ada Lovelace' > name.txt && chmod 644 /"))
+    created = []
+    real_create = provider.create
+
+    async def counting_create(spec):
+        created.append(spec.labels.get("purpose"))
+        return await real_create(spec)
+
+    provider.create = counting_create
+    verdict = await env.score()
+    assert (verdict.status, verdict.reward) == ("scored", 0.0), verdict.text
+    assert verdict.text.startswith("scored: the agent's changes broke the verifier: cannot prepare"), verdict.text
+    assert created == ["verifier-control"]
+    # a verifier that runs in the agent's sandbox needs no control
+    await env.reset("write-name")
+    await env.step(Action(command="echo 'Ada Lovelace' > name.txt"))
+    created.clear()
+    verdict = await env.score()
+    assert (verdict.status, verdict.reward, created) == ("scored", 1.0, []), verdict.text
+    # where the tests cannot start in a fresh sandbox either (every exec into the workdir fails: the task or the
+    # machinery, not the agent), the infra error stands
+    await env.reset("write-name")
+    await env.step(Action(command="chmod 644 /"))
+
+    def no_workdir(box):
+        real_exec = box.exec
+
+        async def exec_in_a_missing_workdir(cmd, **kw):
+            return await real_exec(cmd, **(kw | {"cwd": "/no-such-dir"} if "exec /bin/bash" in cmd else kw))
+
+        box.exec = exec_in_a_missing_workdir
+        return box
+
+    async def broken_create(spec):
+        return no_workdir(await real_create(spec))
+
+    provider.create = broken_create
+    verdict = await env.score()
+    assert (verdict.status, verdict.reward) == ("infra_error:verifier", None), verdict.text
+    assert "[a fresh sandbox of the task fails too: tests/test.sh never started" in verdict.text, verdict.text
 
 
 async def test_agent_timeout_ends_the_episode(env):

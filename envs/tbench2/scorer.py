@@ -20,6 +20,15 @@ A missing, empty, malformed or non-finite verdict is `infra_error:verifier`, and
 outlives its timeout is `infra_error:verifier_timeout`: neither is ever reward 0. test.sh's exit
 code does not matter once a verdict was written (tests usually exit 1 after writing 0).
 
+Who broke it: a verifier that fails in the agent's own sandbox while the backend still answers (no
+SandboxError) may have been broken by the agent itself (`chmod 644 /` locally, a deleted bash or
+coreutils on Daytona, a filled disk): as an infra error such an episode is retried and then dropped, so
+the policy never learns that breaking its machine fails the task. So steps 2-4 run once more, as a
+control, in a fresh sandbox of the task's environment with nothing of the attempt in it: if the tests
+run there (any verdict), the machinery works and the agent's changes are what stopped them, and the
+episode is scored 0 (its detail says so); if they fail there too, the task or the infrastructure is at
+fault and the infra error stands. Timeouts get no control (it would cost the timeout again).
+
 What the same sandbox cannot defend against: files the agent changed that the tests then trust,
 e.g. a replaced python or pytest in a folder on the image's PATH, a .pth file in a site-packages
 folder, /etc/ld.so.preload (locally /usr and /etc are read-only, so these need a writable folder
@@ -155,6 +164,8 @@ async def score_task(
         await sandbox.kill_all()
         if mode == "same":
             result = await _verify(sandbox, task, timeout, max_output_bytes)
+            if result.status == VERIFIER_ERROR and provider is not None:
+                result = await _with_control(provider, task, timeout, max_output_bytes, result)
         else:
             archive, carried = await pack_outputs(
                 sandbox, task.verifier_outputs, int(task.verifier_outputs_max_mb * (1 << 20))
@@ -170,6 +181,22 @@ async def score_task(
         result = ScoreResult(f"infra_error:{err.kind}", None, f"sandbox failed while scoring: {err}")
     result.elapsed_s = time.monotonic() - start
     return result
+
+
+async def _with_control(provider: SandboxProvider, task: TaskSpec, timeout: float, max_output_bytes: int,
+                        failed: ScoreResult) -> ScoreResult:
+    """`failed` (the verifier broken in the agent's sandbox) judged by a control run in a fresh sandbox of the
+    task (the module docstring's "Who broke it"): scored 0 where the control ran the tests, else `failed`."""
+    fresh = await provider.create(task.sandbox_spec(labels={"purpose": "verifier-control"}))
+    try:
+        control = await _verify(fresh, task, timeout, max_output_bytes)
+    finally:
+        await fresh.close()
+    if control.status != SCORED:
+        failed.detail += f" [a fresh sandbox of the task fails too: {control.detail}]"
+        return failed
+    return ScoreResult(SCORED, 0.0, f"the agent's changes broke the verifier: {failed.detail} [in a fresh sandbox "
+                       f"of the task it runs: {control.detail}]", failed.output)
 
 
 async def _verify(sandbox: Sandbox, task: TaskSpec, timeout: float, max_output_bytes: int) -> ScoreResult:
