@@ -84,10 +84,10 @@ def check(dev, schedule, cases) -> list[dict]:
     return rows
 
 
-def timed(dev, schedules, tokens=(4096, ), rounds=1) -> list[dict]:
+def timed(dev, schedules, tokens=(4096, ), rounds=1, contexts=(65536, 8192)) -> list[dict]:
     rows = []
     heads, K = 64, 2048
-    for T, S in [(T, S) for S in (65536, 8192) for T in tokens]:
+    for T, S in [(T, S) for S in contexts for T in tokens]:
         q, kv, idx = _case(T, heads, S, K, False, dev, seed=1)
         idx = idx.sort(dim=1).values
         scale = default_sm_scale()
@@ -116,6 +116,7 @@ def main() -> int:
     ap.add_argument("--schedules", type=json.loads, default=SCHEDULES, help="JSON list of schedule dicts")
     ap.add_argument("--tokens", default="4096", help="comma-separated token counts to time (132 SMs: 4092 is 31 "
                     "full waves of one program an SM, 4096 adds a 32nd of 4)")
+    ap.add_argument("--contexts", default="65536,8192", help="comma-separated context lengths to time")
     ap.add_argument("--rounds", type=int, default=1, help="times each schedule is timed, the schedules interleaved "
                     "(differences of ~1%% need a few rounds to tell from drift)")
     a = ap.parse_args()
@@ -132,7 +133,8 @@ def main() -> int:
                                for row in check(dev, sch, CASES if i in firsts.values() else [CASES[0], CASES[5]])]
             ok = [sch for sch in a.schedules if all(r["ok"] for r in result["check"] if r["schedule"] == sch)]
         if "time" in parts and ok:
-            result["time"] = timed(dev, ok, [int(t) for t in a.tokens.split(",")], a.rounds)
+            result["time"] = timed(dev, ok, [int(t) for t in a.tokens.split(",")], a.rounds,
+                                   [int(c) for c in a.contexts.split(",")])
     finally:
         a.out.write_text(json.dumps(result, indent=1))
     return 0
