@@ -77,6 +77,34 @@ def _copy_rows(dst, kv_ptr, idx_row, n_idx, stride_kv, j0, col0, ROWS: gl.conste
 
 
 @gluon.jit
+def _gather_left0(j0, ph, kv_ptr, idx_row, n_idx, stride_kv, kv_l, full_l, empty_l, ROW_GROUP: gl.constexpr,
+                  WARPS: gl.constexpr):
+    """A pair's first gather: tile 2j's left half into slot 0 (key slots from j0), once warpgroup 0 is done with it."""
+    mbarrier.wait(empty_l.index(0), ph)
+    _copy_rows(kv_l.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 0, ROW_GROUP, WARPS)
+    cp.mbarrier_arrive(full_l.index(0), increment_count=False)
+
+
+@gluon.jit
+def _gather_rest(j0, ph, kv_ptr, idx_row, n_idx, stride_kv, kv_l, kv_r, kv_rope, full_l, full_r, empty_l, empty_r,
+                 BLOCK_N: gl.constexpr, HALF: gl.constexpr, ROW_GROUP: gl.constexpr, WARPS: gl.constexpr):
+    """The pair's other gathers, in the order the consumers hand the halves back: slot 1's right half (tile 2j + 1),
+    slot 0's right, slot 1's left."""
+    j1 = j0 + BLOCK_N
+    mbarrier.wait(empty_r.index(1), ph)
+    _copy_rows(kv_r.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, HALF, ROW_GROUP, WARPS)
+    _copy_rows(kv_rope.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, 2 * HALF, BLOCK_N, WARPS)
+    cp.mbarrier_arrive(full_r.index(1), increment_count=False)
+    mbarrier.wait(empty_r.index(0), ph)
+    _copy_rows(kv_r.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, HALF, ROW_GROUP, WARPS)
+    _copy_rows(kv_rope.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 2 * HALF, BLOCK_N, WARPS)
+    cp.mbarrier_arrive(full_r.index(0), increment_count=False)
+    mbarrier.wait(empty_l.index(1), ph)
+    _copy_rows(kv_l.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, 0, ROW_GROUP, WARPS)
+    cp.mbarrier_arrive(full_l.index(1), increment_count=False)
+
+
+@gluon.jit
 def _gather_pairs(kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope, full_l, full_r, empty_l, empty_r,
                   BLOCK_N: gl.constexpr, HALF: gl.constexpr, ROW_GROUP: gl.constexpr, WARPS: gl.constexpr):
     """The producer: per pair, in the order the consumers hand the halves back, slot 0's left half (tile 2j),
@@ -84,22 +112,9 @@ def _gather_pairs(kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope,
     from every producer thread, as its copies land."""
     for j in range(pairs):
         ph = (j & 1) ^ 1  # a fresh barrier counts as having completed the phase before its first
-        j0 = 2 * j * BLOCK_N
-        j1 = j0 + BLOCK_N
-        mbarrier.wait(empty_l.index(0), ph)
-        _copy_rows(kv_l.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 0, ROW_GROUP, WARPS)
-        cp.mbarrier_arrive(full_l.index(0), increment_count=False)
-        mbarrier.wait(empty_r.index(1), ph)
-        _copy_rows(kv_r.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, HALF, ROW_GROUP, WARPS)
-        _copy_rows(kv_rope.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, 2 * HALF, BLOCK_N, WARPS)
-        cp.mbarrier_arrive(full_r.index(1), increment_count=False)
-        mbarrier.wait(empty_r.index(0), ph)
-        _copy_rows(kv_r.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, HALF, ROW_GROUP, WARPS)
-        _copy_rows(kv_rope.index(0), kv_ptr, idx_row, n_idx, stride_kv, j0, 2 * HALF, BLOCK_N, WARPS)
-        cp.mbarrier_arrive(full_r.index(0), increment_count=False)
-        mbarrier.wait(empty_l.index(1), ph)
-        _copy_rows(kv_l.index(1), kv_ptr, idx_row, n_idx, stride_kv, j1, 0, ROW_GROUP, WARPS)
-        cp.mbarrier_arrive(full_l.index(1), increment_count=False)
+        _gather_left0(2 * j * BLOCK_N, ph, kv_ptr, idx_row, n_idx, stride_kv, kv_l, full_l, empty_l, ROW_GROUP, WARPS)
+        _gather_rest(2 * j * BLOCK_N, ph, kv_ptr, idx_row, n_idx, stride_kv, kv_l, kv_r, kv_rope, full_l, full_r,
+                     empty_l, empty_r, BLOCK_N, HALF, ROW_GROUP, WARPS)
 
 
 @gluon.jit
@@ -164,53 +179,111 @@ def _fresh(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
 
 
 @gluon.jit
+def _first_scores(q_l, q_r, q_rope, kv_l, kv_r, kv_rope, full_l, full_r, phase, zero_s):
+    """Warpgroup 0's S of a token's first tile (slot 0), once its halves have landed (barrier phase `phase`)."""
+    s_tok = _qk_part(q_l.index(0), kv_l.index(0), full_l.index(0), phase, zero_s, False)
+    s_tok = _qk_part(q_r.index(0), kv_r.index(0), full_r.index(0), phase, s_tok, True)
+    s_tok = warpgroup_mma(q_rope.index(0), kv_rope.index(0).permute((1, 0)), s_tok, is_async=True)
+    return warpgroup_mma_wait(0, deps=(s_tok, ))
+
+
+@gluon.jit
+def _even_pair(j, pairs, ph, s, m, den, o, zero_s, idx_row, n_idx, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope,
+               p1_smem, m_smem, full_l, full_r, empty_l, sync, BLOCK_N: gl.constexpr):
+    """Warpgroup 0's part of pair j (barrier phase ph) from tile 2j's S: the pair's softmax and both PVs into O's
+    columns 0-255, and tile 2j + 2's S while the second runs. Returns (s, m, den, o)."""
+    z = (j + n_idx) >> 30  # always 0 (n_idx < 2^30): see _qk_part
+    x = _masked(s, idx_row, n_idx, 2 * j * BLOCK_N, scale_log2, S_LAYOUT)
+    m0 = gl.maximum(m, gl.max(x, axis=1))
+    m0_safe = gl.where(m0 == float("-inf"), 0.0, m0)  # rows with no valid key yet
+    alpha = gl.exp2(m - m0_safe)
+    p = gl.exp2(x - m0_safe[:, None])
+    den = den * alpha + gl.sum(p, axis=1)
+    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+    m_smem.store(m0)
+    _signal(sync.index(M0))
+    o_tok = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_OPERAND), kv_l.index(z), o, is_async=True)
+    o = warpgroup_mma_wait(0, deps=(o_tok, ))
+    _signal(empty_l.index(0))  # slot 0's left half: its QK^T and this PV are done
+    mbarrier.wait(sync.index(M1), ph)
+    m1 = m_smem.load(gl.SliceLayout(1, S_LAYOUT))  # max(m0, tile 2j + 1's): where the pair ends
+    # P0 at m1 for warpgroup 1's half of the values (rows with no valid key have P0 = 0: any finite beta)
+    beta = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0_safe - gl.where(m1 == float("-inf"), 0.0, m1)))
+    kv_rope.index(z).store((p * beta[:, None]).to(gl.bfloat16))  # slot 0's rope columns: read by S0 only
+    fence_async_shared()
+    _signal(sync.index(S0))
+    o = o * gl.convert_layout(beta, gl.SliceLayout(1, O_LAYOUT))[:, None]
+    den = den * beta
+    m = m1
+    mbarrier.wait(sync.index(S1), ph)
+    fence_async_shared()  # slot 1 landed by cp.async (generic proxy), waited for by warpgroup 1 only
+    o_tok = warpgroup_mma(p1_smem.index(z), kv_l.index(1 + z), o, is_async=True)
+    if j + 1 < pairs:  # tile 2j + 2's QK^T on slot 0's left half while this PV runs
+        s_tok = _qk_part(q_l.index(z), kv_l.index(z), full_l.index(0), ph ^ 1, zero_s, False)
+        o = warpgroup_mma_wait(1, deps=(o_tok, ))
+        _signal(empty_l.index(1))
+        s_tok = _qk_part(q_r.index(z), kv_r.index(z), full_r.index(0), ph ^ 1, s_tok, True)
+        s_tok = warpgroup_mma(q_rope.index(z), kv_rope.index(z).permute((1, 0)), s_tok, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    else:
+        o = warpgroup_mma_wait(0, deps=(o_tok, ))
+        _signal(empty_l.index(1))
+    return s, m, den, o
+
+
+@gluon.jit
+def _odd_scores(j, ph, n_idx, zero_s, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, full_l, full_r):
+    """Warpgroup 1's S of tile 2j + 1 (slot 1), the right half first: the producer fills it before the left."""
+    z = (j + n_idx) >> 30  # always 0: see _qk_part
+    s_tok = _qk_part(q_r.index(z), kv_r.index(1 + z), full_r.index(1), ph, zero_s, False)
+    s_tok = warpgroup_mma(q_rope.index(z), kv_rope.index(1 + z).permute((1, 0)), s_tok, is_async=True)
+    s_tok = _qk_part(q_l.index(z), kv_l.index(1 + z), full_l.index(1), ph, s_tok, True)
+    return warpgroup_mma_wait(0, deps=(s_tok, ))
+
+
+@gluon.jit
+def _odd_pair(j, ph, s, m, den, o, idx_row, n_idx, scale_log2, kv_r, kv_rope, p1_smem, m_smem, empty_r, sync,
+              BLOCK_N: gl.constexpr):
+    """Warpgroup 1's part of pair j (barrier phase ph) from tile 2j + 1's S: the pair's running max, its own P and
+    warpgroup 0's into O's columns 256-511. Returns (m, den, o)."""
+    z = (j + n_idx) >> 30  # always 0: see _qk_part
+    x = _masked(s, idx_row, n_idx, (2 * j + 1) * BLOCK_N, scale_log2, S_LAYOUT)
+    mbarrier.wait(sync.index(M0), ph)
+    m1 = gl.maximum(m_smem.load(gl.SliceLayout(1, S_LAYOUT)), gl.max(x, axis=1))
+    gl.thread_barrier()  # every thread has read m0 before any writes m1 over it
+    m1_safe = gl.where(m1 == float("-inf"), 0.0, m1)
+    alpha = gl.exp2(m - m1_safe)
+    p = gl.exp2(x - m1_safe[:, None])
+    den = den * alpha + gl.sum(p, axis=1)
+    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+    m = m1
+    m_smem.store(m1)
+    _signal(sync.index(M1))
+    p_bf = p.to(gl.bfloat16)
+    o_tok = warpgroup_mma(gl.convert_layout(p_bf, P_OPERAND), kv_r.index(1 + z), o, is_async=True)
+    p1_smem.index(z).store(p_bf)
+    fence_async_shared()
+    _signal(sync.index(S1))
+    mbarrier.wait(sync.index(S0), ph)
+    fence_async_shared()  # slot 0's right half landed by cp.async, waited for by warpgroup 0 only
+    o_tok = warpgroup_mma(kv_rope.index(z), kv_r.index(z), o_tok, is_async=True)  # P0, in slot 0's rope
+    warpgroup_mma_wait(1, deps=(o_tok, ))  # the first PV done (its value is read below, after both)
+    _signal(empty_r.index(1))  # slot 1's right half: this QK^T and the first PV are done
+    o = warpgroup_mma_wait(0, deps=(o_tok, ))
+    _signal(empty_r.index(0))  # slot 0's right half and P0
+    return m, den, o
+
+
+@gluon.jit
 def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem, den_smem,
                 full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS: gl.constexpr,
                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, IO_EVICT: gl.constexpr):
     """Warpgroup 0 (the default partition): tiles 2j, O's columns 0-255."""
     zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
-    s_tok = _qk_part(q_l.index(0), kv_l.index(0), full_l.index(0), 0, zero_s, False)
-    s_tok = _qk_part(q_r.index(0), kv_r.index(0), full_r.index(0), 0, s_tok, True)
-    s_tok = warpgroup_mma(q_rope.index(0), kv_rope.index(0).permute((1, 0)), s_tok, is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    s = _first_scores(q_l, q_r, q_rope, kv_l, kv_r, kv_rope, full_l, full_r, 0, zero_s)
     for j in range(pairs):
-        ph = j & 1
-        z = (j + n_idx) >> 30  # always 0 (n_idx < 2^30): see _qk_part
-        x = _masked(s, idx_row, n_idx, 2 * j * BLOCK_N, scale_log2, S_LAYOUT)
-        m0 = gl.maximum(m, gl.max(x, axis=1))
-        m0_safe = gl.where(m0 == float("-inf"), 0.0, m0)  # rows with no valid key yet
-        alpha = gl.exp2(m - m0_safe)
-        p = gl.exp2(x - m0_safe[:, None])
-        den = den * alpha + gl.sum(p, axis=1)
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-        m_smem.store(m0)
-        _signal(sync.index(M0))
-        o_tok = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_OPERAND), kv_l.index(z), o, is_async=True)
-        o = warpgroup_mma_wait(0, deps=(o_tok, ))
-        _signal(empty_l.index(0))  # slot 0's left half: its QK^T and this PV are done
-        mbarrier.wait(sync.index(M1), ph)
-        m1 = m_smem.load(gl.SliceLayout(1, S_LAYOUT))  # max(m0, tile 2j + 1's): where the pair ends
-        # P0 at m1 for warpgroup 1's half of the values (rows with no valid key have P0 = 0: any finite beta)
-        beta = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0_safe - gl.where(m1 == float("-inf"), 0.0, m1)))
-        kv_rope.index(z).store((p * beta[:, None]).to(gl.bfloat16))  # slot 0's rope columns: read by S0 only
-        fence_async_shared()
-        _signal(sync.index(S0))
-        o = o * gl.convert_layout(beta, gl.SliceLayout(1, O_LAYOUT))[:, None]
-        den = den * beta
-        m = m1
-        mbarrier.wait(sync.index(S1), ph)
-        fence_async_shared()  # slot 1 landed by cp.async (generic proxy), waited for by warpgroup 1 only
-        o_tok = warpgroup_mma(p1_smem.index(z), kv_l.index(1 + z), o, is_async=True)
-        if j + 1 < pairs:  # tile 2j + 2's QK^T on slot 0's left half while this PV runs
-            s_tok = _qk_part(q_l.index(z), kv_l.index(z), full_l.index(0), ph ^ 1, zero_s, False)
-            o = warpgroup_mma_wait(1, deps=(o_tok, ))
-            _signal(empty_l.index(1))
-            s_tok = _qk_part(q_r.index(z), kv_r.index(z), full_r.index(0), ph ^ 1, s_tok, True)
-            s_tok = warpgroup_mma(q_rope.index(z), kv_rope.index(z).permute((1, 0)), s_tok, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s_tok, ))
-        else:
-            o = warpgroup_mma_wait(0, deps=(o_tok, ))
-            _signal(empty_l.index(1))
+        s, m, den, o = _even_pair(j, pairs, j & 1, s, m, den, o, zero_s, idx_row, n_idx, scale_log2, q_l, q_r, q_rope,
+                                  kv_l, kv_r, kv_rope, p1_smem, m_smem, full_l, full_r, empty_l, sync, BLOCK_N)
     _finish(o, m, den, m_smem, den_smem, sync, 0, out_row, stride_oh, 0, h0, HEADS, lse_row, False, O_LAYOUT, IO_EVICT, 0)
 
 
@@ -221,49 +294,17 @@ def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, 
     """Warpgroup 1 (a worker partition): tiles 2j + 1, O's columns 256-511, and the lse."""
     zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
     for j in range(pairs):
-        ph = j & 1
-        z = (j + n_idx) >> 30  # always 0: see _qk_part
-        # the right half first: the producer fills slot 1's right half before its left
-        s_tok = _qk_part(q_r.index(z), kv_r.index(1 + z), full_r.index(1), ph, zero_s, False)
-        s_tok = warpgroup_mma(q_rope.index(z), kv_rope.index(1 + z).permute((1, 0)), s_tok, is_async=True)
-        s_tok = _qk_part(q_l.index(z), kv_l.index(1 + z), full_l.index(1), ph, s_tok, True)
-        s = warpgroup_mma_wait(0, deps=(s_tok, ))
-        x = _masked(s, idx_row, n_idx, (2 * j + 1) * BLOCK_N, scale_log2, S_LAYOUT)
-        mbarrier.wait(sync.index(M0), ph)
-        m1 = gl.maximum(m_smem.load(gl.SliceLayout(1, S_LAYOUT)), gl.max(x, axis=1))
-        gl.thread_barrier()  # every thread has read m0 before any writes m1 over it
-        m1_safe = gl.where(m1 == float("-inf"), 0.0, m1)
-        alpha = gl.exp2(m - m1_safe)
-        p = gl.exp2(x - m1_safe[:, None])
-        den = den * alpha + gl.sum(p, axis=1)
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-        m = m1
-        m_smem.store(m1)
-        _signal(sync.index(M1))
-        p_bf = p.to(gl.bfloat16)
-        o_tok = warpgroup_mma(gl.convert_layout(p_bf, P_OPERAND), kv_r.index(1 + z), o, is_async=True)
-        p1_smem.index(z).store(p_bf)
-        fence_async_shared()
-        _signal(sync.index(S1))
-        mbarrier.wait(sync.index(S0), ph)
-        fence_async_shared()  # slot 0's right half landed by cp.async, waited for by warpgroup 0 only
-        o_tok = warpgroup_mma(kv_rope.index(z), kv_r.index(z), o_tok, is_async=True)  # P0, in slot 0's rope
-        warpgroup_mma_wait(1, deps=(o_tok, ))  # the first PV done (its value is read below, after both)
-        _signal(empty_r.index(1))  # slot 1's right half: this QK^T and the first PV are done
-        o = warpgroup_mma_wait(0, deps=(o_tok, ))
-        _signal(empty_r.index(0))  # slot 0's right half and P0
+        s = _odd_scores(j, j & 1, n_idx, zero_s, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, full_l, full_r)
+        m, den, o = _odd_pair(j, j & 1, s, m, den, o, idx_row, n_idx, scale_log2, kv_r, kv_rope, p1_smem, m_smem,
+                              empty_r, sync, BLOCK_N)
     _finish(o, m, den, m_smem, den_smem, sync, 1, out_row, stride_oh, HALF, h0, HEADS, lse_row, True, O_LAYOUT, IO_EVICT, 0)
 
 
 @gluon.jit
-def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n_idx, stride_qt, stride_qh, stride_kv,
-                         stride_it, stride_ot, stride_oh, stride_lt, HEADS: gl.constexpr, BLOCK_H: gl.constexpr,
-                         BLOCK_N: gl.constexpr, HALF: gl.constexpr, D_R: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr,
-                         IO_EVICT: gl.constexpr):
-    t = gl.program_id(0).to(gl.int64)
-    h0 = gl.program_id(1) * BLOCK_H
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
+def _buffers(dtype: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, D_R: gl.constexpr,
+             PRODUCER_WARPS: gl.constexpr):
+    """The kernel's shared memory: q in halves and rope columns, the two KV slots in halves with their barriers,
+    warpgroup 1's P, the exchange vectors and barriers (q 72 KB + two 72 KB slots + P1 8 KB of the 227 KB)."""
     half_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], gl.bfloat16)
     rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_R], gl.bfloat16)
     kvh_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.bfloat16)
@@ -291,6 +332,21 @@ def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n
         mbarrier.init(empty_r.index(s), count=1)
     for b in gl.static_range(N_SYNC):
         mbarrier.init(sync.index(b), count=1)
+    return (q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem, den_smem, full_l, full_r, empty_l, empty_r,
+            sync)
+
+
+@gluon.jit
+def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n_idx, stride_qt, stride_qh, stride_kv,
+                         stride_it, stride_ot, stride_oh, stride_lt, HEADS: gl.constexpr, BLOCK_H: gl.constexpr,
+                         BLOCK_N: gl.constexpr, HALF: gl.constexpr, D_R: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr,
+                         IO_EVICT: gl.constexpr):
+    t = gl.program_id(0).to(gl.int64)
+    h0 = gl.program_id(1) * BLOCK_H
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    (q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem, den_smem, full_l, full_r, empty_l, empty_r,
+     sync) = _buffers(dtype, BLOCK_H, BLOCK_N, HALF, D_R, PRODUCER_WARPS)
     q_row = q_ptr + t * stride_qt
     rows_to_shared(q_l.index(0), q_row, stride_qh, h0, HEADS, 0, 4, IO_EVICT)  # once; heads past HEADS as zeros
     rows_to_shared(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF, 4, IO_EVICT)
@@ -313,12 +369,13 @@ def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n
         [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def constexprs(**change) -> dict:
-    """The kernel's compile-time constants besides HEADS (what a launch and bench/kernel_resources pass)."""
-    base = dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, HALF=HALF, D_R=D_R, **SCHEDULE)
+def constexprs(schedule: dict | None = None, what: str = "paired", **change) -> dict:
+    """The kernel's compile-time constants besides HEADS (what a launch and bench/kernel_resources pass): SCHEDULE
+    (or the given schedule: sparse_mla_gluon_persist.py's) with `change`; an unknown name is a ValueError."""
+    base = dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, HALF=HALF, D_R=D_R, **(SCHEDULE if schedule is None else schedule))
     unknown = set(change) - set(base)
     if unknown:
-        raise ValueError(f"unknown Gluon paired sparse MLA constants {sorted(unknown)}; known: {sorted(base)}")
+        raise ValueError(f"unknown Gluon {what} sparse MLA constants {sorted(unknown)}; known: {sorted(base)}")
     return base | change
 
 
