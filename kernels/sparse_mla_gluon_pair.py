@@ -34,7 +34,7 @@ before waiting for a slot (run 5, H100: 3.00-3.10 ms against 3.01-3.09; the in-o
 what 64K adds is not a latency that a prefetch hides; every other wave of programs taking its rows' slots in reverse,
 so that a wave starts on the rows the one before read last (run 6, H200: 2.98-3.02 against 2.96-3.01); the ragged
 last wave (4096 tokens on 132 SMs: 4 programs in a 32nd wave) cut into one-pair pieces launched apart and merged
-(session 28, H200: 3.023 ms against 2.975 whole, the pieces' own launch 0.13-0.15 ms).
+(session 28, H200: 0.978-1.010x in three timings, the pieces' own launch 0.13-0.15 ms).
 """
 from __future__ import annotations
 
