@@ -78,6 +78,10 @@ async def verdict_dirs(tmp: Path) -> Outcome:
     )
 
 
+async def broken_sandbox(tmp: Path) -> Outcome:
+    return await _forgeries(tmp, "write-name", ["broken-sandbox"])
+
+
 async def startup_hooks(tmp: Path) -> Outcome:
     return await _forgeries(tmp, "write-name", ["fake-bin-on-path", "startup-hooks", "python-user-site"],
                             unplantable=("fake-bin-on-path",))
@@ -256,6 +260,9 @@ SCENARIOS = (
     Scenario("integrity_verifier_planted_dirs", "security",
              _VI + "planted, chmod/chattr-locked, symlinked and folder-for-file verdicts are removed and remade",
              verdict_dirs),
+    Scenario("integrity_verifier_broken_sandbox", "security",
+             _VI + "a sandbox left unable to start a program scores 0 (a fresh sandbox of the task runs the tests), "
+             "not an infra error", broken_sandbox),
     Scenario("integrity_verifier_startup_hooks", "security",
              _VI + "shell startup files and a user-site .pth do not reach the fixtures' tests; fake programs "
              "cannot even be planted on the default PATH (read-only /usr)",
