@@ -116,12 +116,7 @@ async def test_verifier_failures_are_not_rewards(env):
     # a test.sh that never started says so (here the sandbox cannot enter the workdir the verifier asks for); in
     # a fresh sandbox of the task the tests run, so what differs is the agent's sandbox: scored 0
     await env.reset("write-name")
-    real_exec = env._sandbox.exec
-
-    async def exec_in_a_missing_workdir(cmd, **kw):
-        return await real_exec(cmd, **(kw | {"cwd": "/no-such-dir"} if "exec /bin/bash" in cmd else kw))
-
-    env._sandbox.exec = exec_in_a_missing_workdir
+    _exec_in_a_missing_workdir(env._sandbox)
     verdict = await env.score()
     assert (verdict.status, verdict.reward) == ("scored", 0.0), verdict.text
     assert "tests/test.sh never started" in verdict.text and "in a fresh sandbox of the task it runs" in verdict.text
@@ -151,12 +146,20 @@ async def test_a_workdir_the_agent_locked_is_scored_not_an_infra_error(env):
     assert (verdict.status, verdict.reward) == ("scored", 0.0), verdict.text
 
 
+def _exec_in_a_missing_workdir(box):
+    """box whose test.sh never starts (its exec cannot enter the workdir), as when the agent deleted bash."""
+    real_exec = box.exec
+
+    async def exec_in_a_missing_workdir(cmd, **kw):
+        return await real_exec(cmd, **(kw | {"cwd": "/no-such-dir"} if "exec /bin/bash" in cmd else kw))
+
+    box.exec = exec_in_a_missing_workdir
+    return box
+
+
 async def test_an_agent_that_breaks_its_sandbox_scores_zero_not_an_infra_error(env, provider):
-    # Without search permission on / the local sandbox's root (no CAP_DAC_OVERRIDE) cannot load a program, so
-    # the verifier cannot start: as an infra error the group was retried, then dropped, and breaking the machine
-    # never cost the policy anything. A fresh sandbox of the task runs the tests, so the agent is to blame.
-    await env.reset("write-name")
-    await env.step(Action(command="echo 'Ada Lovelace' > name.txt && chmod 644 /"))
+    # As an infra error the group was retried, then dropped, and breaking the machine never cost the policy
+    # anything. Where a fresh sandbox of the task runs the tests, the agent is to blame: scored 0.
     created = []
     real_create = provider.create
 
@@ -165,37 +168,48 @@ async def test_an_agent_that_breaks_its_sandbox_scores_zero_not_an_infra_error(e
         return await real_create(spec)
 
     provider.create = counting_create
-    verdict = await env.score()
-    assert (verdict.status, verdict.reward) == ("scored", 0.0), verdict.text
-    assert verdict.text.startswith("scored: the agent's changes broke the verifier: cannot prepare"), verdict.text
-    assert created == ["verifier-control"]
-    # a verifier that runs in the agent's sandbox needs no control
     await env.reset("write-name")
     await env.step(Action(command="echo 'Ada Lovelace' > name.txt"))
+    _exec_in_a_missing_workdir(env._sandbox)
     created.clear()
     verdict = await env.score()
-    assert (verdict.status, verdict.reward, created) == ("scored", 1.0, []), verdict.text
-    # where the tests cannot start in a fresh sandbox either (every exec into the workdir fails: the task or the
-    # machinery, not the agent), the infra error stands
+    assert (verdict.status, verdict.reward) == ("scored", 0.0), verdict.text
+    assert verdict.text.startswith("scored: the agent's changes broke the verifier: tests/test.sh never started")
+    assert created == ["verifier-control"]
+    # where the tests cannot start in a fresh sandbox either (the task or the machinery, not the agent), the
+    # infra error stands
     await env.reset("write-name")
-    await env.step(Action(command="chmod 644 /"))
-
-    def no_workdir(box):
-        real_exec = box.exec
-
-        async def exec_in_a_missing_workdir(cmd, **kw):
-            return await real_exec(cmd, **(kw | {"cwd": "/no-such-dir"} if "exec /bin/bash" in cmd else kw))
-
-        box.exec = exec_in_a_missing_workdir
-        return box
+    _exec_in_a_missing_workdir(env._sandbox)
 
     async def broken_create(spec):
-        return no_workdir(await real_create(spec))
+        return _exec_in_a_missing_workdir(await real_create(spec))
 
     provider.create = broken_create
     verdict = await env.score()
     assert (verdict.status, verdict.reward) == ("infra_error:verifier", None), verdict.text
     assert "[a fresh sandbox of the task fails too: tests/test.sh never started" in verdict.text, verdict.text
+
+
+async def test_no_search_permission_on_root_is_undone_before_the_tests(env, provider):
+    # Root in the local sandbox has no CAP_DAC_OVERRIDE: after `chmod 644 /` no program loads (not even the
+    # verifier's first command), where root on Docker is unaffected. kill_all gives / its owner's bits back, so
+    # the tests run as they would there, in the agent's own sandbox (no control sandbox needed).
+    created = []
+    real_create = provider.create
+
+    async def counting_create(spec):
+        created.append(spec.labels.get("purpose"))
+        return await real_create(spec)
+
+    for mode in ("644", "0", "500"):
+        await env.reset("write-name")
+        out = await env.step(Action(command=f"echo 'Ada Lovelace' > name.txt && chmod {mode} / && echo locked"))
+        assert "locked" in out.text
+        provider.create = counting_create
+        verdict = await env.score()
+        provider.create = real_create
+        assert (verdict.status, verdict.reward) == ("scored", 1.0), (mode, verdict.text)
+    assert created == []
 
 
 async def test_agent_timeout_ends_the_episode(env):

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import uuid
 from dataclasses import dataclass
@@ -364,7 +365,23 @@ class LocalSandbox:
             raise SandboxError(
                 "kill", f"sandbox {self.id}: {len(left)} process(es) outlived SIGKILL for {KILL_ALL_TIMEOUT_S:g} s"
             )
+        self._searchable_root()
         return ended
+
+    def _searchable_root(self) -> None:
+        """Gives the sandbox's / its owner's read, write and search bits back if the agent took them. Root
+        here has no CAP_DAC_OVERRIDE (every capability is dropped), so after `chmod 644 /` no program can
+        even load its libraries (and after `chmod 500 /` the verifier cannot make /tests), where root on
+        Docker goes on unaffected; kill_all comes before a verifier (never before the agent's own commands),
+        so the tests run as they would there. Done from this process on the init's root (a magic link no
+        file of the agent's can redirect); workdir.py does the same for the task's working directory."""
+        root = self._init_path("root")
+        try:
+            mode = os.stat(root).st_mode
+            if mode & stat.S_IRWXU != stat.S_IRWXU:
+                os.chmod(root, stat.S_IMODE(mode) | stat.S_IRWXU)
+        except OSError as err:  # the verifier then reports what it cannot do, as before
+            log.warning("sandbox %s: cannot give / its owner's bits back: %s", self.id, err)
 
     @property
     def closed(self) -> bool:

@@ -21,8 +21,9 @@ outlives its timeout is `infra_error:verifier_timeout`: neither is ever reward 0
 code does not matter once a verdict was written (tests usually exit 1 after writing 0).
 
 Who broke it: a verifier that fails in the agent's own sandbox while the backend still answers (no
-SandboxError) may have been broken by the agent itself (`chmod 644 /` locally, a deleted bash or
-coreutils on Daytona, a filled disk): as an infra error such an episode is retried and then dropped, so
+SandboxError) may have been broken by the agent itself (a deleted bash or coreutils on Daytona, a
+filled disk; the local backend's kill_all undoes a `chmod 644 /`): as an infra error such an episode is
+retried and then dropped, so
 the policy never learns that breaking its machine fails the task. So steps 2-4 run once more, as a
 control, in a fresh sandbox of the task's environment with nothing of the attempt in it: if the tests
 run there (any verdict), the machinery works and the agent's changes are what stopped them, and the
