@@ -146,6 +146,18 @@ async def test_a_workdir_the_agent_locked_is_scored_not_an_infra_error(env):
     assert (verdict.status, verdict.reward) == ("scored", 0.0), verdict.text
 
 
+def _count_creates(provider) -> list:
+    """The `purpose` label of every sandbox `provider` creates from now on, in order."""
+    created, real_create = [], provider.create
+
+    async def counting_create(spec):
+        created.append(spec.labels.get("purpose"))
+        return await real_create(spec)
+
+    provider.create = counting_create
+    return created
+
+
 def _exec_in_a_missing_workdir(box):
     """box whose test.sh never starts (its exec cannot enter the workdir), as when the agent deleted bash."""
     real_exec = box.exec
@@ -160,14 +172,8 @@ def _exec_in_a_missing_workdir(box):
 async def test_an_agent_that_breaks_its_sandbox_scores_zero_not_an_infra_error(env, provider):
     # As an infra error the group was retried, then dropped, and breaking the machine never cost the policy
     # anything. Where a fresh sandbox of the task runs the tests, the agent is to blame: scored 0.
-    created = []
     real_create = provider.create
-
-    async def counting_create(spec):
-        created.append(spec.labels.get("purpose"))
-        return await real_create(spec)
-
-    provider.create = counting_create
+    created = _count_creates(provider)
     await env.reset("write-name")
     await env.step(Action(command="echo 'Ada Lovelace' > name.txt"))
     _exec_in_a_missing_workdir(env._sandbox)
@@ -194,22 +200,14 @@ async def test_no_search_permission_on_root_is_undone_before_the_tests(env, prov
     # Root in the local sandbox has no CAP_DAC_OVERRIDE: after `chmod 644 /` no program loads (not even the
     # verifier's first command), where root on Docker is unaffected. kill_all gives / its owner's bits back, so
     # the tests run as they would there, in the agent's own sandbox (no control sandbox needed).
-    created = []
-    real_create = provider.create
-
-    async def counting_create(spec):
-        created.append(spec.labels.get("purpose"))
-        return await real_create(spec)
-
+    created = _count_creates(provider)
     for mode in ("644", "0", "500"):
         await env.reset("write-name")
         out = await env.step(Action(command=f"echo 'Ada Lovelace' > name.txt && chmod {mode} / && echo locked"))
         assert "locked" in out.text
-        provider.create = counting_create
+        created.clear()  # reset's own sandbox
         verdict = await env.score()
-        provider.create = real_create
-        assert (verdict.status, verdict.reward) == ("scored", 1.0), (mode, verdict.text)
-    assert created == []
+        assert (verdict.status, verdict.reward, created) == ("scored", 1.0, []), (mode, verdict.text)
 
 
 async def test_agent_timeout_ends_the_episode(env):
