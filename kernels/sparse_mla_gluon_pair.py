@@ -284,7 +284,8 @@ def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
     for j in range(pairs):
         s, m, den, o = _even_pair(j, pairs, j & 1, s, m, den, o, zero_s, idx_row, n_idx, scale_log2, q_l, q_r, q_rope,
                                   kv_l, kv_r, kv_rope, p1_smem, m_smem, full_l, full_r, empty_l, sync, BLOCK_N)
-    _finish(o, m, den, m_smem, den_smem, sync, 0, out_row, stride_oh, 0, h0, HEADS, lse_row, False, O_LAYOUT, IO_EVICT, 0)
+    _finish(o, m, den, m_smem, den_smem, sync, 0, out_row, stride_oh, 0, h0, HEADS, lse_row, False, O_LAYOUT,
+            IO_EVICT, 0)
 
 
 @gluon.jit
@@ -297,7 +298,8 @@ def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, 
         s = _odd_scores(j, j & 1, n_idx, zero_s, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, full_l, full_r)
         m, den, o = _odd_pair(j, j & 1, s, m, den, o, idx_row, n_idx, scale_log2, kv_r, kv_rope, p1_smem, m_smem,
                               empty_r, sync, BLOCK_N)
-    _finish(o, m, den, m_smem, den_smem, sync, 1, out_row, stride_oh, HALF, h0, HEADS, lse_row, True, O_LAYOUT, IO_EVICT, 0)
+    _finish(o, m, den, m_smem, den_smem, sync, 1, out_row, stride_oh, HALF, h0, HEADS, lse_row, True, O_LAYOUT,
+            IO_EVICT, 0)
 
 
 @gluon.jit

@@ -44,6 +44,18 @@ def _copy_q(dst, q_row, stride_qh, h0, HEADS: gl.constexpr, col0, ROWS: gl.const
 
 
 @gluon.jit
+def _token_count(n_tokens):
+    """How many tokens this program takes: pid, pid + grid, ... below n_tokens."""
+    return gl.cdiv(n_tokens - gl.program_id(0), gl.num_programs(0))
+
+
+@gluon.jit
+def _token(n):
+    """This program's n-th token (int64: it scales row strides)."""
+    return (gl.program_id(0) + n * gl.num_programs(0)).to(gl.int64)
+
+
+@gluon.jit
 def _producer(q_ptr, kv_ptr, idx_ptr, n_tokens, n_idx, stride_qt, stride_qh, stride_kv, stride_it, pairs, h0, q_l,
               q_r, q_rope, q_full, q_empty, kv_l, kv_r, kv_rope, full_l, full_r, empty_l, empty_r, HEADS: gl.constexpr,
               BLOCK_N: gl.constexpr, HALF: gl.constexpr, ROW_GROUP: gl.constexpr, WARPS: gl.constexpr,
@@ -51,13 +63,13 @@ def _producer(q_ptr, kv_ptr, idx_ptr, n_tokens, n_idx, stride_qt, stride_qh, str
     """Each token's pairs as the paired kernel's producer gathers them, with the token's q right after its first
     tile's left half (that slot frees before q does), outside the loop over the other pairs (whose registers it
     would otherwise take)."""
-    for n in range(gl.cdiv(n_tokens - gl.program_id(0), gl.num_programs(0))):  # this program's n-th token: t
-        t = gl.program_id(0) + n * gl.num_programs(0)
-        idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    for n in range(_token_count(n_tokens)):
+        t = _token(n)
+        idx_row = idx_ptr + t * stride_it
         ph = ((n * pairs) & 1) ^ 1  # a fresh barrier counts as having completed the phase before its first
         _gather_left0(0, ph, kv_ptr, idx_row, n_idx, stride_kv, kv_l, full_l, empty_l, ROW_GROUP, WARPS)
         mbarrier.wait(q_empty, (n & 1) ^ 1)  # both warpgroups past their last QK^T of the token before
-        q_row = q_ptr + t.to(gl.int64) * stride_qt
+        q_row = q_ptr + t * stride_qt
         _copy_q(q_l.index(0), q_row, stride_qh, h0, HEADS, 0, Q_ROWS, WARPS)
         _copy_q(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF, Q_ROWS, WARPS)
         _copy_q(q_rope.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF, Q_ROWS, WARPS)
@@ -78,8 +90,9 @@ def _even_tiles(idx_ptr, n_tokens, n_idx, stride_it, pairs, scale_log2, q_l, q_r
                 stride_oh, h0, lse_ptr, stride_lt, HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                 HALF: gl.constexpr, IO_EVICT: gl.constexpr):
     """Warpgroup 0 (the default partition): each token's tiles 2j, O's columns 0-255."""
-    for n in range(gl.cdiv(n_tokens - gl.program_id(0), gl.num_programs(0))):  # this program's n-th token: t
-        t = gl.program_id(0) + n * gl.num_programs(0)
+    for n in range(_token_count(n_tokens)):
+        t = _token(n)
+        idx_row = idx_ptr + t * stride_it
         g0 = n * pairs  # pairs done by this program before this token: the barriers' phases count them
         zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
         mbarrier.wait(q_full, n & 1)
@@ -87,11 +100,11 @@ def _even_tiles(idx_ptr, n_tokens, n_idx, stride_it, pairs, scale_log2, q_l, q_r
         for j in range(pairs):
             if j + 1 == pairs:
                 _signal(q_empty)  # this token's last QK^T of warpgroup 0 is done
-            s, m, den, o = _even_pair(j, pairs, (g0 + j) & 1, s, m, den, o, zero_s, idx_ptr + t.to(gl.int64) * stride_it,
-                                      n_idx, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem, full_l,
+            s, m, den, o = _even_pair(j, pairs, (g0 + j) & 1, s, m, den, o, zero_s, idx_row, n_idx, scale_log2,
+                                      q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem, full_l,
                                       full_r, empty_l, sync, BLOCK_N)
-        _finish(o, m, den, m_smem, den_smem, sync, 0, out_ptr + t.to(gl.int64) * stride_ot, stride_oh, 0, h0, HEADS,
-                lse_ptr + t.to(gl.int64) * stride_lt, False, O_LAYOUT, IO_EVICT, n & 1)
+        _finish(o, m, den, m_smem, den_smem, sync, 0, out_ptr + t * stride_ot, stride_oh, 0, h0, HEADS,
+                lse_ptr + t * stride_lt, False, O_LAYOUT, IO_EVICT, n & 1)
 
 
 @gluon.jit
@@ -100,8 +113,9 @@ def _odd_tiles(idx_ptr, n_tokens, n_idx, stride_it, pairs, scale_log2, q_l, q_r,
                stride_oh, h0, lse_ptr, stride_lt, HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                HALF: gl.constexpr, IO_EVICT: gl.constexpr):
     """Warpgroup 1 (a worker partition): each token's tiles 2j + 1, O's columns 256-511, and the lse."""
-    for n in range(gl.cdiv(n_tokens - gl.program_id(0), gl.num_programs(0))):  # this program's n-th token: t
-        t = gl.program_id(0) + n * gl.num_programs(0)
+    for n in range(_token_count(n_tokens)):
+        t = _token(n)
+        idx_row = idx_ptr + t * stride_it
         g0 = n * pairs
         zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
         mbarrier.wait(q_full, n & 1)
@@ -109,10 +123,10 @@ def _odd_tiles(idx_ptr, n_tokens, n_idx, stride_it, pairs, scale_log2, q_l, q_r,
             s = _odd_scores(j, (g0 + j) & 1, n_idx, zero_s, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, full_l, full_r)
             if j + 1 == pairs:
                 _signal(q_empty)  # this token's last QK^T of warpgroup 1 is done
-            m, den, o = _odd_pair(j, (g0 + j) & 1, s, m, den, o, idx_ptr + t.to(gl.int64) * stride_it, n_idx,
-                                  scale_log2, kv_r, kv_rope, p1_smem, m_smem, empty_r, sync, BLOCK_N)
-        _finish(o, m, den, m_smem, den_smem, sync, 1, out_ptr + t.to(gl.int64) * stride_ot, stride_oh, HALF, h0, HEADS,
-                lse_ptr + t.to(gl.int64) * stride_lt, True, O_LAYOUT, IO_EVICT, n & 1)
+            m, den, o = _odd_pair(j, (g0 + j) & 1, s, m, den, o, idx_row, n_idx, scale_log2, kv_r, kv_rope,
+                                  p1_smem, m_smem, empty_r, sync, BLOCK_N)
+        _finish(o, m, den, m_smem, den_smem, sync, 1, out_ptr + t * stride_ot, stride_oh, HALF, h0, HEADS,
+                lse_ptr + t * stride_lt, True, O_LAYOUT, IO_EVICT, n & 1)
 
 
 @gluon.jit

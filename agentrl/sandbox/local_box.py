@@ -365,10 +365,10 @@ class LocalSandbox:
             raise SandboxError(
                 "kill", f"sandbox {self.id}: {len(left)} process(es) outlived SIGKILL for {KILL_ALL_TIMEOUT_S:g} s"
             )
-        self._searchable_root()
+        self._restore_root_owner_bits()
         return ended
 
-    def _searchable_root(self) -> None:
+    def _restore_root_owner_bits(self) -> None:
         """Gives the sandbox's / its owner's read, write and search bits back if the agent took them. Root
         here has no CAP_DAC_OVERRIDE (every capability is dropped), so after `chmod 644 /` no program can
         even load its libraries (and after `chmod 500 /` the verifier cannot make /tests), where root on

@@ -22,13 +22,13 @@ code does not matter once a verdict was written (tests usually exit 1 after writ
 
 Who broke it: a verifier that fails in the agent's own sandbox while the backend still answers (no
 SandboxError) may have been broken by the agent itself (a deleted bash or coreutils on Daytona, a
-filled disk; the local backend's kill_all undoes a `chmod 644 /`): as an infra error such an episode is
-retried and then dropped, so
-the policy never learns that breaking its machine fails the task. So steps 2-4 run once more, as a
-control, in a fresh sandbox of the task's environment with nothing of the attempt in it: if the tests
-run there (any verdict), the machinery works and the agent's changes are what stopped them, and the
-episode is scored 0 (its detail says so); if they fail there too, the task or the infrastructure is at
-fault and the infra error stands. Timeouts get no control (it would cost the timeout again).
+filled disk; the local backend's kill_all undoes a `chmod 644 /`): as an infra error such an episode
+is retried and then dropped, so the policy never learns that breaking its machine fails the task.
+So steps 2-4 run once more, as a control, in a fresh sandbox of the task's environment with nothing
+of the attempt in it: if the tests run there (any verdict), the machinery works and the agent's
+changes are what stopped them, and the episode is scored 0 (its detail says so); if they fail there
+too, the task or the infrastructure is at fault and the infra error stands. Timeouts get no control
+(it would cost the timeout again).
 
 What the same sandbox cannot defend against: files the agent changed that the tests then trust,
 e.g. a replaced python or pytest in a folder on the image's PATH, a .pth file in a site-packages
@@ -46,7 +46,7 @@ import json
 import math
 import shlex
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agentrl.sandbox.base import Sandbox, SandboxError, SandboxProvider
@@ -194,10 +194,9 @@ async def _with_control(provider: SandboxProvider, task: TaskSpec, timeout: floa
     finally:
         await fresh.close()
     if control.status != SCORED:
-        failed.detail += f" [a fresh sandbox of the task fails too: {control.detail}]"
-        return failed
-    return ScoreResult(SCORED, 0.0, f"the agent's changes broke the verifier: {failed.detail} [in a fresh sandbox "
-                       f"of the task it runs: {control.detail}]", failed.output)
+        return replace(failed, detail=f"{failed.detail} [a fresh sandbox of the task fails too: {control.detail}]")
+    return replace(failed, status=SCORED, reward=0.0, detail=f"the agent's changes broke the verifier: "
+                   f"{failed.detail} [in a fresh sandbox of the task it runs: {control.detail}]")
 
 
 async def _verify(sandbox: Sandbox, task: TaskSpec, timeout: float, max_output_bytes: int) -> ScoreResult:
