@@ -148,7 +148,6 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
     from kernels import sparse_mla_bwd_gluon as gluon_dq
     from kernels import sparse_mla_gluon as gluon_fwd
     from kernels import sparse_mla_gluon_pair as gluon_pair
-    from kernels import sparse_mla_gluon_persist as gluon_persist
     from kernels._tuning import KernelConfig
     from kernels.sparse_mla import CONFIGS as FWD_CONFIGS
     from kernels.sparse_mla import _sparse_mla_fwd_kernel
@@ -179,8 +178,6 @@ def _sparse_mla_bwd_cases() -> list[tuple[str, Any, dict, dict, list]]:
          [(KernelConfig.make(num_warps=8, num_stages=1), {})]),
         ("sparse_mla_fwd_gluon_pair", gluon_pair._sparse_mla_fwd_pair, fwd_args, {"HEADS": H, **gluon_pair.constexprs()},
          [(KernelConfig.make(num_warps=4, num_stages=1), {})]),
-        ("sparse_mla_fwd_gluon_persist", gluon_persist._sparse_mla_fwd_persist, {**fwd_args, "n_tokens": 4096},
-         {"HEADS": H, **gluon_persist.constexprs()}, [(KernelConfig.make(num_warps=4, num_stages=1), {})]),
         ("sparse_mla_bwd_atomic", sparse_mla_bwd_rows_kernel, rows_args,
          {**dims, "WITH_DKV": True, "STORE_DSP": False}, [(c, {}) for c in BWD_CONFIGS]),
         ("sparse_mla_bwd_split_dq", sparse_mla_bwd_rows_kernel, rows_args,

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import sparse_mla_gluon, sparse_mla_gluon_pair, sparse_mla_gluon_persist
+from kernels import sparse_mla_gluon, sparse_mla_gluon_pair
 from kernels._tuning import Autotuner, KernelConfig
 
 # H200, 4096 tokens, 64 heads, top-2048 (ms at 64K / 8K context), three rounds of configs:
@@ -83,11 +83,9 @@ def _bucket(n: int) -> int:
 
 # "gluon": kernels/sparse_mla_gluon.py (bf16, 512 + 64 columns, sm_90 only; 1.51x the Triton kernel on an
 # H100); "pair": kernels/sparse_mla_gluon_pair.py (the same shapes and machines, the two consumer warpgroups on
-# alternate tiles); "persist": kernels/sparse_mla_gluon_persist.py (the paired schedule in one program an SM, the
-# producer running across tokens); "triton": the kernel above (any power-of-two split, any CUDA GPU, the
-# interpreter on CPU).
-FWD_IMPLS = ("gluon", "pair", "persist", "triton")
-GLUON_FWD_IMPLS = ("gluon", "pair", "persist")  # what gluon_runs gates
+# alternate tiles); "triton": the kernel above (any power-of-two split, any CUDA GPU, the interpreter on CPU).
+FWD_IMPLS = ("gluon", "pair", "triton")
+GLUON_FWD_IMPLS = ("gluon", "pair")  # what gluon_runs gates
 # The Gluon kernel a default launch takes where gluon_runs: the paired one, at every context. 4096 tokens x top-2048:
 # on the H200 (bench/results/kernels.json and sparse_mla_gluon_gpu.json run 6, session 25) with 8K keys (latents in
 # L2) 2.69-2.76 ms against 2.90-2.96 for the in-order kernel, with 64K keys 2.96-3.01 against 3.01-3.06; on an H100
@@ -135,8 +133,6 @@ def sparse_mla_forward(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sm_
         return sparse_mla_gluon.sparse_mla_forward_gluon(q, kv, idx, sm_scale, d_v)
     if impl == "pair":
         return sparse_mla_gluon_pair.sparse_mla_forward_pair(q, kv, idx, sm_scale, d_v)
-    if impl == "persist":
-        return sparse_mla_gluon_persist.sparse_mla_forward_persist(q, kv, idx, sm_scale, d_v)
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
     out = torch.empty((T, heads, d_v), device=q.device, dtype=q.dtype)
     lse = torch.empty((T, heads), device=q.device, dtype=torch.float32)

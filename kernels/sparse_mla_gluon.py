@@ -216,17 +216,10 @@ def supports(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
             and q.shape[-1] == D_V + D_R and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
-def sm_count(device: torch.device) -> int:
-    """SMs of a CUDA device (the programs of a wave, one an SM)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def launch_forward(kernel, cx: dict, num_warps: int, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
-                   sm_scale: float, d_v: int, name: str, persistent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   sm_scale: float, d_v: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """sparse_mla.sparse_mla_forward's outputs from one of the Gluon forward kernels (this module's, or
-    sparse_mla_gluon_pair.py's: the same arguments) launched with constants cx, a program per (token, 64 heads).
-    persistent: the kernel takes the token count last and loops over tokens pid, pid + grid, ...
-    (sparse_mla_gluon_persist.py), so the grid is one program an SM per head block."""
+    sparse_mla_gluon_pair.py's: the same arguments) launched with constants cx, a program per (token, 64 heads)."""
     if not supports(q, kv, d_v):
         raise ValueError(f"the {name} needs bf16 q and kv on an sm_90 GPU with 512 + 64 columns; got q "
                          f"{q.dtype} {tuple(q.shape)} on {q.device}, d_v={d_v}")
@@ -239,10 +232,9 @@ def launch_forward(kernel, cx: dict, num_warps: int, q: torch.Tensor, kv: torch.
     if idx.shape[1] == 0:  # no slot: the consumers would wait for a first tile that never comes
         return out.zero_(), lse.fill_(float("-inf"))
     head_blocks = triton.cdiv(heads, BLOCK_H)
-    grid = (min(T, max(1, sm_count(q.device) // head_blocks)) if persistent else T, head_blocks)
-    kernel[grid](q, kv, idx, out, lse, sm_scale * 1.4426950408889634, idx.shape[1], q.stride(0), q.stride(1),
-                 kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-                 *((T, ) if persistent else ()), HEADS=heads, **cx, num_warps=num_warps)
+    kernel[(T, head_blocks)](q, kv, idx, out, lse, sm_scale * 1.4426950408889634, idx.shape[1], q.stride(0),
+                             q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+                             HEADS=heads, **cx, num_warps=num_warps)
     return out, lse
 
 

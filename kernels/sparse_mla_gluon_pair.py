@@ -21,7 +21,11 @@ schedule DeepSeek's FlashMLA sparse prefill uses for 64 heads (issue #22: 640 TF
   0's own PV, its right after warpgroup 1's PV over it), and the next tile's QK^T starts on the left half
   while the right one lands;
 - warpgroup 0's P for warpgroup 1 goes where slot 0's rope columns were (read only by its QK^T, already
-  done): q 72 KB + two 72 KB slots + warpgroup 1's P 8 KB fit the 227 KB an SM has.
+  done): q 72 KB + two 72 KB slots + warpgroup 1's P 8 KB fit the 227 KB an SM has;
+- the producer also loads q, by cp.async right after the first tile's left half (`Q_ROWS`), so that q's load
+  and the first gathers are in flight together: a program holds its SM alone, and with q loaded by the
+  consumers before the producer started, the two latencies ran one after the other in every program (session
+  29, sparse_mla_gluon_gpu.json run 14, H100: 64K 2.97-3.05 ms against 3.03-3.13, 8K 2.71-2.72 against 2.77-2.78).
 At the end the two warpgroups add their row sums through shared memory and each writes its half of out.
 Measured on an H100 (bench/results/sparse_mla_gluon_gpu.json run 4, three timings in two processes), 4096
 tokens x top-2048: at an 8K context (latents in L2) 2.73-2.74 ms, 426-429 TFLOP/s, 1.05-1.12x sparse_mla_gluon.py;
@@ -34,7 +38,10 @@ before waiting for a slot (run 5, H100: 3.00-3.10 ms against 3.01-3.09; the in-o
 what 64K adds is not a latency that a prefetch hides; every other wave of programs taking its rows' slots in reverse,
 so that a wave starts on the rows the one before read last (run 6, H200: 2.98-3.02 against 2.96-3.01); the ragged
 last wave (4096 tokens on 132 SMs: 4 programs in a 32nd wave) cut into one-pair pieces launched apart and merged
-(session 28, H200: 0.978-1.010x in three timings, the pieces' own launch 0.13-0.15 ms).
+(session 28, H200: 0.978-1.010x in three timings, the pieces' own launch 0.13-0.15 ms); one program an SM looping
+over tokens with the producer loading the next token's q (session 29, H100: exact, 1.48x slower, the math inside a
+loop over tokens); FlashMLA's L2 hints on the gathers by a PTX rewrite (session 29, H100: a 256-byte prefetch size
+gained nothing measurable, any cache policy hit an illegal instruction on one check case).
 """
 from __future__ import annotations
 
@@ -52,10 +59,14 @@ HALF = D_V // 2  # value columns a warpgroup owns; also the left half of a KV ro
 # default partition) gets what is left of 64K / 384 threads: 504 - CONSUMER_REGS - PRODUCER_REGS
 # 216 / 56 (warpgroup 0: 232) and 208 / 56 (240) compile without spills (bench/kernel_resources); 216 / 72 (216)
 # spills 96 bytes in warpgroup 0's loop
-# IO_EVICT: the L2 eviction policy of q's loads and out's stores, which each program makes once ("": the default;
-# "evict_first" asks L2 to drop those lines before the gathered KV rows). Triton 3.6 drops an eviction policy
-# given to cp.async, so the gathers themselves cannot carry one.
-SCHEDULE = dict(PRODUCER_WARPS=4, PRODUCER_REGS=56, CONSUMER_REGS=216, ROW_GROUP=32, IO_EVICT="")
+# IO_EVICT: the L2 eviction policy of out's stores and (Q_ROWS 0) q's loads, which each program makes once ("":
+# the default; "evict_first" asks L2 to drop those lines before the gathered KV rows). Triton 3.6 drops an eviction
+# policy given to cp.async, so neither the gathers nor the producer's q copies can carry one.
+# Q_ROWS: 0 loads q in the default partition before the producer starts; > 0 has the producer load it by cp.async
+# (Q_ROWS rows a call) right after the first tile's left half, so that q's load and the first gathers overlap
+# (H100, run 14: 32 rows 2.8% faster than 0 at 64K, 2.2% at 8K; 16 rows between; 32 and 16 compile without spills)
+# IO_EVICT "evict_first" there: 8K 0.8% faster again, 64K 0.5% slower, within the rounds' spread: left off
+SCHEDULE = dict(PRODUCER_WARPS=4, PRODUCER_REGS=56, CONSUMER_REGS=216, ROW_GROUP=32, IO_EVICT="", Q_ROWS=32)
 # the exchange barriers between the consumer warpgroups (each completes once a pair, or once at the end)
 M0, M1, S0, S1, L0, L1 = (gl.constexpr(i) for i in range(6))
 N_SYNC = gl.constexpr(6)
@@ -74,6 +85,20 @@ def _copy_rows(dst, kv_ptr, idx_row, n_idx, stride_kv, j0, col0, ROWS: gl.conste
         ids = gl.load(idx_row + j, mask=j < n_idx, other=-1)
         rows = kv_ptr + gl.where(ids >= 0, ids, 0).to(gl.int64) * stride_kv
         cp.async_copy_global_to_shared(dst.slice(g * ROWS, ROWS, dim=0), rows[:, None] + c[None, :])
+
+
+@gluon.jit
+def _copy_q(dst, q_row, stride_qh, h0, HEADS: gl.constexpr, col0, ROWS: gl.constexpr, WARPS: gl.constexpr):
+    """cp.async dst [BLOCK_H, C] <- q_row's heads h0 .. h0 + BLOCK_H, columns col0 .. col0 + C (heads past HEADS
+    are not read: cp.async fills them with zeros)."""
+    C: gl.constexpr = dst.shape[1]
+    TPC: gl.constexpr = C // 8 if C // 8 < 32 else 32
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [WARPS, 1], [1, 0])
+    c = col0 + gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+    for g in gl.static_range(dst.shape[0] // ROWS):
+        h = h0 + g * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        cp.async_copy_global_to_shared(dst.slice(g * ROWS, ROWS, dim=0), q_row + h[:, None] * stride_qh + c[None, :],
+                                       mask=(h < HEADS)[:, None])
 
 
 @gluon.jit
@@ -106,11 +131,23 @@ def _gather_rest(j0, ph, kv_ptr, idx_row, n_idx, stride_kv, kv_l, kv_r, kv_rope,
 
 @gluon.jit
 def _gather_pairs(kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope, full_l, full_r, empty_l, empty_r,
-                  BLOCK_N: gl.constexpr, HALF: gl.constexpr, ROW_GROUP: gl.constexpr, WARPS: gl.constexpr):
+                  q_row, stride_qh, h0, q_l, q_r, q_rope, q_full, HEADS: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HALF: gl.constexpr, ROW_GROUP: gl.constexpr, WARPS: gl.constexpr, Q_ROWS: gl.constexpr):
     """The producer: per pair, in the order the consumers hand the halves back, slot 0's left half (tile 2j),
     slot 1's right (2j + 1), slot 0's right, slot 1's left; each half's `full` barrier takes one arrival
-    from every producer thread, as its copies land."""
-    for j in range(pairs):
+    from every producer thread, as its copies land. Q_ROWS > 0: q too, by cp.async right after the first
+    tile's left half (q_full as its barrier), outside the loop (whose registers it would otherwise take)."""
+    first = 0
+    if Q_ROWS > 0:
+        _gather_left0(0, 1, kv_ptr, idx_row, n_idx, stride_kv, kv_l, full_l, empty_l, ROW_GROUP, WARPS)
+        _copy_q(q_l.index(0), q_row, stride_qh, h0, HEADS, 0, Q_ROWS, WARPS)
+        _copy_q(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF, Q_ROWS, WARPS)
+        _copy_q(q_rope.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF, Q_ROWS, WARPS)
+        cp.mbarrier_arrive(q_full, increment_count=False)
+        _gather_rest(0, 1, kv_ptr, idx_row, n_idx, stride_kv, kv_l, kv_r, kv_rope, full_l, full_r, empty_l, empty_r,
+                     BLOCK_N, HALF, ROW_GROUP, WARPS)
+        first = 1
+    for j in range(first, pairs):
         ph = (j & 1) ^ 1  # a fresh barrier counts as having completed the phase before its first
         _gather_left0(2 * j * BLOCK_N, ph, kv_ptr, idx_row, n_idx, stride_kv, kv_l, full_l, empty_l, ROW_GROUP, WARPS)
         _gather_rest(2 * j * BLOCK_N, ph, kv_ptr, idx_row, n_idx, stride_kv, kv_l, kv_r, kv_rope, full_l, full_r,
@@ -147,7 +184,7 @@ def _masked(s, idx_row, n_idx, j0, scale_log2, s_l: gl.constexpr):
 def _finish(o, m, den, m_smem, den_smem, sync, mine: gl.constexpr, out_row, stride_oh, col0, h0, HEADS: gl.constexpr,
             lse_row, WRITE_LSE: gl.constexpr, o_l: gl.constexpr, EVICT: gl.constexpr, phase):
     """Both warpgroups' row sums added through shared memory; this warpgroup's half of out (and the lse).
-    phase: the exchange barriers' (once a token: a persistent program's tokens alternate it)."""
+    phase: the exchange barriers'."""
     den_smem.slice(mine * den.shape[0], den.shape[0]).store(den)
     _signal(sync.index(L0 + mine))
     mbarrier.wait(sync.index(L0 + 1 - mine), phase)
@@ -276,10 +313,13 @@ def _odd_pair(j, ph, s, m, den, o, idx_row, n_idx, scale_log2, kv_r, kv_rope, p1
 
 @gluon.jit
 def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem, den_smem,
-                full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS: gl.constexpr,
-                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, IO_EVICT: gl.constexpr):
+                full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, q_full, HEADS: gl.constexpr,
+                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, IO_EVICT: gl.constexpr,
+                Q_ROWS: gl.constexpr):
     """Warpgroup 0 (the default partition): tiles 2j, O's columns 0-255."""
     zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
+    if Q_ROWS > 0:
+        mbarrier.wait(q_full, 0)
     s = _first_scores(q_l, q_r, q_rope, kv_l, kv_r, kv_rope, full_l, full_r, 0, zero_s)
     for j in range(pairs):
         s, m, den, o = _even_pair(j, pairs, j & 1, s, m, den, o, zero_s, idx_row, n_idx, scale_log2, q_l, q_r, q_rope,
@@ -290,10 +330,13 @@ def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
 
 @gluon.jit
 def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem, den_smem,
-               full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS: gl.constexpr,
-               BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, IO_EVICT: gl.constexpr):
+               full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, q_full, HEADS: gl.constexpr,
+               BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, IO_EVICT: gl.constexpr,
+               Q_ROWS: gl.constexpr):
     """Warpgroup 1 (a worker partition): tiles 2j + 1, O's columns 256-511, and the lse."""
     zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
+    if Q_ROWS > 0:
+        mbarrier.wait(q_full, 0)
     for j in range(pairs):
         s = _odd_scores(j, j & 1, n_idx, zero_s, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, full_l, full_r)
         m, den, o = _odd_pair(j, j & 1, s, m, den, o, idx_row, n_idx, scale_log2, kv_r, kv_rope, p1_smem, m_smem,
@@ -343,16 +386,19 @@ def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n
                          stride_it, stride_ot, stride_oh, stride_lt, HEADS: gl.constexpr, BLOCK_H: gl.constexpr,
                          BLOCK_N: gl.constexpr, HALF: gl.constexpr, D_R: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr,
-                         IO_EVICT: gl.constexpr):
+                         IO_EVICT: gl.constexpr, Q_ROWS: gl.constexpr):
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     (q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem, den_smem, full_l, full_r, empty_l, empty_r,
      sync) = _buffers(dtype, BLOCK_H, BLOCK_N, HALF, D_R, PRODUCER_WARPS)
+    q_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_full.index(0), count=PRODUCER_WARPS * 32)
     q_row = q_ptr + t * stride_qt
-    rows_to_shared(q_l.index(0), q_row, stride_qh, h0, HEADS, 0, 4, IO_EVICT)  # once; heads past HEADS as zeros
-    rows_to_shared(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF, 4, IO_EVICT)
-    rows_to_shared(q_rope.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF, 4, IO_EVICT)
+    if Q_ROWS == 0:  # q by the default partition's loads, before the producer starts
+        rows_to_shared(q_l.index(0), q_row, stride_qh, h0, HEADS, 0, 4, IO_EVICT)  # heads past HEADS as zeros
+        rows_to_shared(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF, 4, IO_EVICT)
+        rows_to_shared(q_rope.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF, 4, IO_EVICT)
     fence_async_shared()
     gl.thread_barrier()
     idx_row = idx_ptr + t * stride_it
@@ -361,23 +407,24 @@ def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n
     lse_row = lse_ptr + t * stride_lt
     gl.warp_specialize(  # the constexprs inline: a tuple held in a variable turns them into tensors
         [(_even_tiles, (idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem,
-                        den_smem, full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS,
-                        BLOCK_H, BLOCK_N, HALF, IO_EVICT)),
+                        den_smem, full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row,
+                        q_full.index(0), HEADS, BLOCK_H, BLOCK_N, HALF, IO_EVICT, Q_ROWS)),
          (_odd_tiles, (idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem,
-                       den_smem, full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, HEADS,
-                       BLOCK_H, BLOCK_N, HALF, IO_EVICT)),
+                       den_smem, full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row,
+                       q_full.index(0), HEADS, BLOCK_H, BLOCK_N, HALF, IO_EVICT, Q_ROWS)),
          (_gather_pairs, (kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope, full_l, full_r, empty_l,
-                          empty_r, BLOCK_N, HALF, ROW_GROUP, PRODUCER_WARPS))],
+                          empty_r, q_row, stride_qh, h0, q_l, q_r, q_rope, q_full.index(0), HEADS, BLOCK_N, HALF,
+                          ROW_GROUP, PRODUCER_WARPS, Q_ROWS))],
         [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def constexprs(schedule: dict | None = None, what: str = "paired", **change) -> dict:
+def constexprs(**change) -> dict:
     """The kernel's compile-time constants besides HEADS (what a launch and bench/kernel_resources pass): SCHEDULE
-    (or the given schedule: sparse_mla_gluon_persist.py's) with `change`; an unknown name is a ValueError."""
-    base = dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, HALF=HALF, D_R=D_R, **(SCHEDULE if schedule is None else schedule))
+    with `change`; an unknown name is a ValueError."""
+    base = dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, HALF=HALF, D_R=D_R, **SCHEDULE)
     unknown = set(change) - set(base)
     if unknown:
-        raise ValueError(f"unknown Gluon {what} sparse MLA constants {sorted(unknown)}; known: {sorted(base)}")
+        raise ValueError(f"unknown Gluon paired sparse MLA constants {sorted(unknown)}; known: {sorted(base)}")
     return base | change
 
 

@@ -83,25 +83,6 @@ def test_the_paired_gluon_forward_fits_without_spilling():
     assert not res["wgmma_serialized"] and len([p for p in res["partitions"] if p["wgmma"]]) == 2, res
 
 
-def test_the_persistent_gluon_forward_keeps_its_loops_free_of_spills():
-    """kernels/sparse_mla_gluon_persist.py: the paired kernel's math inside a loop over tokens. Its split (warpgroup
-    1: 200, the producer: 64, warpgroup 0: 240) keeps local memory out of both consumers' loops over tiles and
-    leaves the producer a few reloads a pair; the paired kernel's split (216 / 56 / 232) spills in warpgroup 0's
-    loop, the reason for the persistent kernel's own. Its wgmmas stay asynchronous."""
-    case = next(c for c in kr._sparse_mla_bwd_cases() if c[0] == "sparse_mla_fwd_gluon_persist")
-    _, fn, args, constexprs, configs = case
-    cfg, _ = configs[0]
-    res = kr.compile_sm90(fn, args, constexprs, cfg.num_warps, cfg.num_stages)
-    assert 224 * 1024 <= res["shared_bytes"] <= 232448 and not res["wgmma_serialized"], res
-    consumers = [p for p in res["partitions"] if p["wgmma"]]
-    producer = [p for p in res["partitions"] if not p["wgmma"]]
-    assert len(consumers) == 2 and all(p["loop_spill_ops"] == 0 for p in consumers), res
-    assert len(producer) == 1 and producer[0]["loop_spill_ops"] <= 8, res
-    tight = kr.compile_sm90(fn, args, {**constexprs, "PRODUCER_REGS": 56, "CONSUMER_REGS": 216}, cfg.num_warps,
-                            cfg.num_stages)
-    assert sum(p["loop_spill_ops"] for p in tight["partitions"] if p["wgmma"]) > 0, tight
-
-
 def test_the_gluon_dq_pass_fits_without_spilling_its_consumers():
     case = next(c for c in kr._sparse_mla_bwd_cases() if c[0] == "sparse_mla_bwd_split_dq_gluon")
     _, fn, args, constexprs, configs = case

@@ -23,11 +23,10 @@ from kernels.sparse_mla import (default_sm_scale, reference_sparse_mla, sparse_m
                                 sparse_mla_forward)
 from kernels.sparse_mla_gluon import sparse_mla_forward_gluon  # noqa: E402
 from kernels.sparse_mla_gluon_pair import sparse_mla_forward_pair  # noqa: E402
-from kernels.sparse_mla_gluon_persist import sparse_mla_forward_persist  # noqa: E402
 
-# a schedule's "kernel": sparse_mla_gluon.py's ("gluon", the default), sparse_mla_gluon_pair.py's ("pair") or
-# sparse_mla_gluon_persist.py's ("persist"); its other keys: that kernel's constants
-KERNELS = {"gluon": sparse_mla_forward_gluon, "pair": sparse_mla_forward_pair, "persist": sparse_mla_forward_persist}
+# a schedule's "kernel": sparse_mla_gluon.py's ("gluon", the default) or sparse_mla_gluon_pair.py's ("pair"); its
+# other keys: that kernel's constants
+KERNELS = {"gluon": sparse_mla_forward_gluon, "pair": sparse_mla_forward_pair}
 
 
 def _forward(q, kv, idx, scale, schedule):
@@ -117,6 +116,8 @@ def main() -> int:
     ap.add_argument("--tokens", default="4096", help="comma-separated token counts to time (132 SMs: 4092 is 31 "
                     "full waves of one program an SM, 4096 adds a 32nd of 4)")
     ap.add_argument("--contexts", default="65536,8192", help="comma-separated context lengths to time")
+    ap.add_argument("--check-all", action="store_true", help="every check case for every schedule (default: all "
+                    "for each kernel's first schedule, two for the others)")
     ap.add_argument("--rounds", type=int, default=1, help="times each schedule is timed, the schedules interleaved "
                     "(differences of ~1%% need a few rounds to tell from drift)")
     a = ap.parse_args()
@@ -130,7 +131,7 @@ def main() -> int:
             # every case for each kernel's first schedule; for the others the 64-head ones (one compile each)
             firsts = {sch.get("kernel", "gluon"): i for i, sch in reversed(list(enumerate(a.schedules)))}
             result["check"] = [row for i, sch in enumerate(a.schedules)
-                               for row in check(dev, sch, CASES if i in firsts.values() else [CASES[0], CASES[5]])]
+                               for row in check(dev, sch, CASES if a.check_all or i in firsts.values() else [CASES[0], CASES[5]])]
             ok = [sch for sch in a.schedules if all(r["ok"] for r in result["check"] if r["schedule"] == sch)]
         if "time" in parts and ok:
             result["time"] = timed(dev, ok, [int(t) for t in a.tokens.split(",")], a.rounds,
