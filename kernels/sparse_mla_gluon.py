@@ -140,6 +140,21 @@ def rows_to_shared(smem, base, stride_row, r0, n_rows, col0, WARPS: gl.constexpr
 
 
 @gluon.jit
+def rows_to_shared_async(smem, base, stride_row, r0, n_rows, col0, ROWS: gl.constexpr, WARPS: gl.constexpr):
+    """rows_to_shared's copy by cp.async (16 bytes a thread a copy, ROWS rows a call) from any partition of WARPS
+    warps: rows n_rows and past are not read (cp.async fills them with zeros). The caller waits for the copies
+    (cp.async's mbarrier arrive, or wait_group) and fences before an async-proxy reader (wgmma)."""
+    C: gl.constexpr = smem.shape[1]
+    TPC: gl.constexpr = C // 8 if C // 8 < 32 else 32
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [WARPS, 1], [1, 0])
+    c = col0 + gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+    for g in gl.static_range(smem.shape[0] // ROWS):
+        r = r0 + g * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        cp.async_copy_global_to_shared(smem.slice(g * ROWS, ROWS, dim=0), base + r[:, None] * stride_row + c[None, :],
+                                       mask=(r < n_rows)[:, None])
+
+
+@gluon.jit
 def kv_ring(dtype: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr,
             PRODUCER_WARPS: gl.constexpr):
     """The KV tiles' ring in shared memory ([STAGES, BLOCK_N, D_V] and [STAGES, BLOCK_N, D_R]) and its slots'

@@ -52,7 +52,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels.sparse_mla_gluon import BLOCK_H, BLOCK_N, D_R, D_V, launch_forward, rows_to_shared
+from kernels.sparse_mla_gluon import (BLOCK_H, BLOCK_N, D_R, D_V, launch_forward, rows_to_shared,
+                                      rows_to_shared_async)
 
 HALF = D_V // 2  # value columns a warpgroup owns; also the left half of a KV row
 # the register split (setmaxnreg): WG1's CONSUMER_REGS and the producer's PRODUCER_REGS are asked for, WG0 (the
@@ -85,20 +86,6 @@ def _copy_rows(dst, kv_ptr, idx_row, n_idx, stride_kv, j0, col0, ROWS: gl.conste
         ids = gl.load(idx_row + j, mask=j < n_idx, other=-1)
         rows = kv_ptr + gl.where(ids >= 0, ids, 0).to(gl.int64) * stride_kv
         cp.async_copy_global_to_shared(dst.slice(g * ROWS, ROWS, dim=0), rows[:, None] + c[None, :])
-
-
-@gluon.jit
-def _copy_q(dst, q_row, stride_qh, h0, HEADS: gl.constexpr, col0, ROWS: gl.constexpr, WARPS: gl.constexpr):
-    """cp.async dst [BLOCK_H, C] <- q_row's heads h0 .. h0 + BLOCK_H, columns col0 .. col0 + C (heads past HEADS
-    are not read: cp.async fills them with zeros)."""
-    C: gl.constexpr = dst.shape[1]
-    TPC: gl.constexpr = C // 8 if C // 8 < 32 else 32
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [WARPS, 1], [1, 0])
-    c = col0 + gl.arange(0, C, layout=gl.SliceLayout(0, layout))
-    for g in gl.static_range(dst.shape[0] // ROWS):
-        h = h0 + g * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        cp.async_copy_global_to_shared(dst.slice(g * ROWS, ROWS, dim=0), q_row + h[:, None] * stride_qh + c[None, :],
-                                       mask=(h < HEADS)[:, None])
 
 
 @gluon.jit
@@ -140,9 +127,9 @@ def _gather_pairs(kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope,
     first = 0
     if Q_ROWS > 0:
         _gather_left0(0, 1, kv_ptr, idx_row, n_idx, stride_kv, kv_l, full_l, empty_l, ROW_GROUP, WARPS)
-        _copy_q(q_l.index(0), q_row, stride_qh, h0, HEADS, 0, Q_ROWS, WARPS)
-        _copy_q(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF, Q_ROWS, WARPS)
-        _copy_q(q_rope.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF, Q_ROWS, WARPS)
+        rows_to_shared_async(q_l.index(0), q_row, stride_qh, h0, HEADS, 0, Q_ROWS, WARPS)
+        rows_to_shared_async(q_r.index(0), q_row, stride_qh, h0, HEADS, HALF, Q_ROWS, WARPS)
+        rows_to_shared_async(q_rope.index(0), q_row, stride_qh, h0, HEADS, 2 * HALF, Q_ROWS, WARPS)
         cp.mbarrier_arrive(q_full, increment_count=False)
         _gather_rest(0, 1, kv_ptr, idx_row, n_idx, stride_kv, kv_l, kv_r, kv_rope, full_l, full_r, empty_l, empty_r,
                      BLOCK_N, HALF, ROW_GROUP, WARPS)
