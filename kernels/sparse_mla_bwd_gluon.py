@@ -14,7 +14,8 @@ per tile: S = q kv^T and dP = dO kv_nope^T (each warpgroup half of the key colum
 through shared memory to the dq GEMMs (dq += dS kv: each warpgroup half of the 576 columns) and,
 while those run, out to the scratch in 16-byte rows. Measured on H100s
 (bench/results/dq_pass_gluon_gpu.json, three runs, each in one process): 2.52-2.64 ms, 1.74-1.83x the
-Triton pass, dq, dS and P bit-identical to it.
+Triton pass, dq, dS and P bit-identical to it; with q and dO copied by the producer (Q_ROWS, session 29)
+2.48-2.53 ms.
 Register budget: the dq accumulator is 144 fp32 registers a thread. With the q and dO tiles at a
 constant shared-memory address the compiler hoists the 68 64-bit wgmma descriptors of their
 k-steps out of the key loop, 136 more registers, and the consumers spilled 312 bytes a thread (3.74
@@ -28,7 +29,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels.sparse_mla_gluon import BLOCK_H, D_R, D_V, gather_tiles, kv_ring, rows_to_shared, tile_scores
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+
+from kernels.sparse_mla_gluon import (BLOCK_H, D_R, D_V, gather_tiles, kv_ring, rows_to_shared, rows_to_shared_async,
+                                      tile_scores)
 
 # H100, one 2048-token chunk (bench/results/dq_pass_gluon_gpu.json runs 1-3): 32-key tiles in 2 slots;
 # producer registers 40, 56, 72 or 88 (the consumers get 208 there and spill 40 bytes), 2 producer warps,
@@ -37,8 +41,12 @@ from kernels.sparse_mla_gluon import BLOCK_H, D_R, D_V, gather_tiles, kv_ring, r
 # SCRATCH_EVICT: the L2 eviction policy of the dS / P scratch stores (2 x 1 GB at 4096 tokens, read back by the
 # dkv pass long after L2 has turned over); IO_EVICT: of q / dO's loads and dq's stores, once a program each
 # ("": the default; "evict_first" asks L2 to drop those lines before the gathered KV rows)
+# Q_ROWS: 0 loads q and dO (139 KB) in the default partition before the producer starts; > 0 has the producer copy
+# them by cp.async (Q_ROWS rows a call) ahead of its first gathers, so that their loads and the first tile's overlap
+# (H100, dq_pass_gluon_gpu.json run 6: 32 rows 2.477-2.527 ms against 2.558-2.571 with 0, 16 rows 2.493; dq, dS
+# and P bit-identical); SCRATCH_EVICT evict_first beside it 2.483 (no gain the run could show)
 SCHEDULE = dict(BLOCK_N=32, STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=56, ROW_GROUP=32, OPAQUE_Q=True,
-                SCRATCH_EVICT="", IO_EVICT="")
+                SCRATCH_EVICT="", IO_EVICT="", Q_ROWS=32)
 
 
 @gluon.jit
@@ -67,9 +75,9 @@ def row_stats(lse_row, delta_row, n_heads, BLOCK_H: gl.constexpr, s_l: gl.conste
 
 @gluon.jit
 def _dq_consumer(idx_row, n_idx, n_heads, lse_row, delta_row, ds_row, p_row, scale, scale_log2, q_nope, q_rope,
-                 do_s, kv_nope, kv_rope, ds_smem, p_smem, full, empty, BLOCK_H: gl.constexpr,
+                 do_s, kv_nope, kv_rope, ds_smem, p_smem, full, empty, q_full, BLOCK_H: gl.constexpr,
                  BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr,
-                 OPAQUE_Q: gl.constexpr, SCRATCH_EVICT: gl.constexpr):
+                 OPAQUE_Q: gl.constexpr, SCRATCH_EVICT: gl.constexpr, Q_ROWS: gl.constexpr):
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_N // 2, 16])
     dn_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
@@ -80,6 +88,8 @@ def _dq_consumer(idx_row, n_idx, n_heads, lse_row, delta_row, ds_row, p_row, sca
     zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
     dq_n = gl.zeros([BLOCK_H, D_V], gl.float32, dn_l)
     dq_r = gl.zeros([BLOCK_H, D_R], gl.float32, dr_l)
+    if Q_ROWS > 0:
+        mbarrier.wait(q_full, 0)  # tile_scores fences before the first wgmma reads q
     for i in range(gl.cdiv(n_idx, BLOCK_N)):
         z = (i + n_idx) >> 30 if OPAQUE_Q else 0  # always 0 (n_idx < 2^30): see the module's docstring
         slot, ids, s_tok = tile_scores(i, idx_row, n_idx, cols, q_nope.index(z), q_rope.index(z), kv_nope, kv_rope,
@@ -105,12 +115,27 @@ def _dq_consumer(idx_row, n_idx, n_heads, lse_row, delta_row, ds_row, p_row, sca
 
 
 @gluon.jit
+def _dq_producer(kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty, q_row, do_row, stride_qh, stride_doh,
+                 h0, q_nope, q_rope, do_s, q_full, HEADS: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
+                 D_R: gl.constexpr, STAGES: gl.constexpr, ROW_GROUP: gl.constexpr, WARPS: gl.constexpr,
+                 Q_ROWS: gl.constexpr):
+    """The producer: (Q_ROWS > 0) q and dO by cp.async, q_full's arrival as they land, then the KV tiles."""
+    if Q_ROWS > 0:
+        rows_to_shared_async(q_nope.index(0), q_row, stride_qh, h0, HEADS, 0, Q_ROWS, WARPS)
+        rows_to_shared_async(q_rope.index(0), q_row, stride_qh, h0, HEADS, D_V, Q_ROWS, WARPS)
+        rows_to_shared_async(do_s.index(0), do_row, stride_doh, h0, HEADS, 0, Q_ROWS, WARPS)
+        cp.mbarrier_arrive(q_full, increment_count=False)
+    gather_tiles(kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty, BLOCK_N, D_V, D_R, STAGES,
+                 ROW_GROUP, WARPS)
+
+
+@gluon.jit
 def dq_pass_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, ds_ptr, p_ptr, scale, scale_log2,
                    n_idx, stride_qt, stride_qh, stride_kv, stride_it, stride_dot, stride_doh, stride_lt, stride_dqt,
                    stride_dqh, stride_st, HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                    D_V: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                    PRODUCER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr, OPAQUE_Q: gl.constexpr,
-                   SCRATCH_EVICT: gl.constexpr, IO_EVICT: gl.constexpr):
+                   SCRATCH_EVICT: gl.constexpr, IO_EVICT: gl.constexpr, Q_ROWS: gl.constexpr):
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -123,9 +148,14 @@ def dq_pass_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, d
     kv_nope, kv_rope, full, empty = kv_ring(dtype, BLOCK_N, D_V, D_R, STAGES, PRODUCER_WARPS)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], t_sl)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], t_sl)
-    rows_to_shared(q_nope.index(0), q_ptr + t * stride_qt, stride_qh, h0, HEADS, 0, 8, IO_EVICT)  # heads past HEADS: 0
-    rows_to_shared(q_rope.index(0), q_ptr + t * stride_qt, stride_qh, h0, HEADS, D_V, 8, IO_EVICT)
-    rows_to_shared(do_s.index(0), do_ptr + t * stride_dot, stride_doh, h0, HEADS, 0, 8, IO_EVICT)
+    q_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_full.index(0), count=PRODUCER_WARPS * 32)
+    q_row = q_ptr + t * stride_qt
+    do_row = do_ptr + t * stride_dot
+    if Q_ROWS == 0:  # by the default partition, before the producer starts; heads past HEADS as zeros
+        rows_to_shared(q_nope.index(0), q_row, stride_qh, h0, HEADS, 0, 8, IO_EVICT)
+        rows_to_shared(q_rope.index(0), q_row, stride_qh, h0, HEADS, D_V, 8, IO_EVICT)
+        rows_to_shared(do_s.index(0), do_row, stride_doh, h0, HEADS, 0, 8, IO_EVICT)
     fence_async_shared()
     gl.thread_barrier()
     idx_row = idx_ptr + t * stride_it
@@ -133,10 +163,11 @@ def dq_pass_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, d
     dq_n, dq_r = gl.warp_specialize(
         [(_dq_consumer, (idx_row, n_idx, HEADS - h0, lse_row, delta_ptr + t * stride_lt + h0,
                          ds_ptr + t * stride_st + h0 * n_idx, p_ptr + t * stride_st + h0 * n_idx, scale, scale_log2,
-                         q_nope, q_rope, do_s, kv_nope, kv_rope, ds_smem, p_smem, full, empty, BLOCK_H, BLOCK_N,
-                         D_V, D_R, STAGES, OPAQUE_Q, SCRATCH_EVICT)),
-         (gather_tiles, (kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty, BLOCK_N, D_V, D_R, STAGES,
-                         ROW_GROUP, PRODUCER_WARPS))],
+                         q_nope, q_rope, do_s, kv_nope, kv_rope, ds_smem, p_smem, full, empty, q_full.index(0),
+                         BLOCK_H, BLOCK_N, D_V, D_R, STAGES, OPAQUE_Q, SCRATCH_EVICT, Q_ROWS)),
+         (_dq_producer, (kv_ptr, idx_row, n_idx, stride_kv, kv_nope, kv_rope, full, empty, q_row, do_row, stride_qh,
+                         stride_doh, h0, q_nope, q_rope, do_s, q_full.index(0), HEADS, BLOCK_N, D_V, D_R, STAGES,
+                         ROW_GROUP, PRODUCER_WARPS, Q_ROWS))],
         [PRODUCER_WARPS], [PRODUCER_REGS])
     dn_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
     dr_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],

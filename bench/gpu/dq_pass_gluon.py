@@ -22,9 +22,12 @@ from kernels.sparse_mla_bwd_gluon import constexprs, dq_pass, dq_pass_kernel  # 
 # the default; 16-row copies; 88 producer registers (the consumers get 208 and spill 40 bytes); 40 and 72; a
 # 2-warp producer; q and dO at a constant index (312 bytes spilled); 64-key tiles in one slot (80 bytes spilled);
 # the dS / P scratch stores and then also q / dO / dq with an L2 evict-first policy
-SCHEDULES = [{}, {"ROW_GROUP": 16}, {"PRODUCER_REGS": 88}, {"PRODUCER_REGS": 40}, {"PRODUCER_REGS": 72},
-             {"PRODUCER_WARPS": 2}, {"PRODUCER_REGS": 88, "OPAQUE_Q": False}, {"BLOCK_N": 64, "STAGES": 1},
-             {"SCRATCH_EVICT": "evict_first"}, {"SCRATCH_EVICT": "evict_first", "IO_EVICT": "evict_first"}]
+# session 29: q and dO copied by the producer (Q_ROWS) against before it starts, with and without the evict-first
+# scratch stores; the default and Q_ROWS 32 once more at the end (drift). Sessions 21-28's sweeps (ROW_GROUP,
+# PRODUCER_REGS / _WARPS, OPAQUE_Q, 64-key tiles) are in bench/results/dq_pass_gluon_gpu.json.
+SCHEDULES = [{}, {"Q_ROWS": 32}, {"Q_ROWS": 16}, {"SCRATCH_EVICT": "evict_first"},
+             {"Q_ROWS": 32, "SCRATCH_EVICT": "evict_first"},
+             {"Q_ROWS": 32, "SCRATCH_EVICT": "evict_first", "IO_EVICT": "evict_first"}, {}, {"Q_ROWS": 32}]
 
 
 def compile_only() -> int:
