@@ -7,6 +7,7 @@ import asyncio
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import uuid
@@ -46,6 +47,45 @@ async def test_root_inside_is_an_unprivileged_uid_outside(provider):
     assert host_uids == {str(HOST_ID_BASE)}  # every process, the init included
     r = await box.exec("unshare -U true && echo nested || echo refused")
     assert r.output.strip().endswith("refused")  # no fresh user namespace with capabilities inside
+
+
+def _host_file_only_its_owner_reads() -> str | None:
+    """A file of the host's root in the sandbox's /etc or /usr binds that others may not read (mode 600)."""
+    for top in ("/etc", "/usr"):
+        for dirpath, _dirs, files in os.walk(top):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode) and st.st_uid == 0 and st.st_size and not st.st_mode & 0o044:
+                    if path not in ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-"):  # masked
+                        return path
+    return None
+
+
+async def test_root_inside_has_a_container_roots_powers_over_its_own_files_only(provider):
+    # What a task's tests (run as root after the agent) may rely on, as root in a Docker container does.
+    box = await provider.create(SandboxSpec())
+    r = await box.exec(
+        "echo secret > /tmp/f && chmod 000 /tmp/f && cat /tmp/f; "
+        "chmod 000 /tmp && echo y > /tmp/y && echo wrote-locked-dir; chmod 1777 /tmp; "
+        "chown 1000:1000 /tmp/f && stat -c %u:%g /tmp/f; "
+        "setpriv --reuid 1000 --regid 1000 --clear-groups id -u; "
+        "python3 -c \"import socket; s = socket.socket(); s.bind(('127.0.0.1', 80)); print('port-80')\""
+    )
+    assert r.output.split() == ["secret", "wrote-locked-dir", "1000:1000", "1000", "port-80"], r.output
+    # and nothing past it: no mount, no raw socket, no device node, the host's root-only files unreadable
+    host_file = _host_file_only_its_owner_reads()
+    r = await box.exec(
+        "mkdir -p /tmp/m && { mount -t tmpfs x /tmp/m 2>/dev/null && echo mounted || echo mount-refused; }; "
+        "python3 -c \"import socket; socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)\" "
+        "2>/dev/null && echo raw || echo raw-refused; "
+        "mknod /tmp/null c 1 3 2>/dev/null && echo mknod || echo mknod-refused; "
+        + (f"cat {host_file} > /dev/null 2>&1 && echo read-host || echo host-refused" if host_file else "echo host-refused")
+    )
+    assert r.output.split() == ["mount-refused", "raw-refused", "mknod-refused", "host-refused"], (host_file, r.output)
 
 
 async def test_kernel_knobs_are_read_only(provider):

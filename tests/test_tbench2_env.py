@@ -128,14 +128,16 @@ async def test_verifier_failures_are_not_rewards(env):
 
 
 async def test_a_workdir_the_agent_locked_is_scored_not_an_infra_error(env):
-    # The local sandbox's root cannot enter a folder without its owner's x bit: test.sh used to
-    # fail to start (`env -C /app`, exit 125) and the episode was an infra error, its group untrained.
+    # A folder without its owner's x bit once stopped test.sh from starting (`env -C /app`, exit 125) and the
+    # episode was an infra error, its group untrained. The local sandbox's root now enters it as root on Docker
+    # does (local_isolation.ROOT_CAPS), so the mode the agent left stays (sandbox/workdir.py's fix-up is for a
+    # sandbox whose root cannot).
     await env.reset("write-name")  # the tests run in the agent's own sandbox
     await env.step(Action(command="echo 'Ada Lovelace' > name.txt && chmod 444 ."))
     verdict = await env.score()
     assert (verdict.status, verdict.reward) == ("scored", 1.0), verdict.text  # as root on Docker scores it
     out = await env.step(Action(command="stat -c %a /app"))
-    assert out.text.strip() == "544"  # only the search bit the verifier needed
+    assert out.text.strip() == "444"
     await env.reset("write-name")
     await env.step(Action(command="chmod 000 /app"))
     verdict = await env.score()
@@ -196,10 +198,10 @@ async def test_an_agent_that_breaks_its_sandbox_scores_zero_not_an_infra_error(e
     assert "[a fresh sandbox of the task fails too: tests/test.sh never started" in verdict.text, verdict.text
 
 
-async def test_no_search_permission_on_root_is_undone_before_the_tests(env, provider):
-    # Root in the local sandbox has no CAP_DAC_OVERRIDE: after `chmod 644 /` no program loads (not even the
-    # verifier's first command), where root on Docker is unaffected. kill_all gives / its owner's bits back, so
-    # the tests run as they would there, in the agent's own sandbox (no control sandbox needed).
+async def test_the_tests_run_after_the_agent_locks_the_root_folder(env, provider):
+    # After `chmod 644 /` (or 0, or 500) the tests run as they would on Docker, in the agent's own sandbox (no
+    # control sandbox needed): root keeps CAP_DAC_OVERRIDE (local_isolation.ROOT_CAPS). Without it no program
+    # loaded (not even the verifier's first command); session 28 gave / its owner's bits back in kill_all instead.
     created = _count_creates(provider)
     for mode in ("644", "0", "500"):
         await env.reset("write-name")

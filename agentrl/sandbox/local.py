@@ -11,7 +11,8 @@ Shape: one long-lived bubblewrap "init" per sandbox, and every exec enters its n
 - `exec` runs `nsenter` into the init's namespaces and root (named through an fd of the init's /proc
   directory, never its pid number, which a host process may hold once the init is gone; every
   signal to bwrap, the init or nsenter goes through a pidfd for the same reason), then drops every
-  capability (`setpriv`), applies limits (`prlimit`), starts a new session (`setsid`) and runs `bash -c`.
+  capability but a container root's file and user ones (`setpriv`; local_isolation.ROOT_CAPS), applies
+  limits (`prlimit`), starts a new session (`setsid`) and runs `bash -c`.
   Why not one bwrap per exec over a shared root: each exec would get its own pid/net/ipc
   namespaces, so a tmux server (or any server on 127.0.0.1) would not be reachable from the next
   exec, and nothing would own the processes left behind.

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import shutil
-import stat
 import subprocess
 import uuid
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from agentrl.sandbox.local_isolation import (
     BWRAP_MARKER_ENV,
     LAUNCH_SCRIPT,
     MIN_DISK_MB,
+    ROOT_CAPS,
     SlirpNetwork,
     bwrap_argv,
     memfd_with,
@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 # /proc/PID/ns entry -> nsenter's option for it
 _NS_OPTIONS = {"user": "user", "mnt": "mount", "uts": "uts", "ipc": "ipc", "net": "net", "pid": "pid", "cgroup": "cgroup"}
+_BOUNDING_SET = "--bounding-set=-all," + ",".join("+" + cap for cap in ROOT_CAPS)  # what an exec's root keeps
 _DRAIN_GRACE_S = 0.5  # after the command exits, how long background children may hold its pipe
 _READY_TIMEOUT_S = 30.0
 # Processes one sandbox may hold. Neither RLIMIT_NPROC (ignored for root) nor a pids cgroup (absent
@@ -365,23 +366,7 @@ class LocalSandbox:
             raise SandboxError(
                 "kill", f"sandbox {self.id}: {len(left)} process(es) outlived SIGKILL for {KILL_ALL_TIMEOUT_S:g} s"
             )
-        self._restore_root_owner_bits()
         return ended
-
-    def _restore_root_owner_bits(self) -> None:
-        """Gives the sandbox's / its owner's read, write and search bits back if the agent took them. Root
-        here has no CAP_DAC_OVERRIDE (every capability is dropped), so after `chmod 644 /` no program can
-        even load its libraries (and after `chmod 500 /` the verifier cannot make /tests), where root on
-        Docker goes on unaffected; kill_all comes before a verifier (never before the agent's own commands),
-        so the tests run as they would there. Done from this process on the init's root (a magic link no
-        file of the agent's can redirect); workdir.py does the same for the task's working directory."""
-        root = self._init_path("root")
-        try:
-            mode = os.stat(root).st_mode
-            if mode & stat.S_IRWXU != stat.S_IRWXU:
-                os.chmod(root, stat.S_IMODE(mode) | stat.S_IRWXU)
-        except OSError as err:  # the verifier then reports what it cannot do, as before
-            log.warning("sandbox %s: cannot give / its owner's bits back: %s", self.id, err)
 
     @property
     def closed(self) -> bool:
@@ -405,7 +390,7 @@ class LocalSandbox:
         ns = [f"--{_NS_OPTIONS[kind]}={self._init_path(f'ns/{kind}', init_dir)}" for kind in self._ns_kinds]
         return [
             t["nsenter"], *ns, f"--root={self._init_path('root', init_dir)}", "--",
-            t["setpriv"], "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs", "--",
+            t["setpriv"], _BOUNDING_SET, "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs", "--",
             t["prlimit"], f"--as={lim.memory_bytes}", f"--cpu={lim.cpu_seconds}",
             f"--fsize={lim.file_bytes}", "--core=0", "--",
             t["env"], "-C", cwd, "--", t["setsid"], "-w", t["bash"], "-c", script, "bash", *args,

@@ -8,9 +8,14 @@ wires them into one sandbox's start.
   shadow files, /dev nodes). The provider writes the maps itself (root may map any range; no
   newuidmap needed) into a short-lived holder process, and bubblewrap then runs inside that
   namespace as its root. A single-uid map would break `chown` to other uids (tar, dpkg); the
-  65536-id range keeps those working the way they work in a container. Commands still run
-  without capabilities (setpriv), as before, so the sandbox's root cannot mount or chown; package
-  installs into /usr cannot work locally anyway (/usr is the host's, read-only).
+  65536-id range keeps those working the way they work in a container. Commands keep only
+  ROOT_CAPS (setpriv's bounding set), the file and user capabilities Docker gives a container's
+  root: chown, permission checks that root passes whatever a file's mode, setuid to another uid
+  of the sandbox, ports below 1024. Each is checked by the kernel against the sandbox's own user
+  namespace, so it reaches only inodes whose owner is one of the sandbox's 65536 ids (a file the
+  host's root owns in the read-only /usr or /etc binds is "nobody" inside and stays unreadable at
+  mode 600) and only the sandbox's own processes and network namespace. No mount, no raw sockets,
+  no device nodes. Package installs into /usr cannot work locally anyway (the host's, read-only).
 - **No nested user namespaces**: user.max_user_namespaces is 0 inside, so the agent cannot get a
   fresh namespace with capabilities (the kernel's largest attack surface for unprivileged code).
 - **Read-only kernel knobs**: /proc/sys (and /proc/sysrq-trigger where the host has one) are bound
@@ -43,6 +48,11 @@ import subprocess
 import time
 from pathlib import Path
 
+# What a command's root keeps (the rest of Docker's default set is left out: mknod, net_raw, sys_chroot,
+# setpcap, setfcap, audit_write). Without them, root here failed where a container's root works: reading a
+# file the agent made mode 000, `chmod 000 /tmp` then writing there, `chown user f`, `su user`, a server on
+# port 80 (tbench2 tasks' tests run as root, after the agent's commands).
+ROOT_CAPS = ("chown", "dac_override", "fowner", "fsetid", "kill", "setgid", "setuid", "net_bind_service")
 HOST_ID_BASE = 1_000_000_000  # far above the usual /etc/subuid ranges (100000 + 65536 k)
 ID_COUNT = 65536
 SHM_BYTES = 64 << 20  # Docker's default /dev/shm size

@@ -1,13 +1,14 @@
-"""Letting a verifier into a working directory the agent locked, on the local sandbox.
+"""Letting a verifier into a working directory the agent locked, on a sandbox whose root cannot.
 
-An agent's `chmod 444 /app` (or `chmod 600 .`) is its own failed attempt, but the local sandbox's
-root has neither CAP_DAC_OVERRIDE nor CAP_DAC_READ_SEARCH (local_box.py drops the whole bounding
-set): an exec whose cwd is that folder fails in `env -C` with 125 before its command runs, where
-root on Docker enters it anyway. A verifier's test.sh, whose verdict is the tests' to give, then
-never runs. ENTER_WORKDIR gives the working directory, and every folder above it, its owner's
-search bit back only where the sandbox cannot enter it (and makes the path again where the agent
-put a file in its way); a folder it can enter keeps the agent's modes (on Daytona root enters every
-folder, so nothing changes there). Run it before verifying only, never before an agent's own commands.
+An agent's `chmod 444 /app` (or `chmod 600 .`) is its own failed attempt, but where the sandbox's
+root has neither CAP_DAC_OVERRIDE nor CAP_DAC_READ_SEARCH (the local sandbox until session 29, which
+dropped the whole bounding set; it now keeps local_isolation.ROOT_CAPS) an exec whose cwd is that
+folder fails in `env -C` with 125 before its command runs, where root on Docker enters it anyway. A
+verifier's test.sh, whose verdict is the tests' to give, then never runs. ENTER_WORKDIR gives the
+working directory, and every folder above it, its owner's search bit back only where the sandbox
+cannot enter it (and makes the path again where the agent put a file in its way); a folder it can
+enter keeps the agent's modes (on Daytona and the local sandbox root enters every folder, so nothing
+changes there). Run it before verifying only, never before an agent's own commands.
 
 Used by envs/tbench2/scorer.py (inside its reset script) and agentrl/harbor/environment.py.
 """

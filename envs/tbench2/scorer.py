@@ -21,9 +21,9 @@ outlives its timeout is `infra_error:verifier_timeout`: neither is ever reward 0
 code does not matter once a verdict was written (tests usually exit 1 after writing 0).
 
 Who broke it: a verifier that fails in the agent's own sandbox while the backend still answers (no
-SandboxError) may have been broken by the agent itself (a deleted bash or coreutils on Daytona, a
-filled disk; the local backend's kill_all undoes a `chmod 644 /`): as an infra error such an episode
-is retried and then dropped, so the policy never learns that breaking its machine fails the task.
+SandboxError) may have been broken by the agent itself (a deleted bash or coreutils, a filled
+disk): as an infra error such an episode is retried and then dropped, so the policy never learns
+that breaking its machine fails the task.
 So steps 2-4 run once more, as a control, in a fresh sandbox of the task's environment with nothing
 of the attempt in it: if the tests run there (any verdict), the machinery works and the agent's
 changes are what stopped them, and the episode is scored 0 (its detail says so); if they fail there
@@ -63,9 +63,9 @@ _MAX_REWARD_FILE_BYTES = 64 * 1024
 _SETUP_TIMEOUT_S = 60.0
 # Step 2: undo a mount on top (lazily, a few times: mounts stack), a link or a file where a folder
 # goes (removed first, so nothing below follows it elsewhere), an immutable flag, modes that keep
-# even their owner out (the local sandbox's root has no CAP_DAC_OVERRIDE); then fresh folders
-# owned by the verifier, and a working directory the verifier can enter (_ENTER_WORKDIR). $1 is
-# the task's working directory.
+# even their owner out (for a root without CAP_DAC_OVERRIDE: not Docker's, Daytona's or the local
+# sandbox's); then fresh folders owned by the verifier, and a working directory the verifier can
+# enter (_ENTER_WORKDIR). $1 is the task's working directory.
 _RESET_SCRIPT = (
     "for d in /tests /logs/verifier /logs; do i=0; "
     "while [ $i -lt 8 ] && grep -q \" $d \" /proc/self/mountinfo 2>/dev/null; do umount -l \"$d\" 2>/dev/null || break; "
