@@ -189,8 +189,8 @@ def ns_members(ns: str, init: int, entrants: Iterable[int] = ()) -> list[int]:
     fork the walk missed), or the init is gone, this is pids_in_namespace(ns). The listing comes
     after the walk, and each process it names must still be the one the walk found (a pidfd held
     since), so a process that exists when the listing is read is never missed. That listing is
-    trusted: nothing in the sandbox can mount over its /proc (no capabilities; no nested user
-    namespaces, max_user_namespaces is 0 in there). Blocking."""
+    trusted: nothing in the sandbox can mount over its /proc (no CAP_SYS_ADMIN, see local_isolation.ROOT_CAPS;
+    no nested user namespaces, max_user_namespaces is 0 in there). Blocking."""
     found = _walk_namespace(ns, init, entrants)
     return found if found is not None else pids_in_namespace(ns)
 
