@@ -169,12 +169,12 @@ def _masked(s, idx_row, n_idx, j0, scale_log2, s_l: gl.constexpr):
 
 @gluon.jit
 def _finish(o, m, den, m_smem, den_smem, sync, mine: gl.constexpr, out_row, stride_oh, col0, h0, HEADS: gl.constexpr,
-            lse_row, WRITE_LSE: gl.constexpr, o_l: gl.constexpr, EVICT: gl.constexpr, phase):
-    """Both warpgroups' row sums added through shared memory; this warpgroup's half of out (and the lse).
-    phase: the exchange barriers'."""
+            lse_row, WRITE_LSE: gl.constexpr, o_l: gl.constexpr, EVICT: gl.constexpr):
+    """Both warpgroups' row sums added through shared memory (barriers L0 / L1, which complete once); this
+    warpgroup's half of out (and the lse)."""
     den_smem.slice(mine * den.shape[0], den.shape[0]).store(den)
     _signal(sync.index(L0 + mine))
-    mbarrier.wait(sync.index(L0 + 1 - mine), phase)
+    mbarrier.wait(sync.index(L0 + 1 - mine), 0)
     den = den + den_smem.slice((1 - mine) * den.shape[0], den.shape[0]).load(den.type.layout)
     den_safe = gl.where(den > 0, den, 1.0)
     out = o / gl.convert_layout(den_safe, gl.SliceLayout(1, o_l))[:, None]
@@ -312,7 +312,7 @@ def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
         s, m, den, o = _even_pair(j, pairs, j & 1, s, m, den, o, zero_s, idx_row, n_idx, scale_log2, q_l, q_r, q_rope,
                                   kv_l, kv_r, kv_rope, p1_smem, m_smem, full_l, full_r, empty_l, sync, BLOCK_N)
     _finish(o, m, den, m_smem, den_smem, sync, 0, out_row, stride_oh, 0, h0, HEADS, lse_row, False, O_LAYOUT,
-            IO_EVICT, 0)
+            IO_EVICT)
 
 
 @gluon.jit
@@ -329,7 +329,7 @@ def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, 
         m, den, o = _odd_pair(j, j & 1, s, m, den, o, idx_row, n_idx, scale_log2, kv_r, kv_rope, p1_smem, m_smem,
                               empty_r, sync, BLOCK_N)
     _finish(o, m, den, m_smem, den_smem, sync, 1, out_row, stride_oh, HALF, h0, HEADS, lse_row, True, O_LAYOUT,
-            IO_EVICT, 0)
+            IO_EVICT)
 
 
 @gluon.jit
