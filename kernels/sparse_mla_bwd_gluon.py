@@ -39,8 +39,8 @@ from kernels.sparse_mla_gluon import (BLOCK_H, D_R, D_V, gather_tiles, kv_ring, 
 # 16- or 32-row copies all within 2.52-2.64 ms (noise); 64-key tiles in 1 slot 2.83; q at a constant
 # address 3.74-3.82
 # SCRATCH_EVICT: the L2 eviction policy of the dS / P scratch stores (2 x 1 GB at 4096 tokens, read back by the
-# dkv pass long after L2 has turned over); IO_EVICT: of q / dO's loads and dq's stores, once a program each
-# ("": the default; "evict_first" asks L2 to drop those lines before the gathered KV rows)
+# dkv pass long after L2 has turned over); IO_EVICT: of dq's stores and (Q_ROWS 0) q / dO's loads, once a program
+# each ("": the default; "evict_first" asks L2 to drop those lines before the gathered KV rows; cp.async drops it)
 # Q_ROWS: 0 loads q and dO (139 KB) in the default partition before the producer starts; > 0 has the producer copy
 # them by cp.async (Q_ROWS rows a call) ahead of its first gathers, so that their loads and the first tile's overlap
 # (H100, dq_pass_gluon_gpu.json run 6: 32 rows 2.477-2.527 ms against 2.558-2.571 with 0, 16 rows 2.493; dq, dS
