@@ -67,7 +67,9 @@ HALF = D_V // 2  # value columns a warpgroup owns; also the left half of a KV ro
 # (Q_ROWS rows a call) right after the first tile's left half, so that q's load and the first gathers overlap
 # (H100, run 14: 32 rows 2.8% faster than 0 at 64K, 2.2% at 8K; 16 rows between; 32 and 16 compile without spills)
 # IO_EVICT "evict_first" there: 8K 0.8% faster again, 64K 0.5% slower, within the rounds' spread: left off
-SCHEDULE = dict(PRODUCER_WARPS=4, PRODUCER_REGS=56, CONSUMER_REGS=216, ROW_GROUP=32, IO_EVICT="", Q_ROWS=32)
+# STAGE_OUT: out's stores through a free slot half in 16-byte row pieces (see _finish); not yet run on a GPU
+SCHEDULE = dict(PRODUCER_WARPS=4, PRODUCER_REGS=56, CONSUMER_REGS=216, ROW_GROUP=32, IO_EVICT="", Q_ROWS=32,
+                STAGE_OUT=False)
 # the exchange barriers between the consumer warpgroups (each completes once a pair, or once at the end)
 M0, M1, S0, S1, L0, L1 = (gl.constexpr(i) for i in range(6))
 N_SYNC = gl.constexpr(6)
@@ -169,19 +171,30 @@ def _masked(s, idx_row, n_idx, j0, scale_log2, s_l: gl.constexpr):
 
 @gluon.jit
 def _finish(o, m, den, m_smem, den_smem, sync, mine: gl.constexpr, out_row, stride_oh, col0, h0, HEADS: gl.constexpr,
-            lse_row, WRITE_LSE: gl.constexpr, o_l: gl.constexpr, EVICT: gl.constexpr):
+            lse_row, WRITE_LSE: gl.constexpr, o_l: gl.constexpr, EVICT: gl.constexpr, stage, STAGE_OUT: gl.constexpr):
     """Both warpgroups' row sums added through shared memory (barriers L0 / L1, which complete once); this
-    warpgroup's half of out (and the lse)."""
+    warpgroup's half of out (and the lse). STAGE_OUT: out goes through `stage` (a [64, 256] slot half no one
+    reads any more) and to global memory in 16-byte row pieces; else straight from the wgmma layout, where a
+    warp's store covers 16 bytes of each of 8 rows (half of every 32-byte sector it touches)."""
     den_smem.slice(mine * den.shape[0], den.shape[0]).store(den)
     _signal(sync.index(L0 + mine))
     mbarrier.wait(sync.index(L0 + 1 - mine), 0)
     den = den + den_smem.slice((1 - mine) * den.shape[0], den.shape[0]).load(den.type.layout)
     den_safe = gl.where(den > 0, den, 1.0)
-    out = o / gl.convert_layout(den_safe, gl.SliceLayout(1, o_l))[:, None]
-    ho = h0 + gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, o_l))
-    co = col0 + gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_l))
-    gl.store(out_row + ho[:, None] * stride_oh + co[None, :], out.to(out_row.dtype.element_ty),
-             mask=(ho < HEADS)[:, None], eviction_policy=EVICT)
+    out = (o / gl.convert_layout(den_safe, gl.SliceLayout(1, o_l))[:, None]).to(out_row.dtype.element_ty)
+    if STAGE_OUT:
+        stage.store(out)
+        gl.thread_barrier()  # the warpgroup's rows all in place before any warp reads others'
+        io_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        ho = h0 + gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, io_l))
+        co = col0 + gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, io_l))
+        gl.store(out_row + ho[:, None] * stride_oh + co[None, :], stage.load(io_l), mask=(ho < HEADS)[:, None],
+                 eviction_policy=EVICT)
+    else:
+        ho = h0 + gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, o_l))
+        co = col0 + gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_l))
+        gl.store(out_row + ho[:, None] * stride_oh + co[None, :], out, mask=(ho < HEADS)[:, None],
+                 eviction_policy=EVICT)
     if WRITE_LSE:
         lse = gl.where(den > 0, (m + gl.log2(den_safe)) / 1.4426950408889634, float("-inf"))
         hl = h0 + gl.arange(0, o.shape[0], layout=den.type.layout)
@@ -302,7 +315,7 @@ def _odd_pair(j, ph, s, m, den, o, idx_row, n_idx, scale_log2, kv_r, kv_rope, p1
 def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem, den_smem,
                 full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, q_full, HEADS: gl.constexpr,
                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, IO_EVICT: gl.constexpr,
-                Q_ROWS: gl.constexpr):
+                Q_ROWS: gl.constexpr, STAGE_OUT: gl.constexpr):
     """Warpgroup 0 (the default partition): tiles 2j, O's columns 0-255."""
     zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
     if Q_ROWS > 0:
@@ -311,15 +324,16 @@ def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
     for j in range(pairs):
         s, m, den, o = _even_pair(j, pairs, j & 1, s, m, den, o, zero_s, idx_row, n_idx, scale_log2, q_l, q_r, q_rope,
                                   kv_l, kv_r, kv_rope, p1_smem, m_smem, full_l, full_r, empty_l, sync, BLOCK_N)
+    # slot 0's left half: its last readers were this warpgroup's QK^T and PV, both waited for
     _finish(o, m, den, m_smem, den_smem, sync, 0, out_row, stride_oh, 0, h0, HEADS, lse_row, False, O_LAYOUT,
-            IO_EVICT)
+            IO_EVICT, kv_l.index(0), STAGE_OUT)
 
 
 @gluon.jit
 def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem, den_smem,
                full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row, q_full, HEADS: gl.constexpr,
                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, IO_EVICT: gl.constexpr,
-               Q_ROWS: gl.constexpr):
+               Q_ROWS: gl.constexpr, STAGE_OUT: gl.constexpr):
     """Warpgroup 1 (a worker partition): tiles 2j + 1, O's columns 256-511, and the lse."""
     zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
     if Q_ROWS > 0:
@@ -328,8 +342,9 @@ def _odd_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, 
         s = _odd_scores(j, j & 1, n_idx, zero_s, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, full_l, full_r)
         m, den, o = _odd_pair(j, j & 1, s, m, den, o, idx_row, n_idx, scale_log2, kv_r, kv_rope, p1_smem, m_smem,
                               empty_r, sync, BLOCK_N)
+    # slot 1's right half: its last readers were this warpgroup's QK^T and PV, both waited for
     _finish(o, m, den, m_smem, den_smem, sync, 1, out_row, stride_oh, HALF, h0, HEADS, lse_row, True, O_LAYOUT,
-            IO_EVICT)
+            IO_EVICT, kv_r.index(1), STAGE_OUT)
 
 
 @gluon.jit
@@ -373,7 +388,7 @@ def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n
                          stride_it, stride_ot, stride_oh, stride_lt, HEADS: gl.constexpr, BLOCK_H: gl.constexpr,
                          BLOCK_N: gl.constexpr, HALF: gl.constexpr, D_R: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ROW_GROUP: gl.constexpr,
-                         IO_EVICT: gl.constexpr, Q_ROWS: gl.constexpr):
+                         IO_EVICT: gl.constexpr, Q_ROWS: gl.constexpr, STAGE_OUT: gl.constexpr):
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -395,10 +410,10 @@ def _sparse_mla_fwd_pair(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, n
     gl.warp_specialize(  # the constexprs inline: a tuple held in a variable turns them into tensors
         [(_even_tiles, (idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem,
                         den_smem, full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row,
-                        q_full.index(0), HEADS, BLOCK_H, BLOCK_N, HALF, IO_EVICT, Q_ROWS)),
+                        q_full.index(0), HEADS, BLOCK_H, BLOCK_N, HALF, IO_EVICT, Q_ROWS, STAGE_OUT)),
          (_odd_tiles, (idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r, kv_rope, p1_smem, m_smem,
                        den_smem, full_l, full_r, empty_l, empty_r, sync, out_row, stride_oh, h0, lse_row,
-                       q_full.index(0), HEADS, BLOCK_H, BLOCK_N, HALF, IO_EVICT, Q_ROWS)),
+                       q_full.index(0), HEADS, BLOCK_H, BLOCK_N, HALF, IO_EVICT, Q_ROWS, STAGE_OUT)),
          (_gather_pairs, (kv_ptr, idx_row, n_idx, stride_kv, pairs, kv_l, kv_r, kv_rope, full_l, full_r, empty_l,
                           empty_r, q_row, stride_qh, h0, q_l, q_r, q_rope, q_full.index(0), HEADS, BLOCK_N, HALF,
                           ROW_GROUP, PRODUCER_WARPS, Q_ROWS))],

@@ -68,8 +68,9 @@ def test_the_gluon_forward_specialises_its_warps_and_fits_in_shared_memory():
     assert res["wgmma"] > 0 and res["cp_async"] > 0 and res["mma_sync"] == 0
 
 
-@pytest.mark.parametrize("q_rows", [None, 0])  # the default (q copied by the producer), q loaded before it starts
-def test_the_paired_gluon_forward_fits_without_spilling(q_rows):
+# the default; q loaded before the producer starts; out's stores staged through a free slot half
+@pytest.mark.parametrize("change", [{}, {"Q_ROWS": 0}, {"STAGE_OUT": True}])
+def test_the_paired_gluon_forward_fits_without_spilling(change):
     """kernels/sparse_mla_gluon_pair.py: q + two KV slots + P1 in 227 KB (P0 in slot 0's rope columns), no
     spill at its register split (warpgroup 0 232, warpgroup 1 216, the producer 56), and its wgmmas left
     asynchronous by ptxas (session 26's persistent variant, a loop over items around the loop over tiles, had
@@ -77,8 +78,7 @@ def test_the_paired_gluon_forward_fits_without_spilling(q_rows):
     case = next(c for c in kr._sparse_mla_bwd_cases() if c[0] == "sparse_mla_fwd_gluon_pair")
     _, fn, args, constexprs, configs = case
     cfg, _ = configs[0]
-    res = kr.compile_sm90(fn, args, constexprs if q_rows is None else {**constexprs, "Q_ROWS": q_rows},
-                          cfg.num_warps, cfg.num_stages)
+    res = kr.compile_sm90(fn, args, {**constexprs, **change}, cfg.num_warps, cfg.num_stages)
     assert 224 * 1024 <= res["shared_bytes"] <= 232448, res
     # S of a tile (36 k-steps) in warpgroup 0's prologue and loop and in warpgroup 1's loop, 4 PVs of 4 k-steps
     assert res["wgmma"] == 3 * 36 + 4 * 4 and res["cp_async"] > 0 and res["spill_stack_bytes"] == 0, res

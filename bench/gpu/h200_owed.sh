@@ -11,7 +11,8 @@
 # copied by the producer in the paired forward and the Gluon dq pass, have not been timed on an H200; this is the
 # issue's 400 TFLOP/s measurement), `fwd` (the paired forward with q loaded by the producer, Q_ROWS 32 and 16,
 # against q loaded before the producer starts, Q_ROWS 0, each also with the evict-first q / out policy, every
-# check case for each, then timed in interleaved rounds: fwd_gpu.json, about 100 s on an H100), `indexer` (its
+# check case for each, and out's stores staged through a free slot half, STAGE_OUT, never yet run on a GPU; then
+# timed in interleaved rounds: fwd_gpu.json, about 120 s on an H100), `indexer` (its
 # indexer family, about 280 s), `dq` (the Gluon dq pass's schedules: Q_ROWS, the evict-first scratch stores), `dkv`.
 set -u
 PARTS=" ${*:-mla fwd indexer dq dkv} "
@@ -27,7 +28,7 @@ want mla && run kernels_mla 200 python3 -m bench.kernels --only sparse_mla,spars
 want fwd && run fwd 300 python3 bench/gpu/sparse_mla_gluon_check.py --out "$OUT/fwd_gpu.json" --check-all \
   --parts check,time --rounds 3 --tokens 4096 --schedules '[{"kernel":"pair","Q_ROWS":0},{"kernel":"pair","Q_ROWS":32},
   {"kernel":"pair","Q_ROWS":16},{"kernel":"pair","Q_ROWS":32,"IO_EVICT":"evict_first"},
-  {"kernel":"pair","Q_ROWS":0,"IO_EVICT":"evict_first"}]'
+  {"kernel":"pair","Q_ROWS":0,"IO_EVICT":"evict_first"},{"kernel":"pair","STAGE_OUT":true}]'
 want indexer && run kernels_indexer 280 python3 -m bench.kernels --only indexer --out "$OUT/kernels_indexer.json"
 want dq && run dq_gluon 120 python3 bench/gpu/dq_pass_gluon.py --out "$OUT/dq_pass_gluon.json"
 want dkv && run dkv_gluon 250 python3 bench/gpu/dkv_pass_gluon.py --out "$OUT/dkv_pass_gluon.json"
