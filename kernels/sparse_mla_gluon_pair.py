@@ -216,10 +216,10 @@ def _fresh(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
 
 
 @gluon.jit
-def _first_scores(q_l, q_r, q_rope, kv_l, kv_r, kv_rope, full_l, full_r, phase, zero_s):
-    """Warpgroup 0's S of a token's first tile (slot 0), once its halves have landed (barrier phase `phase`)."""
-    s_tok = _qk_part(q_l.index(0), kv_l.index(0), full_l.index(0), phase, zero_s, False)
-    s_tok = _qk_part(q_r.index(0), kv_r.index(0), full_r.index(0), phase, s_tok, True)
+def _first_scores(q_l, q_r, q_rope, kv_l, kv_r, kv_rope, full_l, full_r, zero_s):
+    """Warpgroup 0's S of the first tile (slot 0), once its halves have landed (their barriers' first phase)."""
+    s_tok = _qk_part(q_l.index(0), kv_l.index(0), full_l.index(0), 0, zero_s, False)
+    s_tok = _qk_part(q_r.index(0), kv_r.index(0), full_r.index(0), 0, s_tok, True)
     s_tok = warpgroup_mma(q_rope.index(0), kv_rope.index(0).permute((1, 0)), s_tok, is_async=True)
     return warpgroup_mma_wait(0, deps=(s_tok, ))
 
@@ -320,7 +320,7 @@ def _even_tiles(idx_row, n_idx, pairs, scale_log2, q_l, q_r, q_rope, kv_l, kv_r,
     zero_s, m, den, o = _fresh(BLOCK_H, BLOCK_N, HALF)
     if Q_ROWS > 0:
         mbarrier.wait(q_full, 0)
-    s = _first_scores(q_l, q_r, q_rope, kv_l, kv_r, kv_rope, full_l, full_r, 0, zero_s)
+    s = _first_scores(q_l, q_r, q_rope, kv_l, kv_r, kv_rope, full_l, full_r, zero_s)
     for j in range(pairs):
         s, m, den, o = _even_pair(j, pairs, j & 1, s, m, den, o, zero_s, idx_row, n_idx, scale_log2, q_l, q_r, q_rope,
                                   kv_l, kv_r, kv_rope, p1_smem, m_smem, full_l, full_r, empty_l, sync, BLOCK_N)

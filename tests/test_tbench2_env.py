@@ -201,7 +201,7 @@ async def test_an_agent_that_breaks_its_sandbox_scores_zero_not_an_infra_error(e
 async def test_the_tests_run_after_the_agent_locks_the_root_folder(env, provider):
     # After `chmod 644 /` (or 0, or 500) the tests run as they would on Docker, in the agent's own sandbox (no
     # control sandbox needed): root keeps CAP_DAC_OVERRIDE (local_isolation.ROOT_CAPS). Without it no program
-    # loaded (not even the verifier's first command); session 28 gave / its owner's bits back in kill_all instead.
+    # loaded, not even the verifier's first command.
     created = _count_creates(provider)
     for mode in ("644", "0", "500"):
         await env.reset("write-name")

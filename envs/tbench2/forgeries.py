@@ -12,10 +12,9 @@ What the verifier (scorer.py) does about each, and what it cannot do:
 - planted, locked, linked or pre-created verdict folders: removed and made again;
 - a fake bash on PATH: test.sh is started with /bin/bash; startup files (.bashrc, BASH_ENV) are
   not read by a non-interactive shell and the agent's environment never reaches the verifier;
-- a sandbox broken so that the tests cannot run in it (bash deleted, no search permission on /):
-  locally / gets its owner's bits back before the tests (root on Docker needs none), and where the
-  tests still cannot run, they run once more in a fresh sandbox of the task; where they run there,
-  the episode scores 0;
+- a sandbox broken so that the tests cannot run in it (bash deleted; no search permission on /, which
+  stops no program of a root with CAP_DAC_OVERRIDE, on Docker and locally alike): the tests run once
+  more in a fresh sandbox of the task, and where they run there, the episode scores 0;
 - files the tests trust: a fake python/pytest in a folder on the image's PATH, a .pth in the user
   site-packages, /etc/ld.so.preload. The tests must see the image's environment (PATH, HOME, user
   site) as the task's author did, so only the fresh-sandbox verifier defends these. Locally /usr

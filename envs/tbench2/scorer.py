@@ -23,12 +23,11 @@ code does not matter once a verdict was written (tests usually exit 1 after writ
 Who broke it: a verifier that fails in the agent's own sandbox while the backend still answers (no
 SandboxError) may have been broken by the agent itself (a deleted bash or coreutils, a filled
 disk): as an infra error such an episode is retried and then dropped, so the policy never learns
-that breaking its machine fails the task.
-So steps 2-4 run once more, as a control, in a fresh sandbox of the task's environment with nothing
-of the attempt in it: if the tests run there (any verdict), the machinery works and the agent's
-changes are what stopped them, and the episode is scored 0 (its detail says so); if they fail there
-too, the task or the infrastructure is at fault and the infra error stands. Timeouts get no control
-(it would cost the timeout again).
+that breaking its machine fails the task. So steps 2-4 run once more, as a control, in a fresh
+sandbox of the task's environment with nothing of the attempt in it: if the tests run there (any
+verdict), the machinery works and the agent's changes are what stopped them, and the episode is
+scored 0 (its detail says so); if they fail there too, the task or the infrastructure is at fault
+and the infra error stands. Timeouts get no control (it would cost the timeout again).
 
 What the same sandbox cannot defend against: files the agent changed that the tests then trust,
 e.g. a replaced python or pytest in a folder on the image's PATH, a .pth file in a site-packages
