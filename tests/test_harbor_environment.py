@@ -75,22 +75,27 @@ async def test_exec_files_and_users_as_harbor_uses_them(tmp_path):
 
 
 async def test_harbor_verifier_scores_a_workdir_the_agent_locked(tmp_path):
-    # The sandbox's root cannot enter a folder without its owner's x bit: Harbor's verifier, which
-    # runs in the workdir, failed with 125 (`env -C /app`) where root on Docker runs it and scores.
+    # Harbor's verifier runs in the workdir (`env -C /app`). A folder without its owner's x bit once failed
+    # it with 125 where root on Docker runs it and scores; the local sandbox's root now enters it as that
+    # root does (local_isolation.ROOT_CAPS), so the agent's modes stay. A file where the workdir goes is
+    # still replaced before verifying (sandbox/workdir.py), never before the agent's own commands.
     task = Task(DEFAULT_TASKS_DIR / "write-name")
     env = make_env(tmp_path, "write-name")
     await env.start(force_build=False)
     try:
         await env.exec("echo 'Ada Lovelace' > name.txt && chmod 444 .")
-        assert (await env.exec("true")).return_code == 125  # the agent's own commands: its modes stand
+        assert (await env.exec("true")).return_code == 0  # root enters it, as on Docker
         verifier = Verifier(task=task, trial_paths=env.trial_paths, environment=env)
         assert (await verifier.verify()).rewards == {"reward": 1.0}
-        assert (await env.exec("stat -c %a /app", cwd="/")).stdout.strip() == "544"  # only the search bit
+        assert (await env.exec("stat -c %a /app", cwd="/")).stdout.strip() == "444"  # the agent's mode stands
         await env.exec("chmod 755 . && rm name.txt && chmod 000 .")
         assert (await verifier.verify()).rewards == {"reward": 0.0}  # scored, not an error
-        await env.exec("chmod 000 /app", cwd="/")
+        assert (await env.exec("stat -c %a /app", cwd="/")).stdout.strip() == "0"
+        await env.exec("rm -rf /app && echo x > /app", cwd="/")
+        assert (await env.exec("true")).return_code == 125  # the agent's commands: its file stays in the way
         await env.empty_dirs(["/logs/verifier"])  # how the shared-step and separate verifiers start
-        assert (await env.exec("stat -c %a /app", cwd="/")).stdout.strip() == "100"
+        assert (await env.exec("test -d /app && echo dir", cwd="/")).stdout.strip() == "dir"
+        assert (await verifier.verify()).rewards == {"reward": 0.0}
     finally:
         await env.stop(delete=True)
 

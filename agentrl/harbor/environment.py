@@ -14,10 +14,11 @@ network unless the task's policy is public). What follows from that backend, and
 - network: "no-network" and "public" (slirp4netns, no route to the host) are enforced from the
   start; allowlists and switching policy after start are not offered, so Harbor refuses such
   tasks before starting them.
-- the verifier gets into the task's workdir as root on Docker would: when Harbor starts verifying
-  (see _VERIFICATION_STARTS), a workdir, or a folder above it, that the agent took its owner's
-  search bit from gets that bit back, and a file the agent put where it goes is replaced by the
-  folder (agentrl/sandbox/workdir.py); the agent's commands never do.
+- the verifier gets into the task's workdir as root on Docker would: the local sandbox's root enters
+  a folder the agent locked (local_isolation.ROOT_CAPS), and when Harbor starts verifying (see
+  _VERIFICATION_STARTS) a file the agent put where the workdir goes is replaced by the folder, and
+  on a sandbox whose root cannot enter a locked folder, that folder gets its owner's search bit back
+  (agentrl/sandbox/workdir.py); the agent's commands never do.
 - every process the agent left running (setsid daemons, tmux servers, a loop rewriting the reward
   file) is ended when Harbor starts verifying, as agentrl's own scorer does (envs/tbench2/scorer.py):
   on Docker they outlive the agent phase, so a background `echo 1 > /logs/verifier/reward.txt`
@@ -75,8 +76,8 @@ _REQUIRED_TOOLS = ("bwrap", "nsenter", "setpriv", "prlimit", "unshare", "tar")
 # How Harbor (0.26.0) starts verifying, the only sign of that phase an environment gets: every
 # Verifier.verify() first runs `rm -f -- <reward.txt> <reward.json>` (_remove_reward_files, as root,
 # in the workdir), and the shared-step and separate verifiers empty /logs/verifier before it
-# (empty_dirs). Either one would fail with 125 in a workdir the agent locked (see
-# agentrl/sandbox/workdir.py), as would test.sh after them.
+# (empty_dirs). Either one would fail with 125 where the workdir is a file the agent left, or a
+# folder the sandbox's root cannot enter (see agentrl/sandbox/workdir.py), as would test.sh after them.
 _PATHS = EnvironmentPaths.for_os(TaskOS.LINUX)
 _VERIFICATION_STARTS = "rm -f -- " + " ".join(quote_shell_arg(p, TaskOS.LINUX)
                                               for p in (_PATHS.reward_text_path, _PATHS.reward_json_path))
@@ -204,8 +205,8 @@ class LocalSandboxEnvironment(BaseEnvironment):
         return self.task_env_config.workdir or self._sandbox().workdir
 
     async def _let_verifier_in(self, workdir: str) -> None:
-        """Give `workdir` and the folders above it their owner's search bit back where the sandbox's
-        root cannot enter them (root on Docker would); folders it can enter keep the agent's modes."""
+        """Make `workdir` a folder the sandbox's root can enter, as root on Docker would (a file in its
+        way is replaced, a folder it cannot enter gets its owner's search bit); others keep their modes."""
         if workdir != "/":
             await self._sandbox().exec(enter_workdir_command(workdir), cwd="/", timeout_s=60.0)
 
