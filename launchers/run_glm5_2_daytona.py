@@ -13,6 +13,7 @@ parallel layout, pipeline split, engine command lines) and starts nothing.
 from __future__ import annotations
 
 import sys
+import tempfile
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -179,9 +180,16 @@ def train(model_name: ModelName = None, num_nodes: NumNodes = None, gpus_per_nod
 
 def preflight(cfg, plan) -> None:
     """What must hold before anything starts (Ray, trainer ranks, engines), each failure one line
-    naming the field: a cluster to run on, the model and rollout checkpoints, the tokenizer."""
+    naming the field: a run folder it can write, a cluster to run on, the model and rollout
+    checkpoints, the tokenizer, tasks to play."""
     from agentrl.cluster.ray_env import no_cluster_message, ray_address
 
+    run_dir = Path(cfg.logging.run_dir)
+    try:  # a folder that cannot be written would otherwise fail the orchestrator's start with a traceback
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=run_dir).close()
+    except OSError as e:
+        _fail(f"logging.run_dir={run_dir}: cannot write there ({e.strerror or e}); pass --run-dir a writable folder")
     if plan.num_nodes > 1 and not ray_address(cfg) and not cfg.cluster.simulate_nodes:
         _fail(no_cluster_message(plan))
     m = cfg.model

@@ -122,3 +122,12 @@ def test_config_show_gives_the_same_verdict_as_train():
             assert r.exit_code == 0 and d["runnable"] is True and d["refusal"] is None, r.output
         except PlanError as e:
             assert r.exit_code == 2 and d["runnable"] is False and d["refusal"] == str(e)
+
+
+def test_a_run_folder_that_cannot_be_written_is_one_line_before_anything_starts(tmp_path):
+    (tmp_path / "a_file").write_text("in the way\n")
+    for run_dir in (tmp_path / "a_file" / "run", Path("/proc/agentrl-run")):
+        r = run("train", "--model-name", "tiny", "--sandbox", "local", "--run-dir", str(run_dir))
+        assert r.returncode == 2, r.stderr
+        assert f"logging.run_dir={run_dir}: cannot write there" in r.stderr and "--run-dir" in r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
