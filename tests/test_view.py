@@ -118,6 +118,9 @@ def test_not_a_run_dir_is_a_clear_error(tmp_path):
         render_report(tmp_path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         render_report(tmp_path / "nope")
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(FileNotFoundError, match="is a file, not a folder"):
+        render_report(tmp_path / "a_file")
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json is not valid JSON"):
         render_report(tmp_path)

@@ -83,9 +83,8 @@ def _worker_index(path: Path) -> int | None:
 def load_run(run_dir: str | Path, keep_episodes: int | None = None) -> RunData:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise FileNotFoundError(
-            f"run dir {run_dir} does not exist (pass the folder given as logging.run_dir)"
-        )
+        what = "is a file, not a folder" if run_dir.exists() else "does not exist"
+        raise FileNotFoundError(f"run dir {run_dir} {what} (pass the folder given as logging.run_dir)")
     if not (run_dir / "config.json").exists() and not (run_dir / "metrics.jsonl").exists():
         raise FileNotFoundError(
             f"{run_dir} has neither config.json nor metrics.jsonl: not an agentrl run dir "
