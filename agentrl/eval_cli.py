@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Annotated
@@ -27,18 +28,28 @@ def eval_command(
 ) -> None:
     """Play SAMPLES episodes of each task in real sandboxes and report pass rates with 95% intervals."""
     import asyncio
+    import tempfile
 
     from agentrl.config.front import FrontDoorError, error_line, resolve_run
     from agentrl.evaluate import evaluate
 
+    if harness not in ("agentrl", "harbor"):
+        typer.echo(f"error: --harness {harness!r}: use agentrl or harbor", err=True)
+        raise typer.Exit(2)
     try:
         cfg, _ = resolve_run(config=config, overrides=overrides, check_runnable=False)
-        task_ids = [t for item in tasks for t in item.split(",") if t] or split_tasks(cfg, split)
+        task_ids = chosen_tasks(cfg, [t for item in tasks for t in item.split(",") if t], split)
     except (FrontDoorError, ValueError) as e:
         typer.echo(error_line(e), err=True)
         raise typer.Exit(2) from None
     work_dir = (out.parent if out else Path(cfg.logging.run_dir)) / "eval"
-    work_dir.mkdir(parents=True, exist_ok=True)
+    try:  # before any episode plays: a report that cannot be written would lose them all
+        work_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=work_dir.parent).close()
+    except OSError as e:
+        field = f"--out {out}" if out else f"logging.run_dir={cfg.logging.run_dir}"
+        typer.echo(f"error: {field}: cannot write there ({e.strerror or e}); pass a writable folder", err=True)
+        raise typer.Exit(2) from None
     total = len(task_ids) * samples
     done = {"n": 0, "passed": 0}
 
@@ -49,9 +60,6 @@ def eval_command(
                    f"(passed so far {done['passed']})", err=True)
 
     typer.echo(f"evaluating {cfg.model.name} on {len(task_ids)} task(s) x {samples} sample(s)", err=True)
-    if harness not in ("agentrl", "harbor"):
-        typer.echo(f"error: --harness {harness!r}: use agentrl or harbor", err=True)
-        raise typer.Exit(2)
     run = evaluate
     if harness == "harbor":
         from agentrl.harbor.eval import compare_harnesses as run
@@ -71,6 +79,27 @@ def eval_command(
         typer.echo(comparison_line(report))
         return
     typer.echo(f"pass rate {report['pass_rate']} ({report['passed']}/{report['samples']}, 95% CI {report['ci95']})")
+
+
+def chosen_tasks(cfg, asked: list[str], split: str) -> list[str]:
+    """The --task ids, each one a task of the run's env (a typo is refused before anything plays,
+    rather than becoming an episode's infra error), else the ids of `split`."""
+    if not asked:
+        return split_tasks(cfg, split)
+    from agentrl.envs.registry import make_run_env
+
+    env = make_run_env(cfg)
+    known = list(env.task_ids())
+    invalid = getattr(env, "invalid_tasks", {})  # envs whose task folders can fail to load say why
+    for task in asked:
+        if task in invalid:
+            raise typer.BadParameter(f"--task {task!r}: not a valid task of env {cfg.env.name}: {invalid[task]}")
+        if task not in known:
+            near = difflib.get_close_matches(task, known, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise typer.BadParameter(f"--task {task!r}: env {cfg.env.name} has no such task; {hint}"
+                                     f"{len(known)} known, e.g. {', '.join(known[:3])}")
+    return asked
 
 
 def split_tasks(cfg, split: str) -> list[str]:

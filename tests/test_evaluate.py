@@ -143,3 +143,23 @@ def test_training_pass_rate_counts_every_training_episode_by_version(tmp_path):
               "eval_after": 0.2, "eval_after_ci95": [0.1, 0.3]}
     plot_learning(report, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def test_eval_command_refuses_bad_tasks_and_an_unwritable_out_before_any_episode(tmp_path):
+    from typer.testing import CliRunner
+
+    from agentrl.cli import app
+
+    def run(*args):
+        return CliRunner().invoke(app, ["eval", "--samples", "1", *args])
+
+    (tmp_path / "a_file").write_text("in the way\n")
+    cases = {("--task", "write_name"): "did you mean 'write-name'?",
+             ("--task", "write-name,nope"): "--task 'nope': env tbench2 has no such task",
+             ("--task", "malformed-toml"): "not a valid task of env tbench2: task malformed-toml: task.toml",
+             ("--task", "write-name", "--out", str(tmp_path / "a_file" / "r.json")): "cannot write there",
+             ("--harness", "foo"): "--harness 'foo': use agentrl or harbor"}
+    for args, message in cases.items():
+        result = run(*args)
+        assert result.exit_code == 2 and message in " ".join(result.output.replace("│", " ").split()), (args, result.output)
+        assert "evaluating" not in result.output and "[1/" not in result.output  # nothing played
