@@ -66,8 +66,15 @@ def test_unknown_key_in_yaml_is_an_error(tmp_path):
 def test_invalid_yaml_and_unknown_recipe(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("train: [unclosed\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match="not valid YAML: line 2, column 1: expected ',' or ']'") as e:
         load_config(p)
+    assert "\n" not in str(e.value)  # one line, where and what
+    p.write_text("train:\n  max_steps: 2\n\tbad: 1\n")
+    with pytest.raises(ConfigError, match=r"line 3, column 1: found character '\\t'"):
+        load_config(p)
+    (tmp_path / "dir.yaml").mkdir()
+    with pytest.raises(ConfigError, match="is a folder"):
+        load_config(tmp_path / "dir.yaml")
     with pytest.raises(ConfigError, match="known recipes"):
         load_config("no_such_recipe")
 

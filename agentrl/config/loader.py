@@ -26,7 +26,7 @@ def recipe_path(name_or_path: str | Path) -> Path:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or p.exists():
         if not p.is_file():
-            raise ConfigError(f"config file {p} not found")
+            raise ConfigError(f"config file {p} " + ("is a folder; pass a YAML file" if p.is_dir() else "not found"))
         return p
     cand = RECIPES_DIR / f"{name_or_path}.yaml"
     if not cand.is_file():
@@ -43,12 +43,21 @@ def read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(f"{path}: not valid YAML: {yaml_error_line(e)}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     if data is None:
         raise ConfigError(f"{path}: the recipe is empty; it needs at least `recipe: NAME` and the sections it sets")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
     return data
+
+
+def yaml_error_line(e: yaml.YAMLError) -> str:
+    """PyYAML's multi-line message as one line: where (1-based line and column) and what."""
+    mark = getattr(e, "problem_mark", None)
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark is not None else " ".join(str(e).split())
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
