@@ -12,6 +12,7 @@ parallel layout, pipeline split, engine command lines) and starts nothing.
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from enum import Enum
@@ -192,10 +193,17 @@ def preflight(cfg, plan) -> None:
         _fail(f"logging.run_dir={run_dir}: cannot write there ({e.strerror or e}); pass --run-dir a writable folder")
     if plan.num_nodes > 1 and not ray_address(cfg) and not cfg.cluster.simulate_nodes:
         _fail(no_cluster_message(plan))
+    if cfg.sandbox.backend == "daytona" and not os.environ.get("DAYTONA_API_KEY") and not ray_address(cfg):
+        # The Ray this run starts passes this process's environment to its workers, which create the
+        # sandboxes; on a cluster given by address, the nodes' own environments count instead.
+        _fail("sandbox.backend=daytona: DAYTONA_API_KEY is not set; export the Daytona API key in this shell "
+              "(it is never a config field), or use --sandbox local")
     m = cfg.model
     for field, path in (("model.path", m.path), ("model.rollout_path", m.rollout_path)):
         if path is not None and not Path(path).is_dir():
             _fail(f"{field}={path} is not a folder on this machine; point it at the HF checkpoint folder")
+        if path is not None and not (Path(path) / "config.json").is_file():
+            _fail(f"{field}={path} has no config.json: not an HF checkpoint folder; point it at one")
     if plan.engine_kind == "sglang" and m.rollout_local_dir is None and m.rollout_path is None and m.path is None:
         _fail("the SGLang engines need a checkpoint to load: set model.rollout_path (an HF folder, or the "
               "pre-converted FP8 HF checkpoint) or model.path; `prepare-cp` copies it node-locally "

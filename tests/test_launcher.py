@@ -131,3 +131,19 @@ def test_a_run_folder_that_cannot_be_written_is_one_line_before_anything_starts(
         assert r.returncode == 2, r.stderr
         assert f"logging.run_dir={run_dir}: cannot write there" in r.stderr and "--run-dir" in r.stderr
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_model_path_that_is_no_checkpoint_is_refused_in_one_line(tmp_path):
+    r = run("train", "--model-name", "tiny", "--sandbox", "local", "--run-dir", str(tmp_path / "run"),
+            "--set", f"model.path={tmp_path}")
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"error: model.path={tmp_path} has no config.json: not an HF checkpoint folder; point it at one"
+
+
+def test_daytona_without_its_key_is_refused_before_ray_starts(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("DAYTONA_API_KEY", "RAY_ADDRESS")}
+    r = subprocess.run([sys.executable, str(LAUNCHER), "train", "--model-name", "tiny", "--sandbox", "daytona",
+                        "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "Ray dashboard" not in r.stderr, r.stderr
+    assert r.stderr.strip() == ("error: sandbox.backend=daytona: DAYTONA_API_KEY is not set; export the Daytona API "
+                                "key in this shell (it is never a config field), or use --sandbox local")

@@ -107,3 +107,14 @@ def test_load_tokenizer_errors_name_the_fix(tmp_path):
         load_tokenizer("GLM-5.2")
     with pytest.raises(ValueError, match="neither a named model"):
         load_tokenizer(str(tmp_path / "missing"))
+
+
+def test_a_folder_without_a_loadable_tokenizer_is_one_line_naming_it(tmp_path):
+    from agentrl.models.tokenizer import load_tokenizer
+
+    with pytest.raises(ValueError, match="holds none of the tokenizer files"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "NoSuchTokenizer"}')
+    with pytest.raises(ValueError, match=f"{tmp_path}: transformers could not load its tokenizer") as e:
+        load_tokenizer(tmp_path)
+    assert "\n" not in str(e.value)

@@ -86,6 +86,10 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
 
+# What an HF folder's tokenizer is read from (any one of them; tokenizer_config.json names the class).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+
 def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer of a named model ("tiny", "smollm2-135m", "gemma3-270m") or of an HF folder, offline."""
     from agentrl.models.arch import NAMED_ARCHS
@@ -105,7 +109,13 @@ def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     if path.is_dir():
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if not any((path / f).is_file() for f in TOKENIZER_FILES):
+            raise ValueError(f"{path} holds none of the tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                             "pass an HF checkpoint folder that contains them")
+        try:
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError, KeyError) as e:  # transformers' messages span lines
+            raise ValueError(f"{path}: transformers could not load its tokenizer: {' '.join(str(e).split())}") from e
     if name in NAMED_ARCHS:
         raise ValueError(
             f"model {name!r} ships no tokenizer with agentrl; pass the path of its HF checkpoint folder "

@@ -36,6 +36,9 @@ class EngineError(RuntimeError):
         self.body = body[:_BODY_LIMIT]
         super().__init__(f"{base_url}{endpoint}: {'no response' if status is None else f'HTTP {status}'}: {self.body}")
 
+    def __reduce__(self):  # across Ray actors; the default would call __init__ with the message alone
+        return type(self), (self.base_url, self.endpoint, self.status, self.body)
+
 
 class EngineTimeout(EngineError):
     """No answer within the timeout; a generate request was aborted on the engine."""

@@ -58,6 +58,15 @@ class SandboxError(Exception):
         self.kind = kind
         self.retryable = retryable
 
+    def __reduce__(self):
+        # Pickled across Ray actors: Exception's default rebuilds from self.args (the message
+        # alone), which this __init__ refuses, and Ray then reports UnserializableException.
+        return _rebuild_sandbox_error, (type(self), self.kind, str(self), self.retryable)
+
+
+def _rebuild_sandbox_error(cls: type[SandboxError], kind: str, message: str, retryable: bool) -> SandboxError:
+    return cls(kind, message, retryable=retryable)
+
 
 @runtime_checkable
 class Sandbox(Protocol):
