@@ -40,7 +40,6 @@ python3 -c '
 import ctypes, threading, time
 threading.Thread(target=lambda: time.sleep(1000)).start()
 ctypes.CDLL(None).syscall(60, 0)' >/dev/null 2>&1 &
-sleep 0.5
 """
 ESCAPED = 8  # sleep 1000-1005, the thread-forked sleep's python and the one-thread-left python (+ tmux)
 
@@ -118,9 +117,24 @@ async def _orphan(box) -> list[int]:
     return pidfds
 
 
+async def _until(ready, timeout_s: float = 60.0) -> None:
+    """Wait for the agent's processes to be in place. A fixed `sleep 0.5` was too short for python3
+    to start and reach its exit(2) or its first write beside CI's Ray lane on 2 cores."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await ready():
+        assert asyncio.get_running_loop().time() < deadline, "the agent's processes never got in place"
+        await asyncio.sleep(0.1)
+
+
 async def test_the_walk_finds_what_the_full_scan_finds(provider, full_scans):
     box = await provider.create(SandboxSpec())
     await box.exec(ESCAPES, timeout_s=30)
+
+    async def in_place() -> bool:  # every escape started, the lone thread's main thread exited
+        members = box._members()
+        return len(members) >= 2 + ESCAPED and any(_state(p) == "Z" for p in members)
+
+    await _until(in_place)
     walked = box._members()
     assert full_scans == [], "the walk fell back to a full scan"
     assert walked == pids_in_namespace(box._ns)
@@ -190,14 +204,17 @@ def write():
         open("/tmp/res_thread", "w").write("PASS"); time.sleep(0.01)
 threading.Thread(target=write).start()
 ctypes.CDLL(None).syscall(60, 0)' >/dev/null 2>&1 &
-sleep 0.5
 """
 
 
 async def test_writers_that_fork_away_or_fake_their_status_do_not_outlive_kill_all(provider):
     box = await provider.create(SandboxSpec())
     await box.exec(FORGERS, timeout_s=30)
-    assert (await box.exec("ls /tmp/res_fork /tmp/res_name /tmp/res_thread", timeout_s=10)).exit_code == 0
+
+    async def all_writing() -> bool:
+        return (await box.exec("ls /tmp/res_fork /tmp/res_name /tmp/res_thread", timeout_s=10)).exit_code == 0
+
+    await _until(all_writing)
     assert await box.kill_all() >= 3
     assert pids_in_namespace(box._ns) == sorted([box._init_pid, box._keeper_pid])
     await box.exec("rm -f /tmp/res_*", timeout_s=10)
