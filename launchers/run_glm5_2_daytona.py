@@ -216,7 +216,7 @@ def preflight(cfg, plan) -> None:
         _fail(f"model.path: the episode workers need the model's tokenizer: {e}")
     from agentrl.agent.runner import split_tasks
     from agentrl.envs.base import SplitEnv
-    from agentrl.envs.registry import make_run_env
+    from agentrl.envs.registry import EnvRegistryError, make_run_env
 
     try:
         env = make_run_env(cfg)
@@ -225,6 +225,8 @@ def preflight(cfg, plan) -> None:
             _fail(f"env {cfg.env.name}: no task to play (env.tasks_dir={cfg.env.tasks_dir}); point env.tasks_dir at "
                   "a folder of task folders")
         split_tasks(cfg, ids, dict(env.splits()) if isinstance(env, SplitEnv) else {})
+    except EnvRegistryError as e:  # names the env itself
+        _fail(str(e))
     except (ValueError, LookupError, OSError) as e:
         _fail(f"env {cfg.env.name}: {e}")
 

@@ -166,3 +166,12 @@ def test_an_import_path_that_does_not_resolve_names_env_name():
         make_env("agentrl_countdown:NoSuchEnv")
     with pytest.raises(EnvRegistryError, match=r"unknown env.name 'not a path:X'.*package.module:ClassName"):
         make_env("not a path:X")
+
+
+def test_env_kwargs_a_from_config_env_rejects_name_the_env_and_the_keys():
+    from agentrl.config.loader import load_config
+    from agentrl.envs.registry import make_run_env
+
+    cfg = load_config("local", ["env.kwargs.colour=red"])
+    with pytest.raises(EnvRegistryError, match=r"env 'tbench2': env.kwargs \['colour'\] rejected.*colour"):
+        make_run_env(cfg)

@@ -131,5 +131,11 @@ def make_run_env(cfg: Any, provider: Any = None) -> Env:
 
     factory = load_env_factory(cfg.env.name)
     if isinstance(factory, ConfigurableEnvFactory):
-        return factory.from_config(cfg, provider=provider)
+        try:
+            return factory.from_config(cfg, provider=provider)
+        except TypeError as err:  # most often a key of env.kwargs the class does not take
+            if not cfg.env.kwargs:
+                raise
+            raise EnvRegistryError(f"env {cfg.env.name!r}: env.kwargs {sorted(cfg.env.kwargs)} rejected (fix or "
+                                   f"remove them): {err}") from err
     return make_env(cfg.env.name, **cfg.env.kwargs)
