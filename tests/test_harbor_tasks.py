@@ -94,3 +94,20 @@ def test_harbor_lint_on_generated_tasks_finds_only_the_shared_verifier(tmp_path)
     found = {f.rule.value for d in dirs for f in lint_task(d, selected_rules=DEFAULT_RULES)}
     assert found == {"shared-verifier"}
     assert harbor_task(dirs[0]).name == f"agentrl/{dirs[0].name}"
+
+
+def test_parity_refuses_what_it_cannot_run_or_write_before_any_job(tmp_path):
+    from typer.testing import CliRunner
+
+    from agentrl.cli import app
+
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "broken" / "t").mkdir(parents=True)  # a folder whose only task has no files
+    (tmp_path / "broken" / "t" / "task.toml").write_text("[[[")
+    cases = {("--tasks", str(tmp_path / "nope")): "not a folder of task folders",
+             ("--tasks", str(tmp_path / "broken")): "no task folder in it loads",
+             ("--out", str(tmp_path / "a_file" / "r.json")): "cannot write there"}
+    for args, message in cases.items():
+        result = CliRunner().invoke(app, ["harbor", "parity", *args])
+        assert result.exit_code == 2 and message in result.output, (args, result.output)
+        assert not list(tmp_path.glob("**/r.json"))

@@ -42,12 +42,27 @@ def parity(
     import json
     import tempfile
 
-    from agentrl.harbor.parity import oracle_and_nop
+    from agentrl.harbor.parity import expectations, oracle_and_nop
     from envs.tbench2.loader import DEFAULT_TASKS_DIR
 
-    report = oracle_and_nop(tasks or DEFAULT_TASKS_DIR, Path(tempfile.mkdtemp(prefix="harbor-parity-")),
-                            n_concurrent=concurrent)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    tasks_dir = tasks or DEFAULT_TASKS_DIR
+    try:  # before Harbor's jobs run (minutes): no tasks, or nowhere to write the summary, is one line now
+        loadable = expectations(tasks_dir)[0]["oracle"]
+    except FileNotFoundError:
+        _fail(f"--tasks {tasks_dir}: not a folder of task folders")
+    if not loadable:
+        _fail(f"--tasks {tasks_dir}: no task folder in it loads (`agentrl tasks check {tasks_dir}` says why)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out.parent).close()
+    except OSError as err:
+        _fail(f"--out {out}: cannot write there ({err.strerror or err})")
+    report = oracle_and_nop(tasks_dir, Path(tempfile.mkdtemp(prefix="harbor-parity-")), n_concurrent=concurrent)
     out.write_text(json.dumps(report, indent=1) + "\n")
     typer.echo(f"{'ok' if report['ok'] else 'MISMATCH'}: {len(report['mismatches'])} mismatch(es); wrote {out}")
     raise typer.Exit(0 if report["ok"] else 1)
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
