@@ -73,6 +73,14 @@ def test_init_tiny_refuses_to_overwrite(tiny_ckpt):
     assert (tiny_ckpt / "model.safetensors").read_bytes() == before
 
 
+def test_init_tiny_and_export_smollm2_name_an_out_they_cannot_write(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    for command in ("init-tiny", "export-smollm2"):
+        result = runner.invoke(models_app, [command, str(tmp_path / "a_file" / "ckpt")])
+        assert result.exit_code == 1, result.output
+        assert result.output.strip() == f"error: OUT {tmp_path / 'a_file' / 'ckpt'}: cannot write there (Not a directory); pass a writable path"
+
+
 def test_load_policy_from_tiny_folder(tiny_ckpt):
     model, tok = load_policy(tiny_ckpt)
     assert _same_weights(model, build_tiny_model(7)) and not model.training

@@ -26,9 +26,8 @@ def init_tiny(
 
     try:
         folder = write_tiny_checkpoint(out, seed, mtp=mtp)
-    except FileExistsError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+    except OSError as exc:
+        _cannot_write(out, exc)
     typer.echo(f"wrote tiny GLM checkpoint (seed {seed}, mtp {mtp}) to {folder}")
 
 
@@ -68,7 +67,19 @@ def export_smollm2_cmd(out: Annotated[Path, typer.Argument(help="New folder for 
 
     try:
         folder = export_smollm2(out)
-    except (FileExistsError, FileNotFoundError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+    except FileNotFoundError as exc:
+        if exc.filename is None:  # the GGUF file itself is missing: its own message says where it looked
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+        _cannot_write(out, exc)
+    except OSError as exc:
+        _cannot_write(out, exc)
     typer.echo(f"wrote SmolLM2-135M-Instruct to {folder}")
+
+
+def _cannot_write(out: Path, exc: OSError) -> None:
+    """One line for a new checkpoint folder that cannot be written, naming the argument."""
+    why = "it exists; pass a new folder" if isinstance(exc, FileExistsError) else (
+        f"cannot write there ({exc.strerror or exc}); pass a writable path")
+    typer.echo(f"error: OUT {out}: {why}", err=True)
+    raise typer.Exit(1)
