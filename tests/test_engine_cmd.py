@@ -130,3 +130,18 @@ def test_plan_and_config_disagreeing_on_engine_width_is_refused():
     spec = EngineSpec(0, "sglang", [8], 2.0, 30000, "/m")
     with pytest.raises(ValueError, match="gpus_per_engine=4"):
         engine_argv(cfg, spec, node_rank=0, host=HOST, port=30000, dist_init_addr=None)
+
+
+def test_serve_names_an_address_it_cannot_listen_on_before_loading_the_model():
+    import socket
+    import subprocess
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for host, why in (("127.0.0.1", "Address already in use"), ("999.1.1.1", "")):
+            r = subprocess.run([sys.executable, "-m", "agentrl.cli", "engine", "serve", "--model", "tiny", "--host", host,
+                                "--port", str(port)], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and "loading" not in r.stderr, r.stderr
+            assert f"--host {host} --port {port}: cannot listen there ({why}" in r.stderr

@@ -72,6 +72,23 @@ def serve(
     os._exit(code)
 
 
+def _check_listen(host: str, port: int) -> None:
+    """Fail now, naming --host/--port, where the server could not listen."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+            probe.bind(infos[0][4])
+    except OSError as exc:
+        raise ValueError(_listen_error(host, port, exc)) from None
+
+
+def _listen_error(host: str, port: int, exc: OSError) -> str:
+    return f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})"
+
+
 def _load(model: str, device: str, dtype: str, seed: int, cache_dir: Path | None, torch_threads: int | None):
     import torch
 
@@ -122,6 +139,7 @@ async def _serve(*, model, port, host, device, max_batch_size, prefix_cache_toke
 
     # Printed once SIGINT/SIGTERM end the process cleanly: a signal before this line (still importing)
     # meets Python's default disposition instead, which ends the process too, but by the signal.
+    _check_listen(host, port)  # before a load that can take minutes
     typer.echo(f"embedded engine: loading {model} on {device}", err=True)
     loaded = await _until(stop, in_daemon_thread(_load, model, device, dtype, seed, cache_dir, torch_threads))
     if loaded is None:
@@ -139,7 +157,10 @@ async def _serve(*, model, port, host, device, max_batch_size, prefix_cache_toke
                                   prefix_cache_tokens=prefix_cache_tokens, static_decode_len=static_decode_len,
                                   admit_wait_steps=admit_wait_steps, seed=seed,
                                   weight_update_timeout_s=weight_update_timeout_s, join_threads_on_stop=False)
-    url = await server.start(host, port)
+    try:
+        url = await server.start(host, port)
+    except OSError as exc:  # taken in the meantime
+        raise ValueError(_listen_error(host, port, exc)) from None
     typer.echo(f"embedded engine: {model} on {device} (max batch {max_batch_size}, {nnodes} node(s)) at {url}")
     await stop.wait()
     try:
