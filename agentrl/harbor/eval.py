@@ -14,7 +14,9 @@ the context (agent.max_context_tokens, told to Terminus-2 as the model's input l
 clock (agent.episode_timeout_s caps each task's agent timeout in both). What
 differs, and is the comparison: each harness's own prompt, action protocol and terminal loop.
 Terminus-2's context summarisation is turned off (for RL an episode is truncated instead), and so
-is its asciinema recording (no asciinema in the local sandbox).
+is its asciinema recording (no asciinema in the local sandbox). A Harbor trial whose verifier gave
+no verdict is judged by the control agentrl's own scorer runs (agentrl/harbor/control.py), so that
+an agent breaking its sandbox fails in both harnesses.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ async def harbor_report(cfg: RunConfig, tasks: list[str], samples: int, *, check
     import asyncio
 
     from agentrl.evaluate import serving_engine, summarise
+    from agentrl.harbor.control import judged_rows
     from agentrl.harbor.jobs import read_job, run_job
 
     tasks_dir = tasks_dir_of(cfg)
@@ -71,7 +74,7 @@ async def harbor_report(cfg: RunConfig, tasks: list[str], samples: int, *, check
             model=f"openai/{cfg.model.name}", agent_kwargs=terminus_kwargs(cfg, f"{url}/v1"),
             n_concurrent=concurrency, n_attempts=samples, agent_max_timeout_s=cfg.agent.episode_timeout_s,
             env={"OPENAI_API_KEY": PLACEHOLDER_API_KEY})
-    rows = read_job(job)
+    rows = await judged_rows(read_job(job), tasks_dir, cfg.sandbox)  # agentrl's "who broke it" control
     report = summarise(rows)
     report.update({"harness": "harbor", "agent": HARBOR_AGENT, "job_dir": str(job), "weight_version": version,
                    "wall_s": round(time.perf_counter() - started, 1), "trials": rows})

@@ -186,12 +186,25 @@ async def score_task(
 async def _with_control(provider: SandboxProvider, task: TaskSpec, timeout: float, max_output_bytes: int,
                         failed: ScoreResult) -> ScoreResult:
     """`failed` (the verifier broken in the agent's sandbox) judged by a control run in a fresh sandbox of the
-    task (the module docstring's "Who broke it"): scored 0 where the control ran the tests, else `failed`."""
+    task (the module docstring's "Who broke it")."""
+    return judged_by_control(failed, await control_run(provider, task, timeout, max_output_bytes))
+
+
+async def control_run(provider: SandboxProvider, task: TaskSpec, timeout_s: float | None = None,
+                      max_output_bytes: int = 64 * 1024) -> ScoreResult:
+    """Steps 2-4 in a fresh sandbox of the task with nothing of any attempt in it: whether the task's
+    tests can give a verdict at all. Raises SandboxError where the sandbox itself fails."""
+    timeout = timeout_s if timeout_s is not None else task.verifier_timeout_s
     fresh = await provider.create(task.sandbox_spec(labels={"purpose": "verifier-control"}))
     try:
-        control = await _verify(fresh, task, timeout, max_output_bytes)
+        return await _verify(fresh, task, timeout, max_output_bytes)
     finally:
         await fresh.close()
+
+
+def judged_by_control(failed: ScoreResult, control: ScoreResult) -> ScoreResult:
+    """A verifier error of an attempt, given the control run: scored 0 where the control ran the tests
+    (the attempt's changes stopped them), else the error stands (the task or the machinery is at fault)."""
     if control.status != SCORED:
         return replace(failed, detail=f"{failed.detail} [a fresh sandbox of the task fails too: {control.detail}]")
     return replace(failed, status=SCORED, reward=0.0, detail=f"the agent's changes broke the verifier: "
