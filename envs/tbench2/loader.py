@@ -74,6 +74,10 @@ class TaskFormatError(ValueError):
         super().__init__(f"task {task_dir.name}: {file}: {message}")
         self.task_dir = task_dir
         self.file = file
+        self.message = message
+
+    def __reduce__(self):  # across Ray actors; the default would call __init__ with the whole text alone
+        return type(self), (self.task_dir, self.file, self.message)
 
 
 class TaskSpec(BaseModel):
