@@ -199,3 +199,11 @@ def test_serve_openenv_runs_a_server_process():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_server_that_is_not_there_is_one_line_naming_base_url():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    with pytest.raises(ValueError, match=rf"http://127.0.0.1:{port}: cannot list its tasks \(ConnectError.*env.kwargs.base_url"):
+        OpenEnvRemote(f"http://127.0.0.1:{port}", connect_timeout_s=5).task_ids()

@@ -265,15 +265,18 @@ class OpenEnvRemote:
             return list(self._task_ids)
         import httpx
 
-        with httpx.Client(base_url=self._http_url, timeout=self._connect_timeout_s) as http:
-            names = http.get("/list_environments").raise_for_status().json()
-            resp = http.post(f"/{names[0]}/tasks", json={"split": TASK_SPLIT})
-            if resp.status_code in (400, 404, 501):
-                raise RuntimeError(
-                    f"OpenEnv server {self.base_url} publishes no task list (HTTP {resp.status_code}); "
-                    "pass task_ids=[...] to OpenEnvRemote"
-                )
-            tasks = resp.raise_for_status().json()["tasks"]
+        try:
+            with httpx.Client(base_url=self._http_url, timeout=self._connect_timeout_s) as http:
+                names = http.get("/list_environments").raise_for_status().json()
+                resp = http.post(f"/{names[0]}/tasks", json={"split": TASK_SPLIT})
+                status = resp.status_code
+                tasks = None if status in (400, 404, 501) else resp.raise_for_status().json()["tasks"]
+        except (httpx.HTTPError, ValueError, LookupError, TypeError) as err:  # unreachable, refused, or not OpenEnv
+            raise ValueError(f"OpenEnv server {self.base_url}: cannot list its tasks ({type(err).__name__}: {err}); "
+                             "is it running at env.kwargs.base_url?") from None
+        if tasks is None:
+            raise ValueError(f"OpenEnv server {self.base_url} publishes no task list (HTTP {status}); "
+                             "pass task_ids=[...] to OpenEnvRemote (env.kwargs.task_ids)")
         return [t["id"] if isinstance(t, dict) else str(t) for t in tasks]
 
     async def reset(
