@@ -101,6 +101,9 @@ def run_learning_report(run_dir: Path, out: Path, samples: int, concurrency: int
     from agentrl.evaluate import evaluate
 
     run_dir = Path(run_dir)
+    if not (run_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{run_dir} holds no config.json: not a run dir (pass the folder given as "
+                                "logging.run_dir)")
     cfg = RunConfig.model_validate_json((run_dir / "config.json").read_text())
     rows = read_rows(run_dir)
     checkpoint = run_dir / "checkpoints" / "latest"

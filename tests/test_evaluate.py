@@ -163,3 +163,12 @@ def test_eval_command_refuses_bad_tasks_and_an_unwritable_out_before_any_episode
         result = run(*args)
         assert result.exit_code == 2 and message in " ".join(result.output.replace("│", " ").split()), (args, result.output)
         assert "evaluating" not in result.output and "[1/" not in result.output  # nothing played
+
+
+def test_learning_report_names_a_folder_that_is_no_run(tmp_path):
+    from bench.learning import run_learning_report
+
+    (tmp_path / "a_file").write_text("x")
+    for not_a_run in (tmp_path / "nope", tmp_path / "a_file", tmp_path):
+        with pytest.raises(FileNotFoundError, match=f"{not_a_run} holds no config.json: not a run dir"):
+            run_learning_report(not_a_run, tmp_path / "learning.json", samples=1)
