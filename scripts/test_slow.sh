@@ -10,8 +10,9 @@
 # --fast-first (what .ci/run passes): the second lane runs `make test` (the fast suite, which starts
 # no Ray cluster) before its slow tests. Why: CI took 51 min (3080 s, session 29) with `make test`
 # (7-10 min) before both lanes, while the second lane ended about 12 min before the Ray lane. With
-# it (session 30, fresh clone): 40.5 min in all, the Ray lane 35.9 min beside make test's 10.8 and
-# the other slow tests' 26.1. Fixed waits in two sandbox tests were too short under that load.
+# it (session 30, fresh clones): 40.5 min in all, the Ray lane 35.9 min beside make test's 10.8 and
+# the other slow tests' 26.1; 44.5 min with other work on the machine (37.6 beside 13.4 + 26.5).
+# Fixed waits in two sandbox tests were too short under that load.
 # Exit status: non-zero when any part fails; the second lane's output is printed after the first's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
