@@ -181,16 +181,10 @@ def train(model_name: ModelName = None, num_nodes: NumNodes = None, gpus_per_nod
 
 def preflight(cfg, plan) -> None:
     """What must hold before anything starts (Ray, trainer ranks, engines), each failure one line
-    naming the field: a run folder it can write, a cluster to run on, the model and rollout
-    checkpoints, the tokenizer, tasks to play."""
+    naming the field: a cluster to run on, the Daytona key, a run folder it can write (made only once
+    those hold), the model and rollout checkpoints, the tokenizer, tasks to play."""
     from agentrl.cluster.ray_env import no_cluster_message, ray_address
 
-    run_dir = Path(cfg.logging.run_dir)
-    try:  # a folder that cannot be written would otherwise fail the orchestrator's start with a traceback
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=run_dir).close()
-    except OSError as e:
-        _fail(f"logging.run_dir={run_dir}: cannot write there ({e.strerror or e}); pass --run-dir a writable folder")
     if plan.num_nodes > 1 and not ray_address(cfg) and not cfg.cluster.simulate_nodes:
         _fail(no_cluster_message(plan))
     if cfg.sandbox.backend == "daytona" and not os.environ.get("DAYTONA_API_KEY") and not ray_address(cfg):
@@ -198,6 +192,12 @@ def preflight(cfg, plan) -> None:
         # sandboxes; on a cluster given by address, the nodes' own environments count instead.
         _fail("sandbox.backend=daytona: DAYTONA_API_KEY is not set; export the Daytona API key in this shell "
               "(it is never a config field), or use --sandbox local")
+    run_dir = Path(cfg.logging.run_dir)
+    try:  # a folder that cannot be written would otherwise fail the orchestrator's start with a traceback
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=run_dir).close()
+    except OSError as e:
+        _fail(f"logging.run_dir={run_dir}: cannot write there ({e.strerror or e}); pass --run-dir a writable folder")
     m = cfg.model
     for field, path in (("model.path", m.path), ("model.rollout_path", m.rollout_path)):
         if path is not None and not Path(path).is_dir():

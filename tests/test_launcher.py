@@ -145,5 +145,6 @@ def test_daytona_without_its_key_is_refused_before_ray_starts(tmp_path):
     r = subprocess.run([sys.executable, str(LAUNCHER), "train", "--model-name", "tiny", "--sandbox", "daytona",
                         "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "Ray dashboard" not in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()  # a refused run leaves no folder behind
     assert r.stderr.strip() == ("error: sandbox.backend=daytona: DAYTONA_API_KEY is not set; export the Daytona API "
                                 "key in this shell (it is never a config field), or use --sandbox local")
