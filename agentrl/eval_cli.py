@@ -28,9 +28,8 @@ def eval_command(
 ) -> None:
     """Play SAMPLES episodes of each task in real sandboxes and report pass rates with 95% intervals."""
     import asyncio
-    import tempfile
 
-    from agentrl.config.front import FrontDoorError, error_line, resolve_run
+    from agentrl.config.front import FrontDoorError, error_line, resolve_run, unwritable_folder
     from agentrl.evaluate import evaluate
 
     if harness not in ("agentrl", "harbor"):
@@ -43,13 +42,10 @@ def eval_command(
         typer.echo(error_line(e), err=True)
         raise typer.Exit(2) from None
     work_dir = (out.parent if out else Path(cfg.logging.run_dir)) / "eval"
-    try:  # before any episode plays: a report that cannot be written would lose them all
-        work_dir.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=work_dir.parent).close()
-    except OSError as e:
+    if why := unwritable_folder(work_dir):  # before any episode plays: else the report would lose them all
         field = f"--out {out}" if out else f"logging.run_dir={cfg.logging.run_dir}"
-        typer.echo(f"error: {field}: cannot write there ({e.strerror or e}); pass a writable folder", err=True)
-        raise typer.Exit(2) from None
+        typer.echo(f"error: {field}: {why}; pass a writable folder", err=True)
+        raise typer.Exit(2)
     total = len(task_ids) * samples
     done = {"n": 0, "passed": 0}
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -192,12 +191,10 @@ def preflight(cfg, plan) -> None:
         # sandboxes; on a cluster given by address, the nodes' own environments count instead.
         _fail("sandbox.backend=daytona: DAYTONA_API_KEY is not set; export the Daytona API key in this shell "
               "(it is never a config field), or use --sandbox local")
-    run_dir = Path(cfg.logging.run_dir)
-    try:  # a folder that cannot be written would otherwise fail the orchestrator's start with a traceback
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=run_dir).close()
-    except OSError as e:
-        _fail(f"logging.run_dir={run_dir}: cannot write there ({e.strerror or e}); pass --run-dir a writable folder")
+    from agentrl.config.front import unwritable_folder
+
+    if why := unwritable_folder(cfg.logging.run_dir):  # else the orchestrator's start fails with a traceback
+        _fail(f"logging.run_dir={cfg.logging.run_dir}: {why}; pass --run-dir a writable folder")
     m = cfg.model
     for field, path in (("model.path", m.path), ("model.rollout_path", m.rollout_path)):
         if path is not None and not Path(path).is_dir():

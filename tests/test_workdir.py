@@ -6,18 +6,14 @@ their tests no longer reach the chmod branch; this one does."""
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import subprocess
-
-import pytest
 
 from agentrl.sandbox.workdir import enter_workdir_command
 
 # Root with an empty bounding set has no capabilities after exec; anyone else has none to drop.
+# setpriv (util-linux) is one of the local sandbox's own required tools, so it is here wherever that runs.
 _NO_DAC = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--"] if os.geteuid() == 0 else []
-
-pytestmark = pytest.mark.skipif(bool(_NO_DAC) and shutil.which("setpriv") is None, reason="setpriv (util-linux) is missing")
 
 
 def _sh(command: str, cwd: str = "/") -> subprocess.CompletedProcess:

@@ -73,3 +73,16 @@ def error_line(err: BaseException | str) -> str:
     from agentrl.secrets import redact
 
     return f"error: {redact(str(err))}"
+
+
+def unwritable_folder(folder: Path) -> str | None:
+    """Why `folder` cannot hold a command's output (made if missing), or None when it can: checked
+    before the work, so that a report or a run that cannot be written never costs the work first."""
+    import tempfile
+
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:
+        return f"cannot write there ({err.strerror or err})"
+    return None

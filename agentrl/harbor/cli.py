@@ -42,6 +42,7 @@ def parity(
     import json
     import tempfile
 
+    from agentrl.config.front import unwritable_folder
     from agentrl.harbor.parity import expectations, oracle_and_nop
     from envs.tbench2.loader import DEFAULT_TASKS_DIR
 
@@ -52,11 +53,8 @@ def parity(
         _fail(f"--tasks {tasks_dir}: not a folder of task folders")
     if not loadable:
         _fail(f"--tasks {tasks_dir}: no task folder in it loads (`agentrl tasks check {tasks_dir}` says why)")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out.parent).close()
-    except OSError as err:
-        _fail(f"--out {out}: cannot write there ({err.strerror or err})")
+    if why := unwritable_folder(out.parent):
+        _fail(f"--out {out}: {why}")
     report = oracle_and_nop(tasks_dir, Path(tempfile.mkdtemp(prefix="harbor-parity-")), n_concurrent=concurrent)
     out.write_text(json.dumps(report, indent=1) + "\n")
     typer.echo(f"{'ok' if report['ok'] else 'MISMATCH'}: {len(report['mismatches'])} mismatch(es); wrote {out}")
